@@ -1,0 +1,20 @@
+#!/usr/bin/env python
+"""Print a model folder's greedy reply to one user message (rendered with its chat template).
+
+Usage: python scripts/generate.py MODEL_DIR "your message" [--max_new_tokens 48]
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if __name__ == "__main__":
+    from sft.export import generate_reply
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("prompt")
+    ap.add_argument("--max_new_tokens", type=int, default=48)
+    a = ap.parse_args()
+    print(generate_reply(a.model_dir, a.prompt, a.max_new_tokens))

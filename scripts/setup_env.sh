@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create (or update) the repository's .venv from requirements.txt and requirements-assets.txt.
+# Idempotent: does nothing when both files are unchanged since the last successful run.
+# Usage: bash scripts/setup_env.sh        (PYTHON=python3.11 to pick the interpreter)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+STAMP="$VENV/.sft-requirements.sha256"
+want="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-assets.txt" | sha256sum | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  exit 0
+fi
+if [[ ! -x "$VENV/bin/python" ]]; then
+  "${PYTHON:-python3}" -m venv "$VENV"
+fi
+echo "setup: installing requirements into $VENV (first time: a few minutes)" >&2
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+"$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements.txt"
+"$VENV/bin/python" -m pip install --quiet --no-deps -r "$ROOT/requirements-assets.txt"
+echo "$want" > "$STAMP"

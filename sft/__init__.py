@@ -1,0 +1,5 @@
+"""sft: supervised fine-tuning of chat LLMs (full, LoRA) on top of transformers.Trainer.
+
+Data flows one way: file -> records -> rendered conversation -> (input_ids, labels) -> batch -> Trainer.
+"""
+__version__ = "0.1.0"

@@ -1,0 +1,311 @@
+"""Command-line arguments: dataclasses parsed by ``transformers.HfArgumentParser``.
+
+Qwen's ``finetune.py`` flag names keep their meaning (``--model_name_or_path --data_path
+--eval_data_path --lazy_preprocess --model_max_length --use_lora --q_lora --lora_r --lora_alpha
+--lora_dropout --lora_target_modules --lora_bias``), plus every ``transformers.TrainingArguments``
+flag. Flags that transformers 5 removed but Qwen's scripts pass (``--evaluation_strategy``,
+``--warmup_ratio``, ``--group_by_length``, ``--overwrite_output_dir``) are accepted and mapped to
+their transformers 5 equivalents.
+
+``--config FILE.yaml`` gives defaults; flags on the command line win; a YAML key that is not a
+flag is an error. :func:`validate` checks every rule before anything heavy loads and raises one
+:class:`~sft.errors.ConfigError` listing all problems.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import transformers
+
+from .errors import ConfigError
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Base model: a local folder with config.json and weights (required)."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow model/tokenizer Python code shipped inside the model folder to run. Off by default."},
+    )
+    train_embeddings: str = field(
+        default="auto",
+        metadata={
+            "help": "LoRA only: also train input embeddings and lm_head (peft modules_to_save). 'auto' = only when "
+            "the chat template's special tokens are new to the model (not in its embedding matrix, or their rows "
+            "are untrained).",
+            "choices": ["auto", "true", "false"],
+        },
+    )
+
+
+@dataclass
+class DataArguments:
+    data_path: Optional[str] = field(
+        default=None, metadata={"help": "Training data: a JSON list file or a JSONL file of conversations (required)."}
+    )
+    eval_data_path: Optional[str] = field(default=None, metadata={"help": "Evaluation data, same format."})
+    lazy_preprocess: bool = field(
+        default=False,
+        metadata={"help": "Tokenize each sample when it is read instead of preparing the whole dataset up front."},
+    )
+    system_message: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Default system prompt for records without a leading system turn. Unset: the chat template's "
+            "own default (ChatML fallback: 'You are a helpful assistant.')."
+        },
+    )
+    on_bad_record: str = field(
+        default="error",
+        metadata={
+            "help": "What to do with an invalid record: 'error' stops before training and lists every problem; "
+            "'skip' drops the record and prints a summary with counts and ids.",
+            "choices": ["error", "skip"],
+        },
+    )
+    data_cache_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Where tokenized datasets are cached (default: $SFT_CACHE_DIR or ~/.cache/sft/datasets)."},
+    )
+    preprocessing_num_workers: Optional[int] = field(
+        default=None, metadata={"help": "Processes used to tokenize the dataset (datasets.map num_proc)."}
+    )
+
+
+@dataclass
+class LoraArguments:
+    lora_r: int = field(default=64, metadata={"help": "LoRA rank r."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha; the update is scaled by alpha / r."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input, in [0, 1)."})
+    lora_target_modules: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "Module names to adapt. Default: every linear projection of the architecture "
+                  "(peft 'all-linear', lm_head excluded)."},
+    )
+    lora_weight_path: str = field(default="", metadata={"help": "Unused; kept so Qwen commands still parse."})
+    lora_bias: str = field(
+        default="none", metadata={"help": "Which biases to train.", "choices": ["none", "all", "lora_only"]}
+    )
+    q_lora: bool = field(default=False, metadata={"help": "Q-LoRA: 4-bit NF4 base model (bitsandbytes) + LoRA."})
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` plus Qwen's training flags.
+
+    On a machine without CUDA, ``use_cpu`` is switched on and ``ddp_backend`` defaults to ``gloo``:
+    otherwise ``torchrun --nproc_per_node 2`` would start two independent trainings on CPU.
+    """
+
+    model_max_length: int = field(
+        default=8192, metadata={"help": "Maximum sequence length in tokens; longer samples are truncated (reported)."}
+    )
+    use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "transformers cache_dir for from_pretrained."})
+    optim: str = field(default="adamw_torch", metadata={"help": "Optimizer name (transformers OptimizerNames)."})
+    # Flags removed in transformers 5 that Qwen's scripts still pass; mapped in __post_init__.
+    group_by_length: bool = field(
+        default=False, metadata={"help": "Batch samples of similar length (train_sampling_strategy=group_by_length)."}
+    )
+    warmup_ratio: Optional[float] = field(
+        default=None, metadata={"help": "Fraction of training steps for LR warmup (sets warmup_steps to it)."}
+    )
+    evaluation_strategy: Optional[str] = field(
+        default=None, metadata={"help": "Old name of --eval_strategy.", "choices": ["no", "steps", "epoch"]}
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Allow writing into a non-empty --output_dir."}
+    )
+
+    def __post_init__(self):
+        if self.evaluation_strategy is not None:
+            self.eval_strategy = self.evaluation_strategy
+        if self.warmup_ratio is not None:
+            self.warmup_steps = float(self.warmup_ratio)
+        if self.group_by_length:
+            self.train_sampling_strategy = "group_by_length"
+        import torch
+
+        self.fp16_requested_without_cuda = False
+        if not torch.cuda.is_available():
+            self.use_cpu = True
+            if self.ddp_backend is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                self.ddp_backend = "gloo"
+            if self.fp16:  # reported by validate() together with every other problem
+                self.fp16, self.fp16_requested_without_cuda = False, True
+        if self.gradient_checkpointing and self.gradient_checkpointing_kwargs is None:
+            # Non-reentrant checkpointing works with frozen inputs (LoRA) without enable_input_require_grads.
+            self.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        super().__post_init__()
+
+
+ALL_DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments)
+
+
+def _flag_names() -> set[str]:
+    names = set()
+    for dc in ALL_DATACLASSES:
+        names.update(f.name for f in dataclasses.fields(dc) if f.init)
+    return names
+
+
+def _split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """Remove ``--config PATH`` / ``--config=PATH`` from argv; return (path, remaining argv)."""
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError(["--config needs a file path: --config train.yaml"])
+            path = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return path, rest
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError([f"--config {path}: no such file; give the path of a YAML file of flag: value pairs"])
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([f"--config {path}:{where}: not valid YAML ({getattr(e, 'problem', e)}); "
+                           "fix the syntax (flag: value, one per line)"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {path}: top level is a {type(data).__name__}; it must be a mapping "
+                           "of flag: value pairs"])
+    known = _flag_names()
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        raise ConfigError([f"--config {path}: unknown key '{k}'"
+                           + _suggest(k, known) + "; remove it or use a finetune.py flag name" for k in unknown])
+    return data
+
+
+def _suggest(name: str, known: set[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def parse_args(argv: Optional[list[str]] = None):
+    """Parse argv (default ``sys.argv[1:]``) into (ModelArguments, DataArguments, TrainingArguments, LoraArguments).
+
+    Raises:
+        ConfigError: bad ``--config`` file, unknown YAML keys, or a value transformers rejects.
+        SystemExit: argparse's own exit (code 2) for unknown flags or unparsable values; ``-h`` exits 0.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path, argv = _split_config(argv)
+    parser = transformers.HfArgumentParser(ALL_DATACLASSES)
+    parser.add_argument("--config", help="YAML file of flag: value defaults; the command line wins.")
+    if config_path:
+        defaults = _read_yaml(config_path)
+        parser.set_defaults(**defaults)
+        for action in parser._actions:  # argparse: a required flag stays required even with a default
+            if action.dest in defaults:
+                action.required = False
+    try:
+        model_args, data_args, training_args, lora_args, _ = parser.parse_args_into_dataclasses(
+            args=argv, return_remaining_strings=False
+        )
+    except ValueError as e:  # raised by TrainingArguments.__post_init__
+        raise ConfigError([str(e).strip()]) from None
+    return model_args, data_args, training_args, lora_args
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def validate(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
+             lora_args: LoraArguments) -> None:
+    """Check every rule that can be checked without loading the model; raise once with all problems.
+
+    Raises:
+        ConfigError: one line per problem, each naming the flag, the value and the fix.
+    """
+    import torch
+
+    p: list[str] = []
+    m = model_args.model_name_or_path
+    if not m:
+        p.append("--model_name_or_path is required: the folder of a transformers model (config.json + weights)")
+    elif os.path.exists(m):
+        if not os.path.isdir(m):
+            p.append(f"--model_name_or_path {m}: is a file; give the model's folder (with config.json)")
+        elif not os.path.isfile(os.path.join(m, "config.json")):
+            p.append(f"--model_name_or_path {m}: no config.json in this folder; give a transformers model folder "
+                     "(scripts/prepare_example.py writes one for the built-in example)")
+    elif not _HUB_ID.match(m):
+        p.append(f"--model_name_or_path {m}: no such folder; give an existing model folder")
+
+    for flag, path, required in (("--data_path", data_args.data_path, True),
+                                 ("--eval_data_path", data_args.eval_data_path, False)):
+        if not path:
+            if required:
+                p.append(f"{flag} is required: a .json (list of records) or .jsonl file of conversations")
+        elif os.path.isdir(path):
+            p.append(f"{flag} {path}: is a directory; give a .json or .jsonl file")
+        elif not os.path.isfile(path):
+            p.append(f"{flag} {path}: no such file")
+    if data_args.eval_data_path and training_args.eval_strategy == "no":
+        pass  # evaluation data is loaded and validated; it is used when --eval_strategy asks for it
+
+    if training_args.model_max_length < 8:
+        p.append(f"--model_max_length {training_args.model_max_length}: must be at least 8 tokens")
+    if training_args.fp16_requested_without_cuda:
+        p.append("--fp16 True: fp16 training needs a CUDA GPU and none is visible; on CPU use --bf16 True or "
+                 "leave both off (fp32)")
+    if (training_args.fp16 or training_args.fp16_requested_without_cuda) and training_args.bf16:
+        p.append("--fp16 True and --bf16 True: choose one precision")
+
+    if lora_args.q_lora:
+        p.append("--q_lora True: Q-LoRA (4-bit base model) is not available in this version yet; use "
+                 "--use_lora True for LoRA on the full-precision model")
+    if lora_args.lora_r <= 0:
+        p.append(f"--lora_r {lora_args.lora_r}: the LoRA rank must be a positive integer (e.g. 8, 16, 64)")
+    if lora_args.lora_alpha <= 0:
+        p.append(f"--lora_alpha {lora_args.lora_alpha}: must be positive (e.g. 16)")
+    if not 0.0 <= lora_args.lora_dropout < 1.0:
+        p.append(f"--lora_dropout {lora_args.lora_dropout}: must be in [0, 1)")
+    if not training_args.use_lora and (model_args.train_embeddings != "auto" or lora_args.lora_target_modules):
+        p.append("--train_embeddings/--lora_target_modules only apply with --use_lora True; add --use_lora True "
+                 "or drop them (full fine-tuning trains every weight)")
+
+    out = training_args.output_dir
+    if out:
+        if os.path.exists(out) and not os.path.isdir(out):
+            p.append(f"--output_dir {out}: is a file; give a folder path")
+        else:
+            parent = out
+            while parent and not os.path.exists(parent):
+                parent = os.path.dirname(parent)
+            if parent and not os.access(parent, os.W_OK | os.X_OK):
+                p.append(f"--output_dir {out}: {parent} is not writable; choose a folder you can write to")
+    if training_args.deepspeed:
+        p.append("--deepspeed: DeepSpeed is not wired into this version yet; drop the flag (DDP is used)")
+    if p:
+        raise ConfigError(p)

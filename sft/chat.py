@@ -1,0 +1,175 @@
+"""Render conversations with the tokenizer's chat template and build token ids and labels together.
+
+The ids are exactly ``tokenizer.apply_chat_template(messages)`` (the rendered text tokenized once,
+without extra special tokens), so training sees the same tokens as inference. Labels copy the ids of
+supervised tokens and are ``-100`` (ignored by the loss) everywhere else.
+
+Supervised = each assistant reply's content plus the end-of-turn token that closes it (``<|im_end|>``
+for ChatML). Not supervised: ``<|im_start|>``, role headers, system and user turns, padding.
+
+How the spans are found: for the k-th message (an assistant reply), rendering ``messages[:k]`` with
+``add_generation_prompt=True`` yields exactly the text before the reply's content, so the reply
+occupies ``[len(prefix), len(prefix) + len(content))`` of the full rendering. The full text is
+tokenized once with offsets; a token is supervised when its characters overlap a reply, and the
+token right after the reply must be the end-of-turn token. A template for which the prefix property
+does not hold is refused with :class:`~sft.errors.TemplateError` rather than guessed at.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+from .errors import TemplateError
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+
+# ChatML, as Qwen renders it (Qwen2 tokenizer_config.json, without tools), used when a tokenizer
+# has no chat template of its own.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+
+
+def ensure_chat_template(tokenizer) -> bool:
+    """Give ``tokenizer`` the ChatML template if it has none; add ChatML's special tokens if missing.
+
+    Returns:
+        True when tokens were added to the vocabulary (the model's embeddings must then be resized).
+    """
+    if tokenizer.chat_template:
+        return False
+    logger.info("the tokenizer has no chat template: using ChatML (<|im_start|>{role}\\n{content}<|im_end|>\\n)")
+    tokenizer.chat_template = CHATML_TEMPLATE
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in (IM_START, IM_END) if t not in vocab]
+    if missing:
+        logger.warning("adding ChatML tokens %s to the vocabulary; their embeddings will be trained", missing)
+        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_additional_special_tokens=False)
+    return bool(missing)
+
+
+def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+    """Render ``messages`` to text with the tokenizer's chat template."""
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The special token that closes an assistant turn in this chat template (e.g. ``<|im_end|>``).
+
+    Found by rendering a probe conversation and taking the token right after the reply.
+
+    Raises:
+        TemplateError: the template puts something other than a special token after the reply.
+    """
+    text = render(tokenizer, _PROBE)
+    prefix = render(tokenizer, _PROBE[:1], add_generation_prompt=True)
+    end = len(prefix) + len(_PROBE[1]["content"])
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    for tid, (s, _e) in zip(enc["input_ids"], enc["offset_mapping"]):
+        if s >= end:
+            if tid in set(tokenizer.all_special_ids) or tokenizer.convert_ids_to_tokens(tid) in tokenizer.get_added_vocab():
+                return tid
+            break
+    raise TemplateError("the chat template does not close an assistant reply with a special token "
+                        f"(rendered: {text!r}); use a template whose assistant turns end with one, e.g. ChatML")
+
+
+def chat_token_ids(tokenizer) -> list[int]:
+    """Ids of the special tokens the chat template emits (e.g. ``<|im_start|>``, ``<|im_end|>``)."""
+    text = render(tokenizer, [{"role": "system", "content": "S"}, *_PROBE])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    added = tokenizer.get_added_vocab()
+    return sorted({i for i in ids if tokenizer.convert_ids_to_tokens(i) in added})
+
+
+def with_system(messages: list[dict], system_message: Optional[str]) -> list[dict]:
+    """Prepend ``system_message`` unless the conversation starts with its own system turn."""
+    if system_message is None or (messages and messages[0]["role"] == "system"):
+        return messages
+    return [{"role": "system", "content": system_message}, *messages]
+
+
+def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tuple[list[int], list[int]]:
+    """Token ids and labels of one conversation, built together.
+
+    Args:
+        tokenizer: a fast (``tokenizers``-backed) tokenizer with a chat template.
+        messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``, validated.
+        eot_id: the end-of-turn token id (:func:`end_of_turn_id`).
+
+    Returns:
+        ``(input_ids, labels)``: two lists of equal length (int token ids). ``labels[i]`` is
+        ``input_ids[i]`` for supervised tokens and ``-100`` otherwise. Not truncated.
+
+    Raises:
+        TemplateError: the template's rendering of a prefix is not a prefix of the full rendering, or a
+            reply is not followed by the end-of-turn token.
+    """
+    messages = list(messages)
+    text = render(tokenizer, messages)
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prefix = render(tokenizer, messages[:k], add_generation_prompt=True)
+        start, end = len(prefix), len(prefix) + len(m["content"])
+        if not text.startswith(prefix) or text[start:end] != m["content"]:
+            raise TemplateError("the chat template renders earlier turns differently once later turns are added "
+                                f"(turn {k}), so reply spans cannot be located; use a template without such rewriting")
+        spans.append((start, end))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    labels = [IGNORE_INDEX] * len(ids)
+    j, last = 0, -1
+    for i, (s, e) in enumerate(offsets):
+        while j < len(spans) and s >= spans[j][1] and e > s:
+            # the token after the reply's last token must close the turn
+            _close_turn(ids, labels, last, eot_id, j)
+            j += 1
+        if j == len(spans):
+            break
+        a, b = spans[j]
+        if s < b and e > a:
+            labels[i] = ids[i]
+            last = i
+    if j < len(spans):
+        _close_turn(ids, labels, last, eot_id, j)
+    return ids, labels
+
+
+def _close_turn(ids, labels, last, eot_id, j):
+    nxt = last + 1
+    if last < 0 or nxt >= len(ids) or ids[nxt] != eot_id:
+        raise TemplateError(f"assistant reply {j} is not followed by the end-of-turn token id {eot_id}")
+    labels[nxt] = eot_id
+
+
+def visualize(tokenizer, input_ids: Sequence[int], labels: Sequence[int], color: bool = False) -> str:
+    """Decode a sample with supervised spans marked: ``«...»`` (or green background when ``color``)."""
+    out, run, sup = [], [], None
+    open_, close = ("\x1b[30;42m", "\x1b[0m") if color else ("«", "»")
+
+    def flush():
+        if run:
+            txt = tokenizer.decode(run)
+            out.append(f"{open_}{txt}{close}" if sup else txt)
+
+    for tid, lab in zip(input_ids, labels):
+        s = lab != IGNORE_INDEX
+        if s != sup:
+            flush()
+            run, sup = [], s
+        run.append(tid)
+    flush()
+    return "".join(out)

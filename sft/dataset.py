@@ -1,0 +1,218 @@
+"""Tokenized datasets (cached, prepared once) and the padding collator.
+
+Eager mode (default): every conversation is encoded once with HF ``datasets``, truncated to
+``model_max_length``, samples left with no supervised token are dropped, and the result is saved
+under ``<cache>/<key>`` where the key hashes the data file's bytes, the tokenizer (vocabulary,
+special tokens, chat template), the settings and this package's version. Global rank 0 prepares
+it; the other ranks wait at a barrier and load it from disk (if the cache folder is not shared
+between nodes, a rank that cannot see it prepares its own copy and says so).
+
+Lazy mode (``--lazy_preprocess``): a sample is encoded when the sampler asks for it; truncation is
+counted as samples are met, and a sample with no supervised token left is replaced by the next one
+(logged by id) so that a batch never has zero supervised tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from transformers import DataCollatorForSeq2Seq
+
+from . import __version__
+from .chat import IGNORE_INDEX, encode_conversation, with_system
+from .data import Conversation, file_sha256
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the cached columns or their meaning change
+
+
+@dataclass
+class TruncationReport:
+    """What truncation to ``model_max_length`` cost: counts are samples, lost tokens are supervised tokens."""
+
+    samples: int = 0
+    truncated: int = 0
+    supervised_tokens: int = 0
+    supervised_tokens_lost: int = 0
+    dropped_ids: list = field(default_factory=list)
+
+    @property
+    def kept(self) -> int:
+        return self.samples - len(self.dropped_ids)
+
+    def lines(self, name: str, max_len: int) -> list[str]:
+        out = [f"{name}: {self.kept} of {self.samples} samples kept, {self.supervised_tokens} supervised tokens"]
+        if self.truncated:
+            out.append(f"{name}: {self.truncated} of {self.samples} samples longer than --model_max_length "
+                       f"{max_len} were truncated; {self.supervised_tokens_lost} supervised tokens lost")
+        if self.dropped_ids:
+            ids = ", ".join(map(str, self.dropped_ids[:50])) + (" ..." if len(self.dropped_ids) > 50 else "")
+            out.append(f"{name}: dropped {len(self.dropped_ids)} sample(s) left with no supervised token after "
+                       f"truncation: {ids} (raise --model_max_length to keep them)")
+        return out
+
+
+def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str]):
+    """Encode one conversation and truncate to ``max_len`` tokens (right side).
+
+    Returns:
+        dict with ``input_ids``, ``labels`` (lists of int, length <= max_len), ``n_supervised`` (kept),
+        ``n_lost`` (supervised tokens cut off) and ``truncated`` (bool).
+    """
+    ids, labels = encode_conversation(tokenizer, with_system(conv_messages, system_message), eot_id)
+    total_sup = sum(1 for x in labels if x != IGNORE_INDEX)
+    truncated = len(ids) > max_len
+    ids, labels = ids[:max_len], labels[:max_len]
+    kept = sum(1 for x in labels if x != IGNORE_INDEX)
+    return {"input_ids": ids, "labels": labels, "n_supervised": kept, "n_lost": total_sup - kept,
+            "truncated": truncated}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of what decides the token ids: backend vocabulary/merges, added tokens, chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)).encode())
+    h.update(json.dumps(tokenizer.get_added_vocab(), sort_keys=True).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    return h.hexdigest()
+
+
+def cache_key(data_path: str, tokenizer, settings: dict) -> str:
+    h = hashlib.sha256()
+    for part in (file_sha256(data_path), tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True),
+                 __version__, str(CACHE_FORMAT)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("SFT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sft", "datasets")
+
+
+def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_message, num_proc, path: str):
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"id": c.id, "messages": c.messages} for c in convs])
+
+    def fn(ex):
+        return encode_truncated(tokenizer, ex["messages"], eot_id, max_len, system_message)
+
+    # new_fingerprint: the cache key already covers data, tokenizer and settings; it also spares
+    # datasets from hashing the tokenizer inside ``fn``.
+    ds = ds.map(fn, remove_columns=["messages"], num_proc=num_proc, desc="tokenizing", load_from_cache_file=False,
+                new_fingerprint=os.path.basename(path))
+    report = TruncationReport(
+        samples=len(ds), truncated=int(sum(ds["truncated"])), supervised_tokens=int(sum(ds["n_supervised"])),
+        supervised_tokens_lost=int(sum(ds["n_lost"])),
+        dropped_ids=[i for i, n in zip(ds["id"], ds["n_supervised"]) if n == 0],
+    )
+    ds = ds.filter(lambda n: n > 0, input_columns=["n_supervised"], load_from_cache_file=False)
+    ds = ds.map(lambda ids: {"length": len(ids)}, input_columns=["input_ids"], load_from_cache_file=False)
+    ds = ds.remove_columns(["n_lost", "truncated"])
+    tmp = f"{path}.tmp-{os.getpid()}"
+    ds.save_to_disk(tmp)
+    with open(os.path.join(tmp, "sft_report.json"), "w") as f:
+        json.dump(report.__dict__, f)
+    if os.path.exists(path):  # another process finished first; keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)  # atomic: a half-written cache is never loaded
+
+
+def _load(path: str):
+    import datasets
+
+    ds = datasets.load_from_disk(path)
+    with open(os.path.join(path, "sft_report.json")) as f:
+        report = TruncationReport(**json.load(f))
+    return ds, report
+
+
+def build_dataset(convs: list[Conversation], data_path: str, tokenizer, eot_id: int, max_len: int,
+                  system_message: Optional[str], training_args, cache_dir: Optional[str] = None,
+                  num_proc: Optional[int] = None, name: str = "train"):
+    """Return ``(dataset, TruncationReport)`` for ``convs`` read from ``data_path``.
+
+    The dataset has columns ``id`` (str), ``input_ids`` and ``labels`` (int lists, equal lengths,
+    at most ``max_len``), ``n_supervised`` (int) and ``length`` (int, for length-grouped sampling).
+
+    Raises:
+        DataError: no sample has a supervised token left after truncation.
+    """
+    from .errors import DataError
+
+    settings = {"max_len": max_len, "system_message": system_message, "ids": [c.id for c in convs]}
+    key = cache_key(data_path, tokenizer, settings)
+    root = cache_dir or default_cache_dir()
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, key)
+    with training_args.main_process_first(local=False, desc=f"preparing {name} dataset"):
+        if not os.path.exists(path):
+            if training_args.process_index != 0:
+                logger.warning("rank %d: dataset cache %s is not visible here (cache folder not shared?); "
+                               "preparing a local copy", training_args.process_index, path)
+            _prepare(convs, tokenizer, eot_id, max_len, system_message, num_proc, path)
+        ds, report = _load(path)
+    logger.info("%s dataset: %s (cache %s)", name, data_path, path)
+    if report.kept == 0:
+        raise DataError(f"{data_path}: every sample is longer than --model_max_length {max_len} before its first "
+                        "reply ends, so nothing is left to train on; raise --model_max_length")
+    return ds, report
+
+
+class LazySupervisedDataset(torch.utils.data.Dataset):
+    """Encodes a conversation when it is indexed (``--lazy_preprocess``).
+
+    ``__getitem__`` returns ``{"input_ids", "labels"}`` (lists of int). A sample left with no supervised
+    token after truncation is logged by id and replaced by the next index (mod len), so the loss of a
+    batch never divides by zero.
+    """
+
+    def __init__(self, convs: list[Conversation], tokenizer, eot_id: int, max_len: int, system_message: Optional[str]):
+        self.convs, self.tokenizer, self.eot_id = convs, tokenizer, eot_id
+        self.max_len, self.system_message = max_len, system_message
+        self.report = TruncationReport(samples=len(convs))
+        self._seen: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.convs)
+
+    def __getitem__(self, i: int) -> dict:
+        for step in range(len(self.convs)):
+            j = (i + step) % len(self.convs)
+            conv = self.convs[j]
+            ex = encode_truncated(self.tokenizer, conv.messages, self.eot_id, self.max_len, self.system_message)
+            if j not in self._seen:
+                self._seen.add(j)
+                self.report.truncated += int(ex["truncated"])
+                self.report.supervised_tokens_lost += ex["n_lost"]
+                self.report.supervised_tokens += ex["n_supervised"]
+                if ex["n_supervised"] == 0:
+                    self.report.dropped_ids.append(conv.id)
+                    logger.warning("sample id=%s has no supervised token within --model_max_length %d; using the "
+                                   "next sample instead", conv.id, self.max_len)
+            if ex["n_supervised"] > 0:
+                return {"input_ids": ex["input_ids"], "labels": ex["labels"]}
+        from .errors import DataError
+
+        raise DataError("no sample has a supervised token within --model_max_length; raise it")
+
+
+def make_collator(tokenizer, pad_to_multiple_of: int = 8) -> DataCollatorForSeq2Seq:
+    """Dynamic padding to the longest sample of the batch, rounded up to ``pad_to_multiple_of``.
+
+    The batch is ``input_ids`` (int64, [batch, seq]), ``attention_mask`` (int64, 1 = real token,
+    0 = padding, set by position) and ``labels`` (int64, padding = -100). Thin wrapper over
+    ``transformers.DataCollatorForSeq2Seq``; requires ``tokenizer.padding_side == "right"``.
+    """
+    return DataCollatorForSeq2Seq(tokenizer, padding="longest", pad_to_multiple_of=pad_to_multiple_of,
+                                  label_pad_token_id=IGNORE_INDEX, return_tensors="pt")

@@ -1,0 +1,68 @@
+"""Merge a LoRA adapter into its base model and write a folder that loads offline with plain
+``AutoModelForCausalLM.from_pretrained(dir)``, with the tokenizer (chat template) and a generation
+config whose EOS includes the end-of-turn token."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Optional
+
+import torch
+import transformers
+
+from .errors import SFTError
+
+logger = logging.getLogger(__name__)
+
+
+def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, overwrite: bool = False) -> str:
+    """Merge ``adapter_dir`` (a peft LoRA folder written by finetune.py) into its base model.
+
+    Args:
+        base: base model folder; default: ``base_model_name_or_path`` recorded in adapter_config.json.
+        overwrite: allow writing into a non-empty ``out_dir``.
+
+    Raises:
+        SFTError: missing adapter/base folder, or ``out_dir`` not empty without ``overwrite``.
+    """
+    from peft import PeftModel
+
+    cfg_path = os.path.join(adapter_dir, "adapter_config.json")
+    if not os.path.isfile(cfg_path):
+        raise SFTError(f"{adapter_dir}: no adapter_config.json; give the --output_dir of a LoRA run")
+    with open(cfg_path) as f:
+        base = base or json.load(f).get("base_model_name_or_path")
+    if not base or not os.path.isdir(base):
+        raise SFTError(f"base model {base!r} not found; pass --base with the base model's folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise SFTError(f"{out_dir}: not empty; choose another folder or pass --overwrite")
+    tok = transformers.AutoTokenizer.from_pretrained(adapter_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if len(tok) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tok))
+    model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    gen_path = os.path.join(adapter_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(adapter_dir)
+    model.config.use_cache = True
+    model.config.pad_token_id = tok.pad_token_id
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def generate_reply(model_dir: str, prompt: str, max_new_tokens: int = 48, system: Optional[str] = None) -> str:
+    """Greedy reply of a saved model folder to one user message, rendered with its chat template."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)

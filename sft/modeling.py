@@ -1,0 +1,156 @@
+"""Load tokenizer and model; apply LoRA (peft)."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import transformers
+
+from .chat import ENDOFTEXT, chat_token_ids, end_of_turn_id, ensure_chat_template
+from .errors import SFTError
+
+logger = logging.getLogger(__name__)
+
+# A row of the embedding matrix whose largest |value| is at most this was never trained (it is still
+# zero). Convention from unsloth's fix_untrained_tokens (max over the row compared with a small eps).
+UNTRAINED_ROW_ABS_MAX = 1e-8
+
+
+def load_tokenizer(model_args, training_args):
+    """Load the tokenizer, give it a chat template (ChatML fallback) and a pad token.
+
+    Returns:
+        ``(tokenizer, eot_id, added_tokens)``; ``added_tokens`` is True when the vocabulary grew.
+
+    Raises:
+        SFTError: the tokenizer is not a fast (``tokenizers``) tokenizer, which offsets require.
+    """
+    tok = transformers.AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code,
+        cache_dir=training_args.cache_dir,
+    )  # no model_max_length here: truncation is ours (counted and reported), not the tokenizer's
+    if not getattr(tok, "is_fast", False):
+        raise SFTError(f"{model_args.model_name_or_path}: the tokenizer is not a fast (tokenizers) tokenizer; "
+                       "labels need token offsets: save the tokenizer with tokenizer.json")
+    tok.padding_side = "right"
+    added = ensure_chat_template(tok)
+    eot = end_of_turn_id(tok)
+    added = choose_pad_token(tok, eot) or added
+    return tok, eot, added
+
+
+def choose_pad_token(tok, eot_id: int) -> bool:
+    """Make sure the pad token exists and is not the end-of-turn token (which is supervised).
+
+    Padding is masked by position, so the pad id never reaches the loss; a distinct pad token still
+    keeps generation and any id-based masking elsewhere from confusing padding with ``<|im_end|>``.
+
+    Returns:
+        True if a new token had to be added to the vocabulary.
+    """
+    if tok.pad_token_id is not None and tok.pad_token_id != eot_id:
+        return False
+    before = tok.pad_token
+    vocab = tok.get_vocab()
+    for cand in (ENDOFTEXT, tok.unk_token, tok.eos_token, tok.bos_token):
+        if cand and cand in vocab and vocab[cand] != eot_id:
+            tok.pad_token = cand
+            logger.info("pad token: %r (id %d) (was %r; it must not be the end-of-turn token)", cand, vocab[cand], before)
+            return False
+    tok.add_special_tokens({"pad_token": "<|pad|>"})
+    logger.warning("pad token: added '<|pad|>' (id %d); no existing token could serve", tok.pad_token_id)
+    return True
+
+
+def torch_dtype(training_args) -> torch.dtype:
+    if training_args.bf16:
+        return torch.bfloat16
+    if training_args.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def chat_tokens_are_new(model, tok, vocab_grew: bool) -> tuple[bool, str]:
+    """Decide from the tokenizer and the weights whether the chat template's special tokens are untrained.
+
+    New when an id is outside the model's embedding matrix, or its row is all (near) zero
+    (see :data:`UNTRAINED_ROW_ABS_MAX`). Returns ``(new, reason)``.
+    """
+    ids = chat_token_ids(tok)
+    emb = model.get_input_embeddings().weight
+    if vocab_grew or any(i >= emb.shape[0] for i in ids):
+        return True, "the tokenizer has tokens the model's embedding matrix lacks"
+    with torch.no_grad():
+        rows = emb[torch.tensor(ids)].float().abs().amax(dim=1)
+    untrained = [tok.convert_ids_to_tokens(i) for i, r in zip(ids, rows.tolist()) if r <= UNTRAINED_ROW_ABS_MAX]
+    if untrained:
+        return True, f"embedding rows of {untrained} are untrained (all zero)"
+    return False, f"chat tokens {tok.convert_ids_to_tokens(ids)} have trained embeddings"
+
+
+def load_model(model_args, training_args, tok, vocab_grew: bool):
+    """Load ``AutoModelForCausalLM`` in the dtype of the precision flags; resize embeddings if the vocab grew."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path, dtype=torch_dtype(training_args),
+        trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir,
+    )
+    if len(tok) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tok), mean_resizing=True)
+        vocab_grew = True
+    model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    return model, vocab_grew
+
+
+def _module_name(model, module) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return name.split(".")[-1]
+    raise SFTError("cannot find the embedding module by name")
+
+
+def apply_lora(model, tok, model_args, lora_args, training_args, vocab_grew: bool):
+    """Wrap ``model`` in a peft LoRA model. Base weights are frozen; only adapters (and, when the chat
+    tokens are new or ``--train_embeddings true``, the embeddings and lm_head) are trained."""
+    from peft import LoraConfig, get_peft_model
+
+    mode = model_args.train_embeddings
+    if mode == "auto":
+        train_emb, reason = chat_tokens_are_new(model, tok, vocab_grew)
+        logger.info("train embeddings: %s (auto: %s)", train_emb, reason)
+    else:
+        train_emb = mode == "true"
+        logger.info("train embeddings: %s (--train_embeddings %s)", train_emb, mode)
+    modules_to_save = None
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if train_emb:
+        modules_to_save = [_module_name(model, model.get_input_embeddings())]
+        out = model.get_output_embeddings()
+        if out is not None:
+            modules_to_save.append(_module_name(model, out))
+    config = LoraConfig(
+        r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
+        target_modules=lora_args.lora_target_modules or "all-linear", bias=lora_args.lora_bias,
+        task_type="CAUSAL_LM", modules_to_save=modules_to_save,
+        ensure_weight_tying=bool(train_emb and tied),
+    )
+    if training_args.gradient_checkpointing:
+        model.enable_input_require_grads()
+    model = get_peft_model(model, config)
+    trainable, total = model.get_nb_trainable_parameters()
+    logger.info("LoRA r=%d alpha=%d dropout=%.3g targets=%s: %d trainable of %d parameters (%.3f%%)",
+                lora_args.lora_r, lora_args.lora_alpha, lora_args.lora_dropout,
+                sorted({n.rsplit(".", 1)[-1] for n in config.target_modules}) if isinstance(config.target_modules, (set, list)) else config.target_modules,
+                trainable, total, 100.0 * trainable / total)
+    return model
+
+
+def generation_config_for(model, tok, eot_id: int) -> transformers.GenerationConfig:
+    """The model's generation config with EOS = [end-of-turn, original EOS ...] and the chosen pad token."""
+    base = getattr(model, "generation_config", None) or transformers.GenerationConfig()
+    gc = transformers.GenerationConfig.from_dict(base.to_dict())
+    eos = gc.eos_token_id
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    gc.eos_token_id = [eot_id] + [e for e in eos if e != eot_id]
+    gc.pad_token_id = tok.pad_token_id
+    return gc

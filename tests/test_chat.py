@@ -1,0 +1,122 @@
+"""Rendering and label masks on the real Qwen vocabulary (ChatML fallback) and the real SmolLM2 tokenizer."""
+import json
+import os
+
+import pytest
+
+from sft.chat import IGNORE_INDEX, encode_conversation, end_of_turn_id, visualize, with_system
+from sft.data import normalize_record
+from sft.errors import TemplateError
+
+CONVS = {
+    "single": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 is 4."}],
+    "multi": [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
+              {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Red, or green.\nMaybe both."}],
+    "system": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello."}],
+    "unicode": [{"role": "user", "content": "你好，世界！"}, {"role": "assistant", "content": "你好！😀 Ça va?"}],
+    "specials_in_text": [{"role": "user", "content": "Print <|endoftext|> please"},
+                         {"role": "assistant", "content": "Here: <|endoftext|> done"}],
+}
+
+
+def supervised_spans(tok, ids, labels):
+    spans, run = [], []
+    for i, lab in zip(ids, labels):
+        if lab != IGNORE_INDEX:
+            assert lab == i
+            run.append(i)
+        elif run:
+            spans.append(tok.decode(run))
+            run = []
+    if run:
+        spans.append(tok.decode(run))
+    return spans
+
+
+def check(tok, eot, messages):
+    ids, labels = encode_conversation(tok, messages, eot)
+    assert len(ids) == len(labels)
+    ref = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert ids == ref, "ids differ from the tokenizer's own apply_chat_template"
+    replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    assert supervised_spans(tok, ids, labels) == replies
+    return ids, labels
+
+
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_qwen_vocab_chatml_fallback(qwen_tok, name):
+    tok, eot = qwen_tok
+    assert tok.convert_ids_to_tokens(eot) == "<|im_end|>" and eot == 151645
+    ids, labels = check(tok, eot, CONVS[name])
+    # <|im_start|>, role headers, system and user turns are never supervised
+    for i, lab in zip(ids, labels):
+        if i == 151644:
+            assert lab == IGNORE_INDEX
+
+
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_smollm2_tokenizer(smol_tok, name):
+    tok, eot = smol_tok
+    assert tok.convert_ids_to_tokens(eot) == "<|im_end|>"
+    check(tok, eot, CONVS[name])
+
+
+def test_fallback_is_chatml_with_qwen_default_system(qwen_tok):
+    tok, _ = qwen_tok
+    text = tok.apply_chat_template(CONVS["single"], tokenize=False)
+    assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+                    "<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n")
+
+
+def test_system_message_default_and_record_override(qwen_tok):
+    tok, eot = qwen_tok
+    msgs = with_system(CONVS["single"], "Be kind.")
+    assert msgs[0] == {"role": "system", "content": "Be kind."}
+    assert with_system(CONVS["system"], "Be kind.")[0]["content"] == "You are terse."
+    ids, labels = encode_conversation(tok, msgs, eot)
+    assert "Be kind." in tok.decode(ids) and "helpful assistant" not in tok.decode(ids)
+
+
+def test_aliases_and_both_forms_render_identically(qwen_tok):
+    tok, eot = qwen_tok
+    qwen = normalize_record("f", 0, {"id": "x", "conversations": [
+        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]})
+    openai = normalize_record("f", 1, {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]})
+    assert qwen.messages == openai.messages
+    assert encode_conversation(tok, qwen.messages, eot) == encode_conversation(tok, openai.messages, eot)
+
+
+def test_pad_token_is_never_the_end_of_turn_token(qwen_tok, smol_tok):
+    for tok, eot in (qwen_tok, smol_tok):
+        assert tok.pad_token_id is not None and tok.pad_token_id != eot
+    # SmolLM2 ships pad = <|im_end|>; it must have been replaced
+    assert smol_tok[0].pad_token == "<|endoftext|>"
+
+
+def test_visualize_marks_supervised_spans(qwen_tok):
+    tok, eot = qwen_tok
+    ids, labels = encode_conversation(tok, CONVS["single"], eot)
+    out = visualize(tok, ids, labels)
+    assert "«2+2 is 4.<|im_end|>»" in out and out.count("«") == 1
+
+
+def test_template_without_special_end_token_is_refused(qwen_tok):
+    import copy
+
+    tok = copy.deepcopy(qwen_tok[0])
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+                        "{% if add_generation_prompt %}assistant: {% endif %}"
+    with pytest.raises(TemplateError, match="special token"):
+        end_of_turn_id(tok)
+
+
+def test_chitchat_supervised_tokens_are_exactly_the_replies(smol_tok):
+    """Real data: the first 300 chitchat conversations, SmolLM2 tokenizer."""
+    import prepare_example
+
+    tok, eot = smol_tok
+    for rec in prepare_example.chitchat_records(300):
+        conv = normalize_record("chitchat", 0, rec)
+        check(tok, eot, conv.messages)
