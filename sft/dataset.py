@@ -187,6 +187,8 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
         return len(self.convs)
 
     def __getitem__(self, i: int) -> dict:
+        if not -len(self.convs) <= i < len(self.convs):
+            raise IndexError(i)  # ends plain iteration (``for x in dataset``), e.g. in LengthGroupedSampler
         for step in range(len(self.convs)):
             j = (i + step) % len(self.convs)
             conv = self.convs[j]

@@ -64,7 +64,8 @@ def qwen_tokenizer_dir() -> str:
 
 
 def tiny_qwen2_dir(zero_chat_rows: bool = False, seed: int = 0) -> str:
-    """A tiny random Qwen2ForCausalLM (hidden 32, 2 layers, vocab 151646) saved with the Qwen tokenizer.
+    """A tiny random Qwen2ForCausalLM (hidden 64, 2 layers, vocab 151646, init std 0.1 so that logits are
+    not all ~0 and a LoRA can move the loss within a few steps) saved with the Qwen tokenizer.
 
     ``zero_chat_rows`` zeroes the embedding rows of ``<|im_start|>``/``<|im_end|>``, like a base model
     that never saw chat tokens.
@@ -76,7 +77,7 @@ def tiny_qwen2_dir(zero_chat_rows: bool = False, seed: int = 0) -> str:
 
     def build(out):
         torch.manual_seed(seed)
-        cfg = Qwen2Config(vocab_size=151646, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        cfg = Qwen2Config(vocab_size=151646, hidden_size=64, intermediate_size=128, initializer_range=0.1, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                           tie_word_embeddings=True, bos_token_id=None, eos_token_id=151643, pad_token_id=None)
         model = Qwen2ForCausalLM(cfg)
@@ -86,5 +87,5 @@ def tiny_qwen2_dir(zero_chat_rows: bool = False, seed: int = 0) -> str:
         model.save_pretrained(out)
         AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
 
-    name = f"tiny-qwen2-s{seed}{'-zero-chat' if zero_chat_rows else ''}-{os.path.basename(tok_dir)}"
+    name = f"tiny-qwen2-h64-s{seed}{'-zero-chat' if zero_chat_rows else ''}-{os.path.basename(tok_dir)}"
     return _atomic_build(os.path.join(CACHE, name), build)
