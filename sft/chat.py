@@ -7,12 +7,11 @@ supervised tokens and are ``-100`` (ignored by the loss) everywhere else.
 Supervised = each assistant reply's content plus the end-of-turn token that closes it (``<|im_end|>``
 for ChatML). Not supervised: ``<|im_start|>``, role headers, system and user turns, padding.
 
-How the spans are found: for the k-th message (an assistant reply), rendering ``messages[:k]`` with
-``add_generation_prompt=True`` yields exactly the text before the reply's content, so the reply
-occupies ``[len(prefix), len(prefix) + len(content))`` of the full rendering. The full text is
-tokenized once with offsets; a token is supervised when its characters overlap a reply, and the
-token right after the reply must be the end-of-turn token. A template for which the prefix property
-does not hold is refused with :class:`~sft.errors.TemplateError` rather than guessed at.
+How the spans are found: the template renders the conversation (the text the model sees) and the
+character range of every reply in that text is located exactly (:func:`render_with_spans`). The text
+is tokenized once with offsets; a token is supervised when its characters overlap a reply, and the
+token right after the reply must be the end-of-turn token. A template for which the replies cannot
+be located exactly is refused with :class:`~sft.errors.TemplateError` rather than guessed at.
 """
 from __future__ import annotations
 
@@ -100,24 +99,42 @@ def with_system(messages: list[dict], system_message: Optional[str]) -> list[dic
     return [{"role": "system", "content": system_message}, *messages]
 
 
-def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tuple[list[int], list[int]]:
-    """Token ids and labels of one conversation, built together.
-
-    Args:
-        tokenizer: a fast (``tokenizers``-backed) tokenizer with a chat template.
-        messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``, validated.
-        eot_id: the end-of-turn token id (:func:`end_of_turn_id`).
+def render_with_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Render ``messages`` and locate each assistant reply's content in the text.
 
     Returns:
-        ``(input_ids, labels)``: two lists of equal length (int token ids). ``labels[i]`` is
-        ``input_ids[i]`` for supervised tokens and ``-100`` otherwise. Not truncated.
+        ``(text, spans)``: the full rendering and one ``(start, end)`` character range per assistant
+        reply, in order.
+
+    Fast path: render once more with each reply replaced by a private-use sentinel and map the
+    sentinels back; accepted only if substituting the replies reproduces the real rendering exactly.
+    Otherwise (a template that inspects or rewrites content) the prefix method is used: rendering
+    ``messages[:k]`` with ``add_generation_prompt=True`` yields exactly the text before reply k.
 
     Raises:
-        TemplateError: the template's rendering of a prefix is not a prefix of the full rendering, or a
-            reply is not followed by the end-of-turn token.
+        TemplateError: neither method locates the replies (the template rewrites earlier turns).
     """
     messages = list(messages)
     text = render(tokenizer, messages)
+    marked = [dict(m, content=f"\ue000{k}\ue001") if m["role"] == "assistant" else m for k, m in enumerate(messages)]
+    s_text = render(tokenizer, marked)
+    pieces, spans, pos, out_len = [], [], 0, 0
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        mark = f"\ue000{k}\ue001"
+        at = s_text.find(mark, pos)
+        if at < 0:
+            break
+        pieces.append(s_text[pos:at])
+        out_len += at - pos
+        spans.append((out_len, out_len + len(m["content"])))
+        pieces.append(m["content"])
+        out_len += len(m["content"])
+        pos = at + len(mark)
+    pieces.append(s_text[pos:])
+    if "".join(pieces) == text and len(spans) == sum(m["role"] == "assistant" for m in messages):
+        return text, spans
     spans = []
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -128,14 +145,22 @@ def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tup
             raise TemplateError("the chat template renders earlier turns differently once later turns are added "
                                 f"(turn {k}), so reply spans cannot be located; use a template without such rewriting")
         spans.append((start, end))
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    return text, spans
+
+
+def labels_from_spans(ids: Sequence[int], offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]],
+                      eot_id: int) -> list[int]:
+    """Labels for tokenized text: ``ids[i]`` where token i overlaps a reply span, the end-of-turn token
+    right after each reply, ``-100`` elsewhere.
+
+    Raises:
+        TemplateError: a reply is not followed by ``eot_id``.
+    """
     labels = [IGNORE_INDEX] * len(ids)
     j, last = 0, -1
     for i, (s, e) in enumerate(offsets):
         while j < len(spans) and s >= spans[j][1] and e > s:
-            # the token after the reply's last token must close the turn
-            _close_turn(ids, labels, last, eot_id, j)
+            _close_turn(ids, labels, last, eot_id, j)  # the token after the reply must close the turn
             j += 1
         if j == len(spans):
             break
@@ -145,7 +170,35 @@ def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tup
             last = i
     if j < len(spans):
         _close_turn(ids, labels, last, eot_id, j)
-    return ids, labels
+    return labels
+
+
+def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot_id: int
+                         ) -> list[tuple[list[int], list[int]]]:
+    """Token ids and labels of many conversations, built together (one batched tokenizer call).
+
+    Args:
+        tokenizer: a fast (``tokenizers``-backed) tokenizer with a chat template.
+        conversations: each ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``, validated.
+        eot_id: the end-of-turn token id (:func:`end_of_turn_id`).
+
+    Returns:
+        One ``(input_ids, labels)`` per conversation: lists of int of equal length, not truncated.
+        ``input_ids`` equals ``tokenizer.apply_chat_template(messages)``; ``labels[i]`` is
+        ``input_ids[i]`` for supervised tokens and ``-100`` otherwise.
+
+    Raises:
+        TemplateError: see :func:`render_with_spans` and :func:`labels_from_spans`.
+    """
+    rendered = [render_with_spans(tokenizer, msgs) for msgs in conversations]
+    enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    return [(ids, labels_from_spans(ids, offs, spans, eot_id))
+            for ids, offs, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered)]
+
+
+def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of one conversation; see :func:`encode_conversations`."""
+    return encode_conversations(tokenizer, [messages], eot_id)[0]
 
 
 def _close_turn(ids, labels, last, eot_id, j):

@@ -25,7 +25,7 @@ import torch
 from transformers import DataCollatorForSeq2Seq
 
 from . import __version__
-from .chat import IGNORE_INDEX, encode_conversation, with_system
+from .chat import IGNORE_INDEX, encode_conversation, encode_conversations, with_system
 from .data import Conversation, file_sha256
 
 logger = logging.getLogger(__name__)
@@ -59,20 +59,23 @@ class TruncationReport:
         return out
 
 
-def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str]):
-    """Encode one conversation and truncate to ``max_len`` tokens (right side).
+def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
+    """Keep the first ``max_len`` tokens (right truncation) and count what it cost.
 
     Returns:
         dict with ``input_ids``, ``labels`` (lists of int, length <= max_len), ``n_supervised`` (kept),
         ``n_lost`` (supervised tokens cut off) and ``truncated`` (bool).
     """
-    ids, labels = encode_conversation(tokenizer, with_system(conv_messages, system_message), eot_id)
     total_sup = sum(1 for x in labels if x != IGNORE_INDEX)
-    truncated = len(ids) > max_len
-    ids, labels = ids[:max_len], labels[:max_len]
-    kept = sum(1 for x in labels if x != IGNORE_INDEX)
-    return {"input_ids": ids, "labels": labels, "n_supervised": kept, "n_lost": total_sup - kept,
-            "truncated": truncated}
+    kept = sum(1 for x in labels[:max_len] if x != IGNORE_INDEX)
+    return {"input_ids": ids[:max_len], "labels": labels[:max_len], "n_supervised": kept, "n_lost": total_sup - kept,
+            "truncated": len(ids) > max_len}
+
+
+def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str]) -> dict:
+    """Encode one conversation (default system prompt applied) and :func:`truncate` it."""
+    ids, labels = encode_conversation(tokenizer, with_system(conv_messages, system_message), eot_id)
+    return truncate(ids, labels, max_len)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -103,12 +106,14 @@ def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_messa
 
     ds = datasets.Dataset.from_list([{"id": c.id, "messages": c.messages} for c in convs])
 
-    def fn(ex):
-        return encode_truncated(tokenizer, ex["messages"], eot_id, max_len, system_message)
+    def fn(batch):
+        encoded = encode_conversations(tokenizer, [with_system(m, system_message) for m in batch["messages"]], eot_id)
+        rows = [truncate(ids, labels, max_len) for ids, labels in encoded]
+        return {k: [r[k] for r in rows] for k in rows[0]}
 
     # new_fingerprint: the cache key already covers data, tokenizer and settings; it also spares
     # datasets from hashing the tokenizer inside ``fn``.
-    ds = ds.map(fn, remove_columns=["messages"], num_proc=num_proc, desc="tokenizing", load_from_cache_file=False,
+    ds = ds.map(fn, batched=True, batch_size=256, remove_columns=["messages"], num_proc=num_proc, desc="tokenizing", load_from_cache_file=False,
                 new_fingerprint=os.path.basename(path))
     report = TruncationReport(
         samples=len(ds), truncated=int(sum(ds["truncated"])), supervised_tokens=int(sum(ds["n_supervised"])),

@@ -120,3 +120,49 @@ def test_chitchat_supervised_tokens_are_exactly_the_replies(smol_tok):
     for rec in prepare_example.chitchat_records(300):
         conv = normalize_record("chitchat", 0, rec)
         check(tok, eot, conv.messages)
+
+
+def _with_template(qwen_tok, template):
+    import copy
+
+    tok = copy.deepcopy(qwen_tok[0])
+    tok.chat_template = template
+    return tok
+
+
+def test_template_whose_header_depends_on_the_reply_is_refused(qwen_tok):
+    # the header depends on the reply's length, so the sentinel rendering cannot be mapped back
+    tok = _with_template(qwen_tok, "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content']|length }}\n"
+                                   "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                                   "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
+    msgs = CONVS["multi"]
+    with pytest.raises(TemplateError):  # the generation prompt cannot know the reply's length either
+        encode_conversation(tok, msgs, qwen_tok[1])
+
+
+def test_template_rewriting_earlier_turns_is_refused(qwen_tok):
+    # like Qwen3's template: drops <think>...</think> from earlier assistant turns
+    tok = _with_template(qwen_tok, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                                   "{% if m['role'] == 'assistant' and not loop.last %}"
+                                   "{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+                                   "<|im_end|>\n{% endfor %}"
+                                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with pytest.raises(TemplateError, match="renders earlier turns differently"):
+        encode_conversation(tok, msgs, qwen_tok[1])
+
+
+def test_prefix_method_matches_fast_path(qwen_tok, monkeypatch):
+    import sft.chat as chat
+
+    tok, eot = qwen_tok
+    fast = encode_conversation(tok, CONVS["multi"], eot)
+    real_render = chat.render
+
+    def no_sentinels(t, messages, add_generation_prompt=False):  # break the fast path on purpose
+        out = real_render(t, messages, add_generation_prompt)
+        return out.replace("\ue000", "[") if any("\ue000" in m["content"] for m in messages) else out
+
+    monkeypatch.setattr(chat, "render", no_sentinels)
+    assert encode_conversation(tok, CONVS["multi"], eot) == fast

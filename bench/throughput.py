@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Training throughput of one finetune.py configuration (a benchmark, not a test).
+
+Runs the configuration given by the usual finetune.py flags for --max_steps optimizer steps and
+prints, over the steps after the first (warm-up) one:
+
+* real tokens/s: non-padding tokens (attention_mask == 1) processed per second of step time;
+* padding ratio: padding tokens / all tokens in the batches;
+* supervised tokens/s (tokens whose label is not -100), median step time, peak RSS.
+
+Usage (the README's example configuration):
+    .venv/bin/python bench/throughput.py --model_name_or_path .cache/example/smollm2-135m-instruct \
+        --data_path .cache/example/chitchat.jsonl --use_lora True --lora_r 16 --lora_alpha 32 \
+        --per_device_train_batch_size 4 --model_max_length 256 --max_steps 9
+"""
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    from transformers import TrainerCallback
+
+    from sft.arguments import parse_args, validate
+    from sft.errors import SFTError
+    from sft.training import build_trainer, setup_logging
+
+    argv = sys.argv[1:]
+    if "--output_dir" not in argv:
+        argv += ["--output_dir", tempfile.mkdtemp(prefix="sft-bench-")]
+    argv = ["--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "True", "--logging_steps", "1000",
+            "--overwrite_output_dir", "True"] + argv
+    try:
+        args = parse_args(argv)
+        validate(*args)
+        setup_logging(args[2])
+        trainer, tok, _ = build_trainer(*args)
+    except SFTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+    counts = {"real": 0, "total": 0, "supervised": 0}
+    per_step, times = [], []
+
+    def count_batch(module, args, kwargs):  # forward pre-hook: sees exactly the batches of each step
+        mask, labels = kwargs["attention_mask"], kwargs["labels"]
+        counts["real"] += int(mask.sum())
+        counts["total"] += mask.numel()
+        counts["supervised"] += int((labels != -100).sum())
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0, self.c0 = time.perf_counter(), dict(counts)
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+            per_step.append({key: counts[key] - self.c0[key] for key in counts})
+
+    trainer.model.register_forward_pre_hook(count_batch, with_kwargs=True)
+    trainer.add_callback(Timer())
+    trainer.train()
+    if len(times) < 2:
+        print("error: need --max_steps >= 2 (the first step is warm-up and not counted)", file=sys.stderr)
+        return 2
+    t, steps = sum(times[1:]), per_step[1:]
+    real, total, sup = (sum(s[k] for s in steps) for k in ("real", "total", "supervised"))
+    ta = args[2]
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"config: {os.path.basename(args[0].model_name_or_path.rstrip('/'))}, "
+          f"{'LoRA r=' + str(args[3].lora_r) if ta.use_lora else 'full'}, micro batch {ta.per_device_train_batch_size}, "
+          f"grad accumulation {ta.gradient_accumulation_steps}, max length {ta.model_max_length}, "
+          f"{'bf16' if ta.bf16 else 'fp32'}, {len(times) - 1} timed steps, torch threads {__import__('torch').get_num_threads()}")
+    print(f"real tokens/s:        {real / t:10.1f}")
+    print(f"supervised tokens/s:  {sup / t:10.1f}")
+    print(f"padding ratio:        {1 - real / total:10.3f}  ({total - real} pad of {total} tokens)")
+    print(f"median step time:     {statistics.median(times[1:]):10.2f} s")
+    print(f"peak RSS:             {rss_mib:10.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
