@@ -141,9 +141,14 @@ class TrainingArguments(transformers.TrainingArguments):
                 self.ddp_backend = "gloo"
             if self.fp16:  # reported by validate() together with every other problem
                 self.fp16, self.fp16_requested_without_cuda = False, True
-        if self.gradient_checkpointing and self.gradient_checkpointing_kwargs is None:
-            # Non-reentrant checkpointing works with frozen inputs (LoRA) without enable_input_require_grads.
-            self.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        # Qwen's --gradient_checkpointing is transformers 5's --activation_checkpointing (same meaning).
+        if self.activation_checkpointing is None and self.gradient_checkpointing is not None:
+            self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
+        if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is not None:
+            self.activation_checkpointing_kwargs, self.gradient_checkpointing_kwargs = self.gradient_checkpointing_kwargs, None
+        if self.activation_checkpointing and self.activation_checkpointing_kwargs is None:
+            # Non-reentrant checkpointing works with frozen inputs (LoRA).
+            self.activation_checkpointing_kwargs = {"use_reentrant": False}
         super().__post_init__()
 
 
