@@ -99,6 +99,9 @@ def load_model(model_args, training_args, tok, vocab_grew: bool):
         model.resize_token_embeddings(len(tok), mean_resizing=True)
         vocab_grew = True
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    model.config.pad_token_id = tok.pad_token_id  # the choice made in choose_pad_token
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tok.pad_token_id
     return model, vocab_grew
 
 

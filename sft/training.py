@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 import transformers
 
@@ -27,6 +28,9 @@ def setup_logging(training_args) -> None:
     root.setLevel(level)
     root.propagate = False
     transformers.utils.logging.set_verbosity(logging.WARNING if rank == 0 else logging.ERROR)
+    transformers.utils.logging.disable_progress_bar()  # weight-loading bars; the Trainer's own bar is --disable_tqdm
+    # raised inside transformers/peft when checkpointing is queried, not by anything a user set
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing` is deprecated", category=FutureWarning)
     import datasets
 
     datasets.utils.logging.set_verbosity(logging.WARNING)
