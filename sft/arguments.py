@@ -310,6 +310,10 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
                 parent = os.path.dirname(parent)
             if parent and not os.access(parent, os.W_OK | os.X_OK):
                 p.append(f"--output_dir {out}: {parent} is not writable; choose a folder you can write to")
+        if (os.path.isdir(out) and os.listdir(out) and not training_args.overwrite_output_dir
+                and not training_args.resume_from_checkpoint):
+            p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
+                     "into it anyway, or choose another folder")
     if training_args.deepspeed:
         p.append("--deepspeed: DeepSpeed is not wired into this version yet; drop the flag (DDP is used)")
     if p:

@@ -11,7 +11,6 @@ import transformers
 from .chat import visualize
 from .data import load_conversations
 from .dataset import LazySupervisedDataset, build_dataset, make_collator
-from .errors import ConfigError
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer
 
 logger = logging.getLogger("sft")
@@ -37,15 +36,6 @@ def setup_logging(training_args) -> None:
     datasets.disable_progress_bars()  # our own log lines say what was prepared
 
 
-def check_output_dir(training_args) -> None:
-    """Refuse to write into a non-empty ``--output_dir`` unless told to (nothing the user had is overwritten)."""
-    out = training_args.output_dir
-    if (out and os.path.isdir(out) and os.listdir(out) and not training_args.overwrite_output_dir
-            and not training_args.resume_from_checkpoint):
-        raise ConfigError([f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
-                           "into it anyway, or choose another folder"])
-
-
 def log_run_shape(training_args, n_train: int) -> None:
     """Derived quantities, computed once and logged at start (global batch = micro x accumulation x world)."""
     world = training_args.world_size
@@ -62,7 +52,6 @@ def log_run_shape(training_args, n_train: int) -> None:
 
 def build_trainer(model_args, data_args, training_args, lora_args, callbacks=None):
     """Everything up to a ready ``transformers.Trainer``. Returns ``(trainer, tokenizer, eot_id)``."""
-    check_output_dir(training_args)
     max_len = training_args.model_max_length
     train_convs = load_conversations(data_args.data_path, data_args.on_bad_record)
     eval_convs = (load_conversations(data_args.eval_data_path, data_args.on_bad_record)

@@ -113,11 +113,11 @@ def test_template_without_special_end_token_is_refused(qwen_tok):
 
 
 def test_chitchat_supervised_tokens_are_exactly_the_replies(smol_tok):
-    """Real data: the first 300 chitchat conversations, SmolLM2 tokenizer."""
+    """Real data: every two-speaker chitchat conversation, SmolLM2 tokenizer."""
     import prepare_example
 
     tok, eot = smol_tok
-    for rec in prepare_example.chitchat_records(300):
+    for rec in prepare_example.chitchat_records():
         conv = normalize_record("chitchat", 0, rec)
         check(tok, eot, conv.messages)
 
