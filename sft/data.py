@@ -47,7 +47,7 @@ class Problem:
     """One reason a record cannot be used, with where it is and how to fix it."""
 
     file: str
-    index: Optional[int]  # 0-based record index (JSONL: line number - 1 for records on their own line)
+    index: Optional[int]  # 0-based record index (JSONL: counts non-blank lines)
     record_id: Optional[str]
     what: str
     fix: str
@@ -74,15 +74,17 @@ def _decode(path: str, raw: bytes) -> str:
                         "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
-def read_raw_records(path: str, on_bad_record: str = "error") -> tuple[list[tuple[int, Any]], list[Problem]]:
+def read_raw_records(path: str) -> tuple[list[tuple[int, Any]], list[Problem]]:
     """Read ``path`` into ``[(index, record)]`` without checking the records' contents.
 
-    In JSONL, an unparsable or undecodable line is a :class:`Problem` for that record (so ``skip`` can
-    drop it). In a JSON list file, a syntax error stops everything.
+    The format is decided by the content, not the file name: a file starting with ``[`` is a JSON
+    list; one starting with ``{`` is a single JSON record or, if it holds more, JSONL. In JSONL an
+    unparsable or undecodable line is a :class:`Problem` of that record (so ``skip`` can drop it); in a
+    JSON list a syntax error stops everything.
 
     Raises:
-        DataError: missing file, directory, empty file, JSON syntax error, wrong top-level type, or
-            (JSON list files) bytes that are not UTF-8.
+        DataError: missing file, directory, empty file, not JSON, JSON syntax error in a list file,
+            wrong top-level type, or bytes that are not UTF-8 in a list file.
     """
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory; give a .json or .jsonl file")
@@ -91,48 +93,62 @@ def read_raw_records(path: str, on_bad_record: str = "error") -> tuple[list[tupl
             raw = f.read()
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror}); check the path and permissions") from None
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise DataError(f"{path}: the file is UTF-16; re-save it as UTF-8 (e.g. iconv -f utf-16 -t utf-8)")
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
     if not raw.strip():
         raise DataError(f"{path}: the file is empty; it must hold a JSON list of records or JSONL lines")
-
-    problems: list[Problem] = []
-    records: list[tuple[int, Any]] = []
     head = raw.lstrip()[:1]
-    if path.endswith(".jsonl") or (not path.endswith(".json") and head == b"{"):
-        index = 0
-        for lineno, line in enumerate(raw.split(b"\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                problems.append(Problem(path, index, None, f"line {lineno}: bytes that are not UTF-8 "
-                                        f"(at column {e.start + 1})", "re-save the file as UTF-8", kind="not UTF-8"))
-                index += 1
-                continue
-            try:
-                records.append((index, json.loads(text)))
-            except json.JSONDecodeError as e:
-                problems.append(Problem(path, index, None, f"line {lineno}, column {e.colno}: not valid JSON ({e.msg})",
-                                        "each line must be one complete JSON object", kind="bad JSON"))
-            index += 1
-        return records, problems
-
+    if head == b"{":
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return _read_jsonl(path, raw)
+        return _top_level(path, data), []
+    if head != b"[":
+        raise DataError(f"{path}: does not start with '[' or '{{', so it is neither a JSON list nor JSONL; "
+                        "write a JSON list of records or one JSON object per line")
     text = _decode(path, raw)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        hint = ("; if this is JSONL (one record per line), name the file .jsonl" if e.msg == "Extra data" else "")
-        raise DataError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the syntax{hint}") from None
-    if isinstance(data, dict) and ("conversations" in data or "messages" in data):
-        data = [data]  # a file holding one record
+        raise DataError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the syntax") from None
+    return _top_level(path, data), []
+
+
+def _top_level(path: str, data: Any) -> list[tuple[int, Any]]:
+    if isinstance(data, dict):
+        return [(0, data)]  # one JSON object = one record (a one-line JSONL file, or a pretty-printed record)
     if not isinstance(data, list):
         raise DataError(f"{path}: the top level is a JSON {type(data).__name__}; it must be a list of records "
-                        '[{"id": ..., "conversations": [...]}, ...] (or use JSONL, one record per line)')
+                        '[{"id": ..., "conversations": [...]}, ...] (or JSONL, one record per line)')
     if not data:
         raise DataError(f"{path}: the list holds no records")
-    return list(enumerate(data)), problems
+    return list(enumerate(data))
+
+
+def _read_jsonl(path: str, raw: bytes) -> tuple[list[tuple[int, Any]], list[Problem]]:
+    problems: list[Problem] = []
+    records: list[tuple[int, Any]] = []
+    index = 0
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            problems.append(Problem(path, index, None, f"line {lineno}: bytes that are not UTF-8 "
+                                    f"(at column {e.start + 1})", "re-save the file as UTF-8", kind="not UTF-8"))
+            index += 1
+            continue
+        try:
+            records.append((index, json.loads(text)))
+        except json.JSONDecodeError as e:
+            problems.append(Problem(path, index, None, f"line {lineno}, column {e.colno}: not valid JSON ({e.msg})",
+                                    "each line must be one complete JSON object", kind="bad JSON"))
+        index += 1
+    return records, problems
 
 
 def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Problem]:
@@ -221,7 +237,7 @@ def load_conversations(path: str, on_bad_record: str = "error") -> list[Conversa
     Raises:
         DataError: the file cannot be read or parsed, a record is invalid (``error``), or no record is left.
     """
-    raw, problems = read_raw_records(path, on_bad_record)
+    raw, problems = read_raw_records(path)
     convs: list[Conversation] = []
     for index, rec in raw:
         out = normalize_record(path, index, rec)
@@ -243,6 +259,10 @@ def load_conversations(path: str, on_bad_record: str = "error") -> list[Conversa
                        ", ".join(f"{k}: {n}" for k, n in kinds.most_common()), ids, " ..." if len(bad) > 50 else "")
     if not convs:
         raise DataError(f"{path}: no valid record left to train on")
+    dup = [i for i, n in Counter(c.id for c in convs).items() if n > 1]
+    if dup:
+        logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
+                       path, len(dup), ", ".join(map(repr, dup[:5])))
     return convs
 
 

@@ -73,10 +73,13 @@ def test_missing_id_uses_index(tmp_path):
     ("empty.jsonl", b"", "the file is empty"),
     ("blank.json", b"  \n\n", "the file is empty"),
     ("broken.json", b'[{"id": 1,', "not valid JSON"),
-    ("dict.json", b'{"data": []}', "top level is a JSON dict"),
+    ("dict.json", b'{"data": []}', "record 0: missing key 'conversations' (or 'messages')"),
+    ("string.json", b'["just text"]', "record 0: the record is a JSON str, not an object"),
+    ("number.json", b'42', "neither a JSON list nor JSONL"),
+    ("utf16.json", '[{"id": 1}]'.encode("utf-16"), "the file is UTF-16"),
     ("empty_list.json", b"[]", "holds no records"),
     ("latin1.json", '[{"id": "é"}]'.encode("latin-1"), "not UTF-8"),
-    ("jsonl_broken.jsonl", b'{"id": 1}\n{"id": \n', "line 2"),
+    ("jsonl_broken.jsonl", b'{"id": 1}\n{"id": \n', "line 2, column"),
     ("jsonl_latin1.jsonl", '{"id": "é", "messages": []}\n'.encode("latin-1"), "not UTF-8"),
 ])
 def test_file_level_errors(tmp_path, name, content, fragment):
@@ -97,3 +100,21 @@ def test_skip_mode_drops_undecodable_jsonl_line(tmp_path):
     good = json.dumps(TOY[0]).encode()
     p.write_bytes(good + b"\n" + '{"id": "\xe9"}'.encode("latin-1") + b"\n" + json.dumps(TOY[2]).encode() + b"\n")
     assert [c.id for c in load_conversations(str(p), "skip")] == ["add", "hi"]
+
+
+def test_format_is_decided_by_content_not_name(tmp_path):
+    as_jsonl = tmp_path / "list.jsonl"  # a JSON list in a .jsonl file
+    as_jsonl.write_text(json.dumps(TOY, indent=2))
+    as_json = tmp_path / "lines.json"  # JSONL in a .json file
+    as_json.write_text("\n".join(json.dumps(r) for r in TOY))
+    single = tmp_path / "one.txt"  # one pretty-printed record
+    single.write_text(json.dumps(TOY[0], indent=2))
+    assert len(load_conversations(str(as_jsonl))) == len(TOY) == len(load_conversations(str(as_json)))
+    assert [c.id for c in load_conversations(str(single))] == ["add"]
+
+
+def test_duplicate_ids_are_reported(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], TOY[0]])
+    with caplog.at_level("WARNING"):
+        assert len(load_conversations(path)) == 2
+    assert "1 id(s) appear more than once" in caplog.text and "'add'" in caplog.text
