@@ -28,7 +28,8 @@ def main() -> int:
 
     from sft.arguments import parse_args, validate
     from sft.errors import SFTError
-    from sft.training import build_trainer, setup_logging
+    from sft.logs import setup_logging
+    from sft.training import build_trainer
 
     argv = sys.argv[1:]
     if "--output_dir" not in argv:
@@ -38,7 +39,7 @@ def main() -> int:
     try:
         args = parse_args(argv)
         validate(*args)
-        setup_logging(args[2])
+        setup_logging()
         trainer, tok, _ = build_trainer(*args)
     except SFTError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,6 +6,11 @@
 # Usage: finetune/finetune_lora_single_gpu.sh -m MODEL_DIR -d DATA_FILE [finetune.py flags ...]
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+  echo "Launcher (environment variables, shared flags):"
+  exec "$HERE/launch.sh" -h
+fi
 export SFT_PRESET_FLAGS="--use_lora True --output_dir output_lora --num_train_epochs 5 \
 --per_device_train_batch_size 2 --gradient_accumulation_steps 8 --learning_rate 3e-4 --weight_decay 0.1 \
 --adam_beta2 0.95 --warmup_ratio 0.01 --lr_scheduler_type cosine --model_max_length 512 --logging_steps 1 \

@@ -63,7 +63,7 @@ read -r -a PRESET <<< "${SFT_PRESET_FLAGS:-}"
 ARGS=(--model_name_or_path "$MODEL" --data_path "$DATA" "${PRESET[@]}" "${PREC[@]}" "${PASS[@]}")
 echo "launch: node rank $NODE_RANK of $NNODES nodes, $NPROC process(es) per node, world size $((NNODES * NPROC)), device $DEVICE, master $MASTER_ADDR:$MASTER_PORT" >&2
 
-cd "$ROOT"
+# No cd: relative paths in the flags are relative to the caller's working directory.
 if (( NNODES == 1 && NPROC == 1 )); then
   exec "$PYTHON" "$ROOT/finetune.py" "${ARGS[@]}"
 fi

@@ -14,7 +14,11 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
 echo "setup: installing requirements into $VENV (first time: a few minutes)" >&2
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet -r "$ROOT/requirements.txt"
-"$VENV/bin/python" -m pip install --quiet --no-deps -r "$ROOT/requirements-assets.txt"
+pip_install() {
+  # drop pip's warnings about extra index folders that this machine's global pip config names but lacks
+  "$VENV/bin/python" -m pip install --quiet "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+pip_install --upgrade pip
+pip_install -r "$ROOT/requirements.txt"
+pip_install --no-deps -r "$ROOT/requirements-assets.txt"
 echo "$want" > "$STAMP"

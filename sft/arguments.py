@@ -135,6 +135,12 @@ class TrainingArguments(transformers.TrainingArguments):
         import torch
 
         self.fp16_requested_without_cuda = False
+        # transformers imports deepspeed while parsing --deepspeed; keep it for validate() to report instead
+        self.deepspeed_requested, self.deepspeed = self.deepspeed, None
+        if self.ddp_find_unused_parameters is None:
+            # every parameter of a causal LM (and of a LoRA adapter on it) takes part in each step; DDP's
+            # search for unused ones costs a graph traversal per step and warns on every rank.
+            self.ddp_find_unused_parameters = False
         if not torch.cuda.is_available():
             self.use_cpu = True
             if self.ddp_backend is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -314,7 +320,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
                 and not training_args.resume_from_checkpoint):
             p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
                      "into it anyway, or choose another folder")
-    if training_args.deepspeed:
-        p.append("--deepspeed: DeepSpeed is not wired into this version yet; drop the flag (DDP is used)")
+    if training_args.deepspeed_requested:
+        p.append(f"--deepspeed {training_args.deepspeed_requested}: DeepSpeed is not supported in this version yet; "
+                 "drop the flag (multi-process runs use DDP)")
     if p:
         raise ConfigError(p)

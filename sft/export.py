@@ -29,6 +29,9 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
     """
     from peft import PeftModel
 
+    from .logs import quiet_libraries
+
+    quiet_libraries()
     cfg_path = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(cfg_path):
         raise SFTError(f"{adapter_dir}: no adapter_config.json; give the --output_dir of a LoRA run")
@@ -60,6 +63,9 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
 
 def generate_reply(model_dir: str, prompt: str, max_new_tokens: int = 48, system: Optional[str] = None) -> str:
     """Greedy reply of a saved model folder to one user message, rendered with its chat template."""
+    from .logs import quiet_libraries
+
+    quiet_libraries()
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

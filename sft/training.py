@@ -3,37 +3,16 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import warnings
 
 import transformers
 
 from .chat import visualize
 from .data import load_conversations
 from .dataset import LazySupervisedDataset, build_dataset, make_collator
+from .logs import setup_logging
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer
 
 logger = logging.getLogger("sft")
-
-
-def setup_logging(training_args) -> None:
-    """Rank-aware logging keyed on the global rank: INFO on rank 0, WARNING elsewhere."""
-    rank = int(os.environ.get("RANK", "0"))
-    level = logging.INFO if rank == 0 else logging.WARNING
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[sft rank{rank}] %(levelname)s %(message)s"))
-    root = logging.getLogger("sft")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    root.propagate = False
-    transformers.utils.logging.set_verbosity(logging.WARNING if rank == 0 else logging.ERROR)
-    transformers.utils.logging.disable_progress_bar()  # weight-loading bars; the Trainer's own bar is --disable_tqdm
-    # raised inside transformers/peft when checkpointing is queried, not by anything a user set
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    import datasets
-
-    datasets.utils.logging.set_verbosity(logging.WARNING)
-    datasets.disable_progress_bars()  # our own log lines say what was prepared
 
 
 def log_run_shape(training_args, n_train: int) -> None:
@@ -72,9 +51,9 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
             for line in report.lines(name, max_len):
                 logger.info("%s", line)
             if name == "train":
-                sample = ds[0]
-                logger.info("first training sample (supervised tokens in «»):\n%s",
-                            visualize(tok, sample["input_ids"], sample["labels"]))
+                shown = visualize(tok, ds[0]["input_ids"], ds[0]["labels"])
+                more = f"\n... ({len(shown) - 1200} more characters; scripts/show_sample.py prints it all)" if len(shown) > 1200 else ""
+                logger.info("first training sample (supervised tokens in «»):\n%s%s", shown[:1200], more)
 
     model, grew = load_model(model_args, training_args, tok, grew)
     if training_args.use_lora:
@@ -101,7 +80,7 @@ def save(trainer, tok, eot_id: int, output_dir: str) -> None:
 
 def run(model_args, data_args, training_args, lora_args) -> str:
     """Train and save. Returns the output folder."""
-    setup_logging(training_args)
+    setup_logging()
     trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     save(trainer, tok, eot, training_args.output_dir)

@@ -11,14 +11,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sft.arguments import parse_args, validate  # noqa: E402
-from sft.training import build_trainer, save, setup_logging  # noqa: E402
+from sft.logs import setup_logging
+from sft.training import build_trainer, save  # noqa: E402
 
 
 def main():
     report_dir, argv = sys.argv[1], sys.argv[2:]
     args = parse_args(argv)
     validate(*args)
-    setup_logging(args[2])
+    setup_logging()
     trainer, tok, eot = build_trainer(*args)
     seen = []
     collate = trainer.data_collator

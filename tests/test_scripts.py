@@ -52,3 +52,20 @@ def test_launcher_runs_from_any_directory_and_passes_flags(tmp_path):
                        cwd=str(tmp_path), timeout=120)
     assert r.returncode == 2
     assert "--model_name_or_path" in r.stderr and "none.jsonl: no such file" in r.stderr and "--lora_r 0" in r.stderr
+
+
+def test_relative_paths_are_relative_to_the_callers_directory(tiny_model_dir, toy_data, tmp_path):
+    import shutil as sh
+
+    sh.copy(toy_data, tmp_path / "mine.jsonl")
+    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), "-m", tiny_model_dir,
+                        "-d", "mine.jsonl", "--output_dir", "out", "--lora_r", "0"], capture_output=True, text=True,
+                       cwd=str(tmp_path), timeout=120)
+    assert r.returncode == 2 and "--lora_r 0" in r.stderr
+    assert "mine.jsonl" not in r.stderr  # found: relative to the caller's directory, not the repository
+
+
+def test_preset_help_describes_the_preset():
+    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), "-h"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "LoRA fine-tuning on one node" in r.stdout and "NPROC_PER_NODE" in r.stdout
