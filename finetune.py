@@ -5,10 +5,21 @@
     torchrun --nproc_per_node 2 finetune.py ...      (one process per device; gloo on CPU)
 
 Flags: ``python finetune.py -h``. Errors the user can fix exit with code 2 and a one-paragraph
-message; set SFT_DEBUG=1 to also see the Python traceback.
+message; set SFT_DEBUG=1 to also see the Python traceback. With SFT_CHECK_ONLY=1 the run stops
+after checking the configuration and every data record (exit 0 when all is well); the launcher
+does this once before starting several processes.
 """
 import os
 import sys
+
+
+def _user_message(err: Exception) -> str:
+    """The message of an SFTError; for one re-raised by a DataLoader worker, the worker's original message."""
+    text = str(err)
+    marker = f"{type(err).__name__}: "
+    if "\nOriginal Traceback" in text and marker in text:
+        return text[text.rindex(marker) + len(marker):].strip()
+    return text
 
 
 def main(argv=None) -> int:
@@ -18,6 +29,14 @@ def main(argv=None) -> int:
     try:
         model_args, data_args, training_args, lora_args = parse_args(argv)
         validate(model_args, data_args, training_args, lora_args)
+        if os.environ.get("SFT_CHECK_ONLY"):
+            from sft.data import load_conversations
+
+            for path in filter(None, (data_args.data_path, data_args.eval_data_path)):
+                n = len(load_conversations(path, data_args.on_bad_record))
+                print(f"check: {path}: {n} valid conversations", file=sys.stderr)
+            print("check: configuration and data OK", file=sys.stderr)
+            return 0
         from sft.training import run
 
         run(model_args, data_args, training_args, lora_args)
@@ -27,7 +46,7 @@ def main(argv=None) -> int:
             raise
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(f"{prefix}error: {e}", file=sys.stderr)
+        print(f"{prefix}error: {_user_message(e)}", file=sys.stderr)
         return e.exit_code
 
 

@@ -33,7 +33,8 @@ done
 [[ -n "$MODEL" ]] || { usage >&2; die "-m/--model MODEL_DIR is required"; }
 [[ -n "$DATA" ]] || { usage >&2; die "-d/--data DATA_FILE is required"; }
 
-is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+# decimal, no leading zeros (bash would read 010 as octal), at most 9 digits (no arithmetic overflow)
+is_uint() { [[ "$1" =~ ^(0|[1-9][0-9]{0,8})$ ]]; }
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"
@@ -67,5 +68,8 @@ echo "launch: node rank $NODE_RANK of $NNODES nodes, $NPROC process(es) per node
 if (( NNODES == 1 && NPROC == 1 )); then
   exec "$PYTHON" "$ROOT/finetune.py" "${ARGS[@]}"
 fi
+# Several processes: check flags and data once, in one process, so a mistake is reported once and
+# cleanly instead of by every rank and then by torchrun.
+SFT_CHECK_ONLY=1 "$PYTHON" "$ROOT/finetune.py" "${ARGS[@]}" || exit $?
 exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$ROOT/finetune.py" "${ARGS[@]}"

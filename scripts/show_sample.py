@@ -27,6 +27,11 @@ def main() -> int:
     ap.add_argument("--system_message", default=None)
     a = ap.parse_args()
     try:
+        if not os.path.isfile(os.path.join(a.model_dir, "config.json")) and not os.path.isfile(
+                os.path.join(a.model_dir, "tokenizer.json")):
+            raise SFTError(f"{a.model_dir}: not a model folder (no config.json or tokenizer.json)")
+        if a.model_max_length < 8:
+            raise SFTError(f"--model_max_length {a.model_max_length}: must be at least 8")
         convs = load_conversations(a.data_file, "skip")
         if not 0 <= a.index < len(convs):
             raise SFTError(f"--index {a.index}: the file has {len(convs)} valid records")

@@ -14,6 +14,7 @@ flag is an error. :func:`validate` checks every rule before anything heavy loads
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -128,7 +129,7 @@ class TrainingArguments(transformers.TrainingArguments):
     def __post_init__(self):
         if self.evaluation_strategy is not None:
             self.eval_strategy = self.evaluation_strategy
-        if self.warmup_ratio is not None:
+        if self.warmup_ratio is not None and 0 <= self.warmup_ratio < 1:  # otherwise validate() reports it
             self.warmup_steps = float(self.warmup_ratio)
         if self.group_by_length:
             self.train_sampling_strategy = "group_by_length"
@@ -181,6 +182,8 @@ def _split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
             continue
         if a.startswith("--config="):
             path = a.split("=", 1)[1]
+            if not path:
+                raise ConfigError(["--config= has no file path: --config train.yaml"])
         else:
             rest.append(a)
         i += 1
@@ -190,7 +193,7 @@ def _split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
 def _read_yaml(path: str) -> dict:
     import yaml
 
-    if not os.path.isfile(path):
+    if not path or not os.path.isfile(path):
         raise ConfigError([f"--config {path}: no such file; give the path of a YAML file of flag: value pairs"])
     try:
         with open(path, encoding="utf-8-sig") as f:
@@ -208,7 +211,7 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError([f"--config {path}: top level is a {type(data).__name__}; it must be a mapping "
                            "of flag: value pairs"])
     known = _flag_names()
-    unknown = sorted(k for k in data if k not in known)
+    unknown = sorted(str(k) for k in data if not (isinstance(k, str) and k in known))
     if unknown:
         raise ConfigError([f"--config {path}: unknown key '{k}'"
                            + _suggest(k, known) + "; remove it or use a finetune.py flag name" for k in unknown])
@@ -222,6 +225,39 @@ def _suggest(name: str, known: set[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _yaml_to_argv(path: str, defaults: dict, parser) -> list[str]:
+    """Turn YAML defaults into command-line tokens, so argparse converts and checks them exactly like typed flags
+    (placed before the user's flags: the last occurrence of a flag wins)."""
+    actions = {a.dest: a for a in parser._actions}
+    argv, problems = [], []
+    for key, value in defaults.items():
+        if value is None:
+            continue  # null = keep the default
+        many = actions[key].nargs in ("+", "*")
+        if isinstance(value, dict):
+            if not key.endswith(("_kwargs", "_config")) and key != "deepspeed":
+                problems.append(f"--config {path}: '{key}' is a mapping; give a single value")
+                continue
+            value = json.dumps(value)  # transformers reads dict-valued flags as JSON text
+        if isinstance(value, list):
+            if not many:
+                problems.append(f"--config {path}: '{key}' is a list; give a single value")
+                continue
+            if any(isinstance(v, (list, dict)) for v in value):
+                problems.append(f"--config {path}: '{key}' must be a list of plain values")
+                continue
+            argv += [f"--{key}", *map(_yaml_scalar, value)]
+        else:
+            argv += [f"--{key}", _yaml_scalar(value)]
+    if problems:
+        raise ConfigError(problems)
+    return argv
+
+
+def _yaml_scalar(v) -> str:
+    return str(v) if not isinstance(v, bool) else ("True" if v else "False")
+
+
 def parse_args(argv: Optional[list[str]] = None):
     """Parse argv (default ``sys.argv[1:]``) into (ModelArguments, DataArguments, TrainingArguments, LoraArguments).
 
@@ -233,12 +269,8 @@ def parse_args(argv: Optional[list[str]] = None):
     config_path, argv = _split_config(argv)
     parser = transformers.HfArgumentParser(ALL_DATACLASSES)
     parser.add_argument("--config", help="YAML file of flag: value defaults; the command line wins.")
-    if config_path:
-        defaults = _read_yaml(config_path)
-        parser.set_defaults(**defaults)
-        for action in parser._actions:  # argparse: a required flag stays required even with a default
-            if action.dest in defaults:
-                action.required = False
+    if config_path is not None:
+        argv = _yaml_to_argv(config_path, _read_yaml(config_path), parser) + argv
     try:
         model_args, data_args, training_args, lora_args, _ = parser.parse_args_into_dataclasses(
             args=argv, return_remaining_strings=False
@@ -250,29 +282,39 @@ def parse_args(argv: Optional[list[str]] = None):
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
+# --report_to name -> module that must be importable for it
+_REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
+              "comet_ml": ("comet_ml",), "clearml": ("clearml",), "trackio": ("trackio",), "swanlab": ("swanlab",)}
 
-def validate(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
-             lora_args: LoraArguments) -> None:
-    """Check every rule that can be checked without loading the model; raise once with all problems.
 
-    Raises:
-        ConfigError: one line per problem, each naming the flag, the value and the fix.
-    """
-    import torch
+def _importable(*modules: str) -> bool:
+    import importlib.util
 
-    p: list[str] = []
-    m = model_args.model_name_or_path
+    return any(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def _check_model(m: Optional[str]) -> list[str]:
     if not m:
-        p.append("--model_name_or_path is required: the folder of a transformers model (config.json + weights)")
-    elif os.path.exists(m):
+        return ["--model_name_or_path is required: the folder of a transformers model (config.json + weights)"]
+    if os.path.exists(m):
         if not os.path.isdir(m):
-            p.append(f"--model_name_or_path {m}: is a file; give the model's folder (with config.json)")
-        elif not os.path.isfile(os.path.join(m, "config.json")):
-            p.append(f"--model_name_or_path {m}: no config.json in this folder; give a transformers model folder "
-                     "(scripts/prepare_example.py writes one for the built-in example)")
-    elif not _HUB_ID.match(m):
-        p.append(f"--model_name_or_path {m}: no such folder; give an existing model folder")
+            return [f"--model_name_or_path {m}: is a file; give the model's folder (with config.json)"]
+        if not os.path.isfile(os.path.join(m, "config.json")):
+            return [f"--model_name_or_path {m}: no config.json in this folder; give a transformers model folder "
+                    "(scripts/prepare_example.py writes one for the built-in example)"]
+        return []
+    if _HUB_ID.match(m) and not os.path.isdir(m.split("/")[0]):
+        from huggingface_hub import try_to_load_from_cache
 
+        if isinstance(try_to_load_from_cache(m, "config.json"), str):
+            return []
+        return [f"--model_name_or_path {m}: no such folder, and no Hugging Face hub model of that name in the local "
+                "cache; give a local model folder (or download the model once, before the job)"]
+    return [f"--model_name_or_path {m}: no such folder; give an existing model folder"]
+
+
+def _check_data(data_args, training_args) -> list[str]:
+    p = []
     for flag, path, required in (("--data_path", data_args.data_path, True),
                                  ("--eval_data_path", data_args.eval_data_path, False)):
         if not path:
@@ -280,19 +322,57 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
                 p.append(f"{flag} is required: a .json (list of records) or .jsonl file of conversations")
         elif os.path.isdir(path):
             p.append(f"{flag} {path}: is a directory; give a .json or .jsonl file")
-        elif not os.path.isfile(path):
+        elif not os.path.exists(path):
             p.append(f"{flag} {path}: no such file")
-    if data_args.eval_data_path and training_args.eval_strategy == "no":
-        pass  # evaluation data is loaded and validated; it is used when --eval_strategy asks for it
+        elif not os.path.isfile(path):
+            p.append(f"{flag} {path}: not a regular file (a pipe or device?); give a .json or .jsonl file")
+    if training_args.eval_strategy != "no" and not data_args.eval_data_path:
+        p.append(f"--eval_strategy {training_args.eval_strategy}: evaluation needs --eval_data_path; add it or use "
+                 "--eval_strategy no")
+    cache = data_args.data_cache_dir
+    if cache and os.path.exists(cache) and not os.path.isdir(cache):
+        p.append(f"--data_cache_dir {cache}: is a file; give a folder (it is created if missing)")
+    if data_args.preprocessing_num_workers is not None and data_args.preprocessing_num_workers < 1:
+        p.append(f"--preprocessing_num_workers {data_args.preprocessing_num_workers}: must be at least 1")
+    return p
 
-    if training_args.model_max_length < 8:
-        p.append(f"--model_max_length {training_args.model_max_length}: must be at least 8 tokens")
-    if training_args.fp16_requested_without_cuda:
+
+def _check_training(t) -> list[str]:
+    p = []
+    if t.model_max_length < 8:
+        p.append(f"--model_max_length {t.model_max_length}: must be at least 8 tokens")
+    for flag, value in (("--per_device_train_batch_size", t.per_device_train_batch_size),
+                        ("--per_device_eval_batch_size", t.per_device_eval_batch_size),
+                        ("--gradient_accumulation_steps", t.gradient_accumulation_steps)):
+        if value < 1:
+            p.append(f"{flag} {value}: must be at least 1")
+    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+        p.append(f"--max_steps {t.max_steps} and --num_train_epochs {t.num_train_epochs}: nothing would be trained; "
+                 "give --num_train_epochs > 0 or --max_steps > 0")
+    if t.learning_rate < 0:
+        p.append(f"--learning_rate {t.learning_rate}: must be >= 0 (e.g. 2e-4 for LoRA, 1e-5 for full fine-tuning)")
+    if t.warmup_ratio is not None and not 0 <= t.warmup_ratio < 1:
+        p.append(f"--warmup_ratio {t.warmup_ratio}: must be in [0, 1)")
+    if not 0 <= t.seed < 2**32:
+        p.append(f"--seed {t.seed}: must be in [0, 2**32)")
+    if t.fp16_requested_without_cuda:
         p.append("--fp16 True: fp16 training needs a CUDA GPU and none is visible; on CPU use --bf16 True or "
                  "leave both off (fp32)")
-    if (training_args.fp16 or training_args.fp16_requested_without_cuda) and training_args.bf16:
+    if (t.fp16 or t.fp16_requested_without_cuda) and t.bf16:
         p.append("--fp16 True and --bf16 True: choose one precision")
+    if t.deepspeed_requested:
+        p.append(f"--deepspeed {t.deepspeed_requested}: DeepSpeed is not supported in this version yet; "
+                 "drop the flag (multi-process runs use DDP)")
+    for name in t.report_to or []:
+        if name in _REPORTERS and not _importable(*_REPORTERS[name]):
+            p.append(f"--report_to {name}: the {name} package is not installed; pip install it or use --report_to none")
+    if "bnb" in str(t.optim) and not _importable("bitsandbytes"):
+        p.append(f"--optim {t.optim}: needs bitsandbytes, which is not installed; use --optim adamw_torch")
+    return p
 
+
+def _check_lora(model_args, t, lora_args) -> list[str]:
+    p = []
     if lora_args.q_lora:
         p.append("--q_lora True: Q-LoRA (4-bit base model) is not available in this version yet; use "
                  "--use_lora True for LoRA on the full-precision model")
@@ -302,26 +382,55 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
         p.append(f"--lora_alpha {lora_args.lora_alpha}: must be positive (e.g. 16)")
     if not 0.0 <= lora_args.lora_dropout < 1.0:
         p.append(f"--lora_dropout {lora_args.lora_dropout}: must be in [0, 1)")
-    if not training_args.use_lora and (model_args.train_embeddings != "auto" or lora_args.lora_target_modules):
+    if lora_args.lora_target_modules is not None and not all(x.strip() for x in lora_args.lora_target_modules):
+        p.append("--lora_target_modules: empty module name; give names such as q_proj v_proj (or omit the flag "
+                 "for every linear projection)")
+    if not t.use_lora and (model_args.train_embeddings != "auto" or lora_args.lora_target_modules):
         p.append("--train_embeddings/--lora_target_modules only apply with --use_lora True; add --use_lora True "
                  "or drop them (full fine-tuning trains every weight)")
+    return p
 
-    out = training_args.output_dir
-    if out:
-        if os.path.exists(out) and not os.path.isdir(out):
-            p.append(f"--output_dir {out}: is a file; give a folder path")
-        else:
-            parent = out
-            while parent and not os.path.exists(parent):
-                parent = os.path.dirname(parent)
-            if parent and not os.access(parent, os.W_OK | os.X_OK):
-                p.append(f"--output_dir {out}: {parent} is not writable; choose a folder you can write to")
-        if (os.path.isdir(out) and os.listdir(out) and not training_args.overwrite_output_dir
-                and not training_args.resume_from_checkpoint):
-            p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
-                     "into it anyway, or choose another folder")
-    if training_args.deepspeed_requested:
-        p.append(f"--deepspeed {training_args.deepspeed_requested}: DeepSpeed is not supported in this version yet; "
-                 "drop the flag (multi-process runs use DDP)")
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _check_output(t) -> list[str]:
+    out = t.output_dir
+    if not out:
+        return ["--output_dir is empty; give the folder to write the adapter or model to"]
+    p = []
+    parent = out
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    parent = parent or "."
+    if os.path.exists(out) and not os.path.isdir(out):
+        p.append(f"--output_dir {out}: is a file; give a folder path")
+    elif not os.path.isdir(parent):
+        p.append(f"--output_dir {out}: {parent} is a file, so the folder cannot be created; choose another path")
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        p.append(f"--output_dir {out}: {parent} is not writable; choose a folder you can write to")
+    resume = t.resume_from_checkpoint
+    if resume and not os.path.isdir(resume):
+        p.append(f"--resume_from_checkpoint {resume}: no such checkpoint folder; give a checkpoint-N folder "
+                 "written by an earlier run")
+    resuming_here = bool(resume) and os.path.isdir(out) and _inside(resume, out)
+    if os.path.isdir(out) and os.listdir(out) and not t.overwrite_output_dir and not resuming_here:
+        p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
+                 "into it anyway, or choose another folder")
+    return p
+
+
+def validate(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
+             lora_args: LoraArguments) -> None:
+    """Check every rule that can be checked without loading the model; raise once with all problems.
+
+    Raises:
+        ConfigError: one line per problem, each naming the flag, the value and the fix.
+    """
+    p = (_check_model(model_args.model_name_or_path) + _check_data(data_args, training_args)
+         + _check_training(training_args) + _check_lora(model_args, training_args, lora_args)
+         + _check_output(training_args))
     if p:
         raise ConfigError(p)

@@ -92,6 +92,13 @@ def chat_token_ids(tokenizer) -> list[int]:
     return sorted({i for i in ids if tokenizer.convert_ids_to_tokens(i) in added})
 
 
+def chat_control_tokens(tokenizer) -> list[str]:
+    """Text forms of the tokenizer's special tokens (e.g. ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``)."""
+    added = tokenizer.get_added_vocab()
+    special = set(tokenizer.all_special_tokens) | {t for t in added if t.startswith("<") and t.endswith(">")}
+    return sorted(t for t in special if t)
+
+
 def with_system(messages: list[dict], system_message: Optional[str]) -> list[dict]:
     """Prepend ``system_message`` unless the conversation starts with its own system turn."""
     if system_message is None or (messages and messages[0]["role"] == "system"):

@@ -102,19 +102,33 @@ def read_raw_records(path: str) -> tuple[list[tuple[int, Any]], list[Problem]]:
     head = raw.lstrip()[:1]
     if head == b"{":
         try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return _read_jsonl(path, raw)
-        return _top_level(path, data), []
+            return _top_level(path, _json_loads(path, raw.decode("utf-8"))), []
+        except (UnicodeDecodeError, DataError):
+            first = raw.lstrip().split(b"\n", 1)[0]
+            if _parses(first):  # the first line is a whole JSON object: JSONL
+                return _read_jsonl(path, raw)
+            _json_loads(path, _decode(path, raw))  # one (pretty-printed) object: report its own syntax error
     if head != b"[":
         raise DataError(f"{path}: does not start with '[' or '{{', so it is neither a JSON list nor JSONL; "
                         "write a JSON list of records or one JSON object per line")
-    text = _decode(path, raw)
+    return _top_level(path, _json_loads(path, _decode(path, raw))), []
+
+
+def _json_loads(path: str, text: str, where: str = "") -> Any:
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the syntax") from None
-    return _top_level(path, data), []
+        raise DataError(f"{path}: {where}line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the syntax") from None
+    except RecursionError:
+        raise DataError(f"{path}: {where}JSON nested too deeply to read; records are objects holding a list of turns") from None
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line.decode("utf-8"))
+        return True
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
 
 
 def _top_level(path: str, data: Any) -> list[tuple[int, Any]]:
@@ -147,6 +161,9 @@ def _read_jsonl(path: str, raw: bytes) -> tuple[list[tuple[int, Any]], list[Prob
         except json.JSONDecodeError as e:
             problems.append(Problem(path, index, None, f"line {lineno}, column {e.colno}: not valid JSON ({e.msg})",
                                     "each line must be one complete JSON object", kind="bad JSON"))
+        except RecursionError:
+            problems.append(Problem(path, index, None, f"line {lineno}: JSON nested too deeply to read",
+                                    "a record is an object holding a list of turns", kind="bad JSON"))
         index += 1
     return records, problems
 
@@ -264,6 +281,41 @@ def load_conversations(path: str, on_bad_record: str = "error") -> list[Conversa
         logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
                        path, len(dup), ", ".join(map(repr, dup[:5])))
     return convs
+
+
+def reject_control_tokens(convs: list[Conversation], control_tokens: list[str], path: str,
+                          on_bad_record: str = "error") -> list[Conversation]:
+    """Refuse text that spells a control token of the chat template (``<|im_end|>``, ``<|im_start|>`` ...).
+
+    The tokenizer turns such text into the real special token, so a user turn could fake a new turn
+    and a reply would train a stray end-of-turn token. ``skip`` drops those records (logged).
+
+    Raises:
+        DataError: with ``error``, listing every record, turn and token found.
+    """
+    problems = []
+    for c in convs:
+        for t, m in enumerate(c.messages):
+            found = [tok for tok in control_tokens if tok in m["content"]]
+            if found:
+                problems.append(Problem(path, c.index, c.id, f"the {m['role']} text contains the control token(s) "
+                                        f"{', '.join(found)}", "remove them or write them differently (they would "
+                                        "become real chat-template tokens)", t, kind="control token in text"))
+                break
+    if not problems:
+        return convs
+    if on_bad_record == "error":
+        shown = "\n".join(f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN])
+        more = f"\n  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more" if len(problems) > MAX_PROBLEMS_SHOWN else ""
+        raise DataError(f"{path}: {len(problems)} record(s) with control tokens in their text:\n{shown}{more}\n"
+                        "Fix them, or pass --on_bad_record skip to train without them.")
+    bad = {p.index for p in problems}
+    logger.warning("%s: skipped %d record(s) whose text contains control tokens; ids: %s", path, len(bad),
+                   ", ".join(p.record_id for p in problems[:50]))
+    kept = [c for c in convs if c.index not in bad]
+    if not kept:
+        raise DataError(f"{path}: no valid record left to train on")
+    return kept
 
 
 def file_sha256(path: str) -> str:

@@ -27,6 +27,7 @@ from transformers import DataCollatorForSeq2Seq
 from . import __version__
 from .chat import IGNORE_INDEX, encode_conversation, encode_conversations, with_system
 from .data import Conversation, file_sha256
+from .errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ def default_cache_dir() -> str:
     return os.environ.get("SFT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sft", "datasets")
 
 
-def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_message, num_proc, path: str):
+def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_message, num_proc, path: str,
+             data_path: str):
     import datasets
 
     ds = datasets.Dataset.from_list([{"id": c.id, "messages": c.messages} for c in convs])
@@ -121,6 +123,9 @@ def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_messa
         dropped_ids=[i for i, n in zip(ds["id"], ds["n_supervised"]) if n == 0],
     )
     ds = ds.filter(lambda n: n > 0, input_columns=["n_supervised"], load_from_cache_file=False)
+    if len(ds) == 0:  # nothing to cache (an empty saved dataset cannot be loaded back either)
+        raise DataError(f"{data_path}: no sample has a supervised token within --model_max_length {max_len} "
+                        f"({len(convs)} samples, all cut before their first reply ends); raise --model_max_length")
     ds = ds.map(lambda ids: {"length": len(ids)}, input_columns=["input_ids"], load_from_cache_file=False)
     ds = ds.remove_columns(["n_lost", "truncated"])
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -153,8 +158,6 @@ def build_dataset(convs: list[Conversation], data_path: str, tokenizer, eot_id: 
     Raises:
         DataError: no sample has a supervised token left after truncation.
     """
-    from .errors import DataError
-
     settings = {"max_len": max_len, "system_message": system_message, "ids": [c.id for c in convs]}
     key = cache_key(data_path, tokenizer, settings)
     root = cache_dir or default_cache_dir()
@@ -165,12 +168,9 @@ def build_dataset(convs: list[Conversation], data_path: str, tokenizer, eot_id: 
             if training_args.process_index != 0:
                 logger.warning("rank %d: dataset cache %s is not visible here (cache folder not shared?); "
                                "preparing a local copy", training_args.process_index, path)
-            _prepare(convs, tokenizer, eot_id, max_len, system_message, num_proc, path)
+            _prepare(convs, tokenizer, eot_id, max_len, system_message, num_proc, path, data_path)
         ds, report = _load(path)
     logger.info("%s dataset: %s (cache %s)", name, data_path, path)
-    if report.kept == 0:
-        raise DataError(f"{data_path}: every sample is longer than --model_max_length {max_len} before its first "
-                        "reply ends, so nothing is left to train on; raise --model_max_length")
     return ds, report
 
 
@@ -182,8 +182,9 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
     batch never divides by zero.
     """
 
-    def __init__(self, convs: list[Conversation], tokenizer, eot_id: int, max_len: int, system_message: Optional[str]):
-        self.convs, self.tokenizer, self.eot_id = convs, tokenizer, eot_id
+    def __init__(self, convs: list[Conversation], tokenizer, eot_id: int, max_len: int, system_message: Optional[str],
+                 data_path: str = "data"):
+        self.convs, self.tokenizer, self.eot_id, self.data_path = convs, tokenizer, eot_id, data_path
         self.max_len, self.system_message = max_len, system_message
         self.report = TruncationReport(samples=len(convs))
         self._seen: set[int] = set()
@@ -209,9 +210,8 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
                                    "next sample instead", conv.id, self.max_len)
             if ex["n_supervised"] > 0:
                 return {"input_ids": ex["input_ids"], "labels": ex["labels"]}
-        from .errors import DataError
-
-        raise DataError("no sample has a supervised token within --model_max_length; raise it")
+        raise DataError(f"{self.data_path}: no sample has a supervised token within --model_max_length "
+                        f"{self.max_len}; raise --model_max_length")
 
 
 def make_collator(tokenizer, pad_to_multiple_of: int = 8) -> DataCollatorForSeq2Seq:

@@ -28,3 +28,23 @@ class DataError(SFTError):
 
 class TemplateError(SFTError):
     """The tokenizer's chat template cannot be used to build supervised labels."""
+
+
+def explain_load_errors(what: str, path: str, fix: str):
+    """Context manager: turn a library's loading failure (missing/corrupt files, unknown architecture) into an
+    :class:`SFTError` naming ``path``, the library's own one-line reason, and ``fix``."""
+    import contextlib
+    import json
+
+    @contextlib.contextmanager
+    def _cm():
+        try:
+            yield
+        except SFTError:
+            raise
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError, json.JSONDecodeError) as e:
+            text = str(e).strip()
+            first = text.splitlines()[0][:300] if text else ""
+            raise SFTError(f"{path}: cannot load the {what} ({type(e).__name__}: {first}); {fix}") from e
+
+    return _cm()

@@ -7,12 +7,13 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from typing import Optional
 
 import torch
 import transformers
 
-from .errors import SFTError
+from .errors import SFTError, explain_load_errors
 
 logger = logging.getLogger(__name__)
 
@@ -35,29 +36,41 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
     cfg_path = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(cfg_path):
         raise SFTError(f"{adapter_dir}: no adapter_config.json; give the --output_dir of a LoRA run")
-    with open(cfg_path) as f:
-        base = base or json.load(f).get("base_model_name_or_path")
+    if not os.path.isfile(os.path.join(adapter_dir, "adapter_model.safetensors")):
+        raise SFTError(f"{adapter_dir}: no adapter_model.safetensors; the LoRA run did not finish saving")
+    with explain_load_errors("adapter config", cfg_path, "it must be the JSON file peft writes"):
+        with open(cfg_path) as f:
+            base = base or json.load(f).get("base_model_name_or_path")
     if not base or not os.path.isdir(base):
         raise SFTError(f"base model {base!r} not found; pass --base with the base model's folder")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise SFTError(f"{out_dir}: is a file; give a folder path for the merged model")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise SFTError(f"{out_dir}: not empty; choose another folder or pass --overwrite")
-    tok = transformers.AutoTokenizer.from_pretrained(adapter_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with explain_load_errors("tokenizer", adapter_dir, "the adapter folder should hold the tokenizer finetune.py saved"):
+        tok = transformers.AutoTokenizer.from_pretrained(adapter_dir)
+    with explain_load_errors("base model", base, "give the base model's folder with --base"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if len(tok) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tok))
-    model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    with explain_load_errors("adapter", adapter_dir, "check that it was trained on this base model"):
+        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     gen_path = os.path.join(adapter_dir, "generation_config.json")
     if os.path.isfile(gen_path):
         model.generation_config = transformers.GenerationConfig.from_pretrained(adapter_dir)
     model.config.use_cache = True
     model.config.pad_token_id = tok.pad_token_id
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".merge-", dir=parent)  # a fresh name: never another folder of the user's
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)  # only reached with overwrite=True or an empty folder
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -66,8 +79,13 @@ def generate_reply(model_dir: str, prompt: str, max_new_tokens: int = 48, system
     from .logs import quiet_libraries
 
     quiet_libraries()
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    fix = "give a model folder written by finetune.py or scripts/merge_adapter.py"
+    with explain_load_errors("tokenizer", model_dir, fix):
+        tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    with explain_load_errors("model", model_dir, fix):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    if not tok.chat_template:
+        raise SFTError(f"{model_dir}: the tokenizer has no chat template; {fix}")
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)

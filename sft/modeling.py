@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from .chat import ENDOFTEXT, chat_token_ids, end_of_turn_id, ensure_chat_template
-from .errors import SFTError
+from .errors import SFTError, explain_load_errors
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +26,18 @@ def load_tokenizer(model_args, training_args):
     Raises:
         SFTError: the tokenizer is not a fast (``tokenizers``) tokenizer, which offsets require.
     """
-    tok = transformers.AutoTokenizer.from_pretrained(
-        model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code,
-        cache_dir=training_args.cache_dir,
-    )  # no model_max_length here: truncation is ours (counted and reported), not the tokenizer's
+    path = model_args.model_name_or_path
+    with explain_load_errors("tokenizer", path, "the folder needs tokenizer.json (a fast tokenizer) and "
+                             "tokenizer_config.json, as save_pretrained writes them"):
+        tok = transformers.AutoTokenizer.from_pretrained(
+            path, trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir,
+        )  # no model_max_length here: truncation is ours (counted and reported), not the tokenizer's
     if not getattr(tok, "is_fast", False):
         raise SFTError(f"{model_args.model_name_or_path}: the tokenizer is not a fast (tokenizers) tokenizer; "
                        "labels need token offsets: save the tokenizer with tokenizer.json")
     tok.padding_side = "right"
-    added = ensure_chat_template(tok)
+    with explain_load_errors("tokenizer", path, "the tokenizer does not behave like a transformers tokenizer"):
+        added = ensure_chat_template(tok)
     eot = end_of_turn_id(tok)
     added = choose_pad_token(tok, eot) or added
     return tok, eot, added
@@ -91,10 +94,12 @@ def chat_tokens_are_new(model, tok, vocab_grew: bool) -> tuple[bool, str]:
 
 def load_model(model_args, training_args, tok, vocab_grew: bool):
     """Load ``AutoModelForCausalLM`` in the dtype of the precision flags; resize embeddings if the vocab grew."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path, dtype=torch_dtype(training_args),
-        trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir,
-    )
+    with explain_load_errors("model", model_args.model_name_or_path, "the folder needs a valid config.json of a "
+                             "causal LM and its weights (model.safetensors), as save_pretrained writes them"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_args.model_name_or_path, dtype=torch_dtype(training_args),
+            trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir,
+        )
     if len(tok) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tok), mean_resizing=True)
         vocab_grew = True
@@ -139,7 +144,12 @@ def apply_lora(model, tok, model_args, lora_args, training_args, vocab_grew: boo
     )
     if training_args.gradient_checkpointing:
         model.enable_input_require_grads()
-    model = get_peft_model(model, config)
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise SFTError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules or ['all-linear'])}: "
+                       f"{str(e).splitlines()[0][:200]}; linear modules of this model: {', '.join(names)}") from None
     trainable, total = model.get_nb_trainable_parameters()
     logger.info("LoRA r=%d alpha=%d dropout=%.3g targets=%s: %d trainable of %d parameters (%.3f%%)",
                 lora_args.lora_r, lora_args.lora_alpha, lora_args.lora_dropout,

@@ -6,8 +6,8 @@ import os
 
 import transformers
 
-from .chat import visualize
-from .data import load_conversations
+from .chat import chat_control_tokens, visualize
+from .data import load_conversations, reject_control_tokens
 from .dataset import LazySupervisedDataset, build_dataset, make_collator
 from .logs import setup_logging
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer
@@ -37,12 +37,16 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
                   if data_args.eval_data_path else None)
 
     tok, eot, grew = load_tokenizer(model_args, training_args)
+    control = chat_control_tokens(tok)
+    train_convs = reject_control_tokens(train_convs, control, data_args.data_path, data_args.on_bad_record)
+    if eval_convs is not None:
+        eval_convs = reject_control_tokens(eval_convs, control, data_args.eval_data_path, data_args.on_bad_record)
     datasets_ = {}
     for name, convs, path in (("train", train_convs, data_args.data_path), ("eval", eval_convs, data_args.eval_data_path)):
         if convs is None:
             continue
         if data_args.lazy_preprocess:
-            datasets_[name] = LazySupervisedDataset(convs, tok, eot, max_len, data_args.system_message)
+            datasets_[name] = LazySupervisedDataset(convs, tok, eot, max_len, data_args.system_message, path)
             logger.info("%s: %d conversations, tokenized on access (--lazy_preprocess)", name, len(convs))
         else:
             ds, report = build_dataset(convs, path, tok, eot, max_len, data_args.system_message, training_args,
