@@ -244,6 +244,22 @@ def _check_order(path, index, rid, messages) -> Conversation | list[Problem]:
     return Conversation(id=rid if rid is not None else f"#{index}", index=index, messages=clean)
 
 
+def _report_problems(path: str, problems: list[Problem], total: int, on_bad_record: str) -> None:
+    """``error``: raise one DataError listing the problems; ``skip``: log counts per kind and the ids."""
+    if not problems:
+        return
+    bad = sorted({(p.index if p.index is not None else -1, p.record_id) for p in problems}, key=lambda x: x[0])
+    if on_bad_record == "error":
+        shown = "\n".join(f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN])
+        more = f"\n  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more" if len(problems) > MAX_PROBLEMS_SHOWN else ""
+        raise DataError(f"{path}: {len(bad)} invalid record(s) of {total}:\n"
+                        f"{shown}{more}\nFix them, or pass --on_bad_record skip to train without them.")
+    kinds = Counter(p.kind for p in problems)
+    ids = ", ".join(rid if rid is not None else f"#{i}" for i, rid in bad[:50])
+    logger.warning("%s: skipped %d invalid record(s) (%s); ids: %s%s", path, len(bad),
+                   ", ".join(f"{k}: {n}" for k, n in kinds.most_common()), ids, " ..." if len(bad) > 50 else "")
+
+
 def load_conversations(path: str, on_bad_record: str = "error") -> list[Conversation]:
     """Read and validate every record of ``path``.
 
@@ -262,18 +278,8 @@ def load_conversations(path: str, on_bad_record: str = "error") -> list[Conversa
             convs.append(out)
         else:
             problems.extend(out)
-    if problems:
-        bad = sorted({(p.index if p.index is not None else -1, p.record_id) for p in problems})
-        if on_bad_record == "error":
-            shown = "\n".join(f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN])
-            more = f"\n  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more" if len(problems) > MAX_PROBLEMS_SHOWN else ""
-            total = len(raw) + sum(1 for p in problems if p.kind in ("bad JSON", "not UTF-8"))
-            raise DataError(f"{path}: {len(bad)} invalid record(s) of {total}:\n"
-                            f"{shown}{more}\nFix them, or pass --on_bad_record skip to train without them.")
-        kinds = Counter(p.kind for p in problems)
-        ids = ", ".join(rid if rid is not None else f"#{i}" for i, rid in bad[:50])
-        logger.warning("%s: skipped %d invalid record(s) (%s); ids: %s%s", path, len(bad),
-                       ", ".join(f"{k}: {n}" for k, n in kinds.most_common()), ids, " ..." if len(bad) > 50 else "")
+    total = len(raw) + sum(1 for p in problems if p.kind in ("bad JSON", "not UTF-8"))
+    _report_problems(path, problems, total, on_bad_record)
     if not convs:
         raise DataError(f"{path}: no valid record left to train on")
     dup = [i for i, n in Counter(c.id for c in convs).items() if n > 1]
@@ -302,16 +308,8 @@ def reject_control_tokens(convs: list[Conversation], control_tokens: list[str], 
                                         f"{', '.join(found)}", "remove them or write them differently (they would "
                                         "become real chat-template tokens)", t, kind="control token in text"))
                 break
-    if not problems:
-        return convs
-    if on_bad_record == "error":
-        shown = "\n".join(f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN])
-        more = f"\n  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more" if len(problems) > MAX_PROBLEMS_SHOWN else ""
-        raise DataError(f"{path}: {len(problems)} record(s) with control tokens in their text:\n{shown}{more}\n"
-                        "Fix them, or pass --on_bad_record skip to train without them.")
+    _report_problems(path, problems, len(convs), on_bad_record)
     bad = {p.index for p in problems}
-    logger.warning("%s: skipped %d record(s) whose text contains control tokens; ids: %s", path, len(bad),
-                   ", ".join(p.record_id for p in problems[:50]))
     kept = [c for c in convs if c.index not in bad]
     if not kept:
         raise DataError(f"{path}: no valid record left to train on")

@@ -29,44 +29,49 @@ def log_run_shape(training_args, n_train: int) -> None:
                 n_train, total)
 
 
-def build_trainer(model_args, data_args, training_args, lora_args, callbacks=None):
-    """Everything up to a ready ``transformers.Trainer``. Returns ``(trainer, tokenizer, eot_id)``."""
-    max_len = training_args.model_max_length
-    train_convs = load_conversations(data_args.data_path, data_args.on_bad_record)
-    eval_convs = (load_conversations(data_args.eval_data_path, data_args.on_bad_record)
-                  if data_args.eval_data_path else None)
-
+def load_data(model_args, data_args, training_args):
+    """Validated conversations (train, eval or None) and the tokenizer. Returns ``(train, eval, tok, eot, grew)``."""
+    convs = {name: load_conversations(path, data_args.on_bad_record) if path else None
+             for name, path in (("train", data_args.data_path), ("eval", data_args.eval_data_path))}
     tok, eot, grew = load_tokenizer(model_args, training_args)
     control = chat_control_tokens(tok)
-    train_convs = reject_control_tokens(train_convs, control, data_args.data_path, data_args.on_bad_record)
-    if eval_convs is not None:
-        eval_convs = reject_control_tokens(eval_convs, control, data_args.eval_data_path, data_args.on_bad_record)
-    datasets_ = {}
-    for name, convs, path in (("train", train_convs, data_args.data_path), ("eval", eval_convs, data_args.eval_data_path)):
-        if convs is None:
-            continue
-        if data_args.lazy_preprocess:
-            datasets_[name] = LazySupervisedDataset(convs, tok, eot, max_len, data_args.system_message, path)
-            logger.info("%s: %d conversations, tokenized on access (--lazy_preprocess)", name, len(convs))
-        else:
-            ds, report = build_dataset(convs, path, tok, eot, max_len, data_args.system_message, training_args,
-                                       data_args.data_cache_dir, data_args.preprocessing_num_workers, name)
-            datasets_[name] = ds
-            for line in report.lines(name, max_len):
-                logger.info("%s", line)
-            if name == "train":
-                shown = visualize(tok, ds[0]["input_ids"], ds[0]["labels"])
-                more = f"\n... ({len(shown) - 1200} more characters; scripts/show_sample.py prints it all)" if len(shown) > 1200 else ""
-                logger.info("first training sample (supervised tokens in «»):\n%s%s", shown[:1200], more)
+    for name, path in (("train", data_args.data_path), ("eval", data_args.eval_data_path)):
+        if convs[name] is not None:
+            convs[name] = reject_control_tokens(convs[name], control, path, data_args.on_bad_record)
+    return convs["train"], convs["eval"], tok, eot, grew
 
+
+def make_dataset(name, convs, path, tok, eot, data_args, training_args):
+    """The tokenized dataset for ``convs`` (lazy or cached), with its report logged."""
+    max_len = training_args.model_max_length
+    if data_args.lazy_preprocess:
+        logger.info("%s: %d conversations, tokenized on access (--lazy_preprocess)", name, len(convs))
+        return LazySupervisedDataset(convs, tok, eot, max_len, data_args.system_message, path)
+    ds, report = build_dataset(convs, path, tok, eot, max_len, data_args.system_message, training_args,
+                               data_args.data_cache_dir, data_args.preprocessing_num_workers, name)
+    for line in report.lines(name, max_len):
+        logger.info("%s", line)
+    if name == "train":
+        shown = visualize(tok, ds[0]["input_ids"], ds[0]["labels"])
+        more = f"\n... ({len(shown) - 1200} more characters; scripts/show_sample.py prints it all)" if len(shown) > 1200 else ""
+        logger.info("first training sample (supervised tokens in «»):\n%s%s", shown[:1200], more)
+    return ds
+
+
+def build_trainer(model_args, data_args, training_args, lora_args, callbacks=None):
+    """Everything up to a ready ``transformers.Trainer``. Returns ``(trainer, tokenizer, eot_id)``."""
+    train_convs, eval_convs, tok, eot, grew = load_data(model_args, data_args, training_args)
+    train_ds = make_dataset("train", train_convs, data_args.data_path, tok, eot, data_args, training_args)
+    eval_ds = (make_dataset("eval", eval_convs, data_args.eval_data_path, tok, eot, data_args, training_args)
+               if eval_convs is not None else None)
     model, grew = load_model(model_args, training_args, tok, grew)
     if training_args.use_lora:
         model = apply_lora(model, tok, model_args, lora_args, training_args, grew)
     trainer = transformers.Trainer(
-        model=model, args=training_args, train_dataset=datasets_["train"], eval_dataset=datasets_.get("eval"),
+        model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=make_collator(tok), processing_class=tok, callbacks=callbacks,
     )
-    log_run_shape(training_args, len(datasets_["train"]))
+    log_run_shape(training_args, len(train_ds))
     return trainer, tok, eot
 
 
