@@ -432,5 +432,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
     p = (_check_model(model_args.model_name_or_path) + _check_data(data_args, training_args)
          + _check_training(training_args) + _check_lora(model_args, training_args, lora_args)
          + _check_output(training_args))
+    m, out = model_args.model_name_or_path, training_args.output_dir
+    if m and out and os.path.isdir(m) and os.path.realpath(m) == os.path.realpath(out):
+        p.append(f"--output_dir {out}: is the base model's folder; saving would overwrite the model you train "
+                 "from; choose another folder")
     if p:
         raise ConfigError(p)

@@ -43,6 +43,11 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
             base = base or json.load(f).get("base_model_name_or_path")
     if not base or not os.path.isdir(base):
         raise SFTError(f"base model {base!r} not found; pass --base with the base model's folder")
+    for name, src in (("adapter", adapter_dir), ("base model", base)):
+        a, b = os.path.realpath(out_dir), os.path.realpath(src)
+        if os.path.commonpath([a, b]) in (a, b):
+            raise SFTError(f"{out_dir}: is, holds or lies inside the {name} folder {src}; write the merged model "
+                           "to a separate folder")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise SFTError(f"{out_dir}: is a file; give a folder path for the merged model")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:

@@ -61,6 +61,7 @@ CASES = [
     ("model-bad-config", ["--model_name_or_path", "{d}/bad_config"], "cannot load the tokenizer"),
     ("control-tokens-in-text", ["--data_path", "{d}/control.jsonl"], "id='inj', turn 0: the user text contains the control"),
     ("empty-config-flag", ["--config="], "--config= has no file path"),
+    ("output-is-model-folder", ["--output_dir", "{m}", "--overwrite_output_dir", "True"], "is the base model's folder"),
 ]
 
 
@@ -69,7 +70,7 @@ def test_case(files, tiny_model_dir, capsys, flags, fragment):
     base = ["--model_name_or_path", tiny_model_dir, "--data_path", f"{files}/good.jsonl",
             "--output_dir", f"{files}/out", "--max_steps", "1", "--report_to", "none", "--save_strategy", "no",
             "--disable_tqdm", "True"]
-    flags = [f.replace("{d}", str(files)) for f in flags]
+    flags = [f.replace("{d}", str(files)).replace("{m}", tiny_model_dir) for f in flags]
     rc = finetune.main(base + flags)
     err = capsys.readouterr().err
     assert rc == 2, err[-2000:]
@@ -146,6 +147,9 @@ def test_merge_never_touches_a_sibling_tmp_folder(tmp_path, tiny_model_dir, toy_
     assert r.returncode == 0, r.stderr[-2000:]
     assert (keep / "keep.txt").read_text() == "mine"
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".merge-")]
+    r = script("merge_adapter.py", tmp_path / "lora", tmp_path / "lora", "--overwrite")  # its own input
+    assert r.returncode == 2 and "inside the adapter folder" in r.stderr
+    assert os.path.isfile(tmp_path / "lora" / "adapter_model.safetensors")
     (tmp_path / "afile").write_text("x")
     r = script("merge_adapter.py", tmp_path / "lora", tmp_path / "afile")
     assert r.returncode == 2 and "is a file" in r.stderr and (tmp_path / "afile").read_text() == "x"
