@@ -30,11 +30,12 @@ def main(argv=None) -> int:
         model_args, data_args, training_args, lora_args = parse_args(argv)
         validate(model_args, data_args, training_args, lora_args)
         if os.environ.get("SFT_CHECK_ONLY"):
-            from sft.data import load_conversations
+            from sft.training import load_data
 
-            for path in filter(None, (data_args.data_path, data_args.eval_data_path)):
-                n = len(load_conversations(path, data_args.on_bad_record))
-                print(f"check: {path}: {n} valid conversations", file=sys.stderr)
+            train, evaluation, *_ = load_data(model_args, data_args, training_args)  # records + tokenizer checks
+            for path, convs in ((data_args.data_path, train), (data_args.eval_data_path, evaluation)):
+                if convs is not None:
+                    print(f"check: {path}: {len(convs)} valid conversations", file=sys.stderr)
             print("check: configuration and data OK", file=sys.stderr)
             return 0
         from sft.training import run

@@ -19,6 +19,9 @@ def main() -> int:
     ap.add_argument("prompt")
     ap.add_argument("--max_new_tokens", type=int, default=48)
     a = ap.parse_args()
+    if a.max_new_tokens < 1:
+        print(f"error: --max_new_tokens {a.max_new_tokens}: must be at least 1", file=sys.stderr)
+        return 2
     if not os.path.isdir(a.model_dir):
         print(f"error: {a.model_dir}: no such folder; give a model folder", file=sys.stderr)
         return 2

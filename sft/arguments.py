@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -239,6 +240,10 @@ def _yaml_to_argv(path: str, defaults: dict, parser) -> list[str]:
                 problems.append(f"--config {path}: '{key}' is a mapping; give a single value")
                 continue
             value = json.dumps(value)  # transformers reads dict-valued flags as JSON text
+        if isinstance(value, bool) and actions[key].type is str:
+            problems.append(f"--config {path}: '{key}' is the YAML boolean {value}; quote it if you mean the text "
+                            f"('{key}: \"{str(value).lower()}\"')")
+            continue
         if isinstance(value, list):
             if not many:
                 problems.append(f"--config {path}: '{key}' is a list; give a single value")
@@ -349,8 +354,16 @@ def _check_training(t) -> list[str]:
     if t.max_steps <= 0 and t.num_train_epochs <= 0:
         p.append(f"--max_steps {t.max_steps} and --num_train_epochs {t.num_train_epochs}: nothing would be trained; "
                  "give --num_train_epochs > 0 or --max_steps > 0")
-    if t.learning_rate < 0:
-        p.append(f"--learning_rate {t.learning_rate}: must be >= 0 (e.g. 2e-4 for LoRA, 1e-5 for full fine-tuning)")
+    if not (math.isfinite(t.learning_rate) and t.learning_rate >= 0):
+        p.append(f"--learning_rate {t.learning_rate}: must be a number >= 0 (e.g. 2e-4 for LoRA, 1e-5 for full "
+                 "fine-tuning)")
+    if not math.isfinite(t.num_train_epochs):
+        p.append(f"--num_train_epochs {t.num_train_epochs}: must be a finite number")
+    for flag, beta in (("--adam_beta1", t.adam_beta1), ("--adam_beta2", t.adam_beta2)):
+        if not 0 <= beta < 1:
+            p.append(f"{flag} {beta}: must be in [0, 1) (e.g. 0.9, 0.95, 0.999)")
+    if t.dataloader_num_workers < 0:
+        p.append(f"--dataloader_num_workers {t.dataloader_num_workers}: must be >= 0")
     if t.warmup_ratio is not None and not 0 <= t.warmup_ratio < 1:
         p.append(f"--warmup_ratio {t.warmup_ratio}: must be in [0, 1)")
     if not 0 <= t.seed < 2**32:
@@ -405,17 +418,20 @@ def _check_output(t) -> list[str]:
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent)
     parent = parent or "."
-    if os.path.exists(out) and not os.path.isdir(out):
+    if os.path.islink(out) and not os.path.exists(out):
+        p.append(f"--output_dir {out}: is a symlink to a missing target; fix or remove the link")
+    elif os.path.exists(out) and not os.path.isdir(out):
         p.append(f"--output_dir {out}: is a file; give a folder path")
     elif not os.path.isdir(parent):
         p.append(f"--output_dir {out}: {parent} is a file, so the folder cannot be created; choose another path")
     elif not os.access(parent, os.W_OK | os.X_OK):
         p.append(f"--output_dir {out}: {parent} is not writable; choose a folder you can write to")
     resume = t.resume_from_checkpoint
-    if resume and not os.path.isdir(resume):
-        p.append(f"--resume_from_checkpoint {resume}: no such checkpoint folder; give a checkpoint-N folder "
-                 "written by an earlier run")
-    resuming_here = bool(resume) and os.path.isdir(out) and _inside(resume, out)
+    is_ckpt = bool(resume) and os.path.isfile(os.path.join(resume, "trainer_state.json"))
+    if resume and not is_ckpt:
+        p.append(f"--resume_from_checkpoint {resume}: not a checkpoint folder (no trainer_state.json); give a "
+                 "checkpoint-N folder written by an earlier run")
+    resuming_here = is_ckpt and os.path.isdir(out) and _inside(resume, out)
     if os.path.isdir(out) and os.listdir(out) and not t.overwrite_output_dir and not resuming_here:
         p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
                  "into it anyway, or choose another folder")

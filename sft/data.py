@@ -104,8 +104,8 @@ def read_raw_records(path: str) -> tuple[list[tuple[int, Any]], list[Problem]]:
         try:
             return _top_level(path, _json_loads(path, raw.decode("utf-8"))), []
         except (UnicodeDecodeError, DataError):
-            first = raw.lstrip().split(b"\n", 1)[0]
-            if _parses(first):  # the first line is a whole JSON object: JSONL
+            lines = [x for x in raw.split(b"\n", 64)[:64] if x.strip()]
+            if len(lines) > 1 and any(_parses(x) for x in lines[:8]):  # whole JSON objects on lines: JSONL
                 return _read_jsonl(path, raw)
             _json_loads(path, _decode(path, raw))  # one (pretty-printed) object: report its own syntax error
     if head != b"[":
@@ -218,10 +218,21 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
         if not text.strip():
             problems.append(Problem(path, index, rid, f"empty '{text_key}' for role {norm}",
                                     "give the turn some text or remove it", t, kind="empty value"))
+        elif not _encodable(text):
+            problems.append(Problem(path, index, rid, f"'{text_key}' holds an unpaired UTF-16 surrogate (a \\ud800-"
+                                    "\\udfff escape)", "fix the text's encoding", t, kind="invalid unicode"))
         messages.append({"role": norm, "content": text, "_turn": t})
     if problems:
         return problems
     return _check_order(path, index, rid, messages)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _check_order(path, index, rid, messages) -> Conversation | list[Problem]:
@@ -281,7 +292,7 @@ def load_conversations(path: str, on_bad_record: str = "error") -> list[Conversa
     total = len(raw) + sum(1 for p in problems if p.kind in ("bad JSON", "not UTF-8"))
     _report_problems(path, problems, total, on_bad_record)
     if not convs:
-        raise DataError(f"{path}: no valid record left to train on")
+        raise DataError(f"{path}: no valid record left")
     dup = [i for i, n in Counter(c.id for c in convs).items() if n > 1]
     if dup:
         logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
@@ -312,7 +323,7 @@ def reject_control_tokens(convs: list[Conversation], control_tokens: list[str], 
     bad = {p.index for p in problems}
     kept = [c for c in convs if c.index not in bad]
     if not kept:
-        raise DataError(f"{path}: no valid record left to train on")
+        raise DataError(f"{path}: no valid record left")
     return kept
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from typing import Optional
@@ -16,6 +17,11 @@ import transformers
 from .errors import SFTError, explain_load_errors
 
 logger = logging.getLogger(__name__)
+
+# What save_pretrained writes for a model and tokenizer: the only files --overwrite may replace.
+MODEL_FILES = re.compile(r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
+                         r"model\.safetensors\.index\.json|tokenizer(_config)?\.json|special_tokens_map\.json|"
+                         r"chat_template\.(jinja|json)|vocab\.json|merges\.txt|added_tokens\.json|tokenizer\.model)$")
 
 
 def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, overwrite: bool = False) -> str:
@@ -50,8 +56,13 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
                            "to a separate folder")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise SFTError(f"{out_dir}: is a file; give a folder path for the merged model")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise SFTError(f"{out_dir}: not empty; choose another folder or pass --overwrite")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        if not overwrite:
+            raise SFTError(f"{out_dir}: not empty; choose another folder or pass --overwrite")
+        foreign = sorted(f for f in os.listdir(out_dir) if not MODEL_FILES.match(f))
+        if foreign:
+            raise SFTError(f"{out_dir}: --overwrite replaces a model folder, but this one also holds "
+                           f"{', '.join(foreign[:5])}; choose another folder")
     with explain_load_errors("tokenizer", adapter_dir, "the adapter folder should hold the tokenizer finetune.py saved"):
         tok = transformers.AutoTokenizer.from_pretrained(adapter_dir)
     with explain_load_errors("base model", base, "give the base model's folder with --base"):
@@ -65,7 +76,8 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
         model.generation_config = transformers.GenerationConfig.from_pretrained(adapter_dir)
     model.config.use_cache = True
     model.config.pad_token_id = tok.pad_token_id
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    out_dir = os.path.realpath(out_dir)
+    parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".merge-", dir=parent)  # a fresh name: never another folder of the user's
     try:

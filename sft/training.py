@@ -8,6 +8,7 @@ import transformers
 
 from .chat import chat_control_tokens, visualize
 from .data import load_conversations, reject_control_tokens
+from .errors import ConfigError
 from .dataset import LazySupervisedDataset, build_dataset, make_collator
 from .logs import setup_logging
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer
@@ -35,6 +36,10 @@ def load_data(model_args, data_args, training_args):
              for name, path in (("train", data_args.data_path), ("eval", data_args.eval_data_path))}
     tok, eot, grew = load_tokenizer(model_args, training_args)
     control = chat_control_tokens(tok)
+    found = [t for t in control if t in (data_args.system_message or "")]
+    if found:
+        raise ConfigError([f"--system_message contains the control token(s) {', '.join(found)}; remove them (they "
+                           "would become real chat-template tokens in every sample)"])
     for name, path in (("train", data_args.data_path), ("eval", data_args.eval_data_path)):
         if convs[name] is not None:
             convs[name] = reject_control_tokens(convs[name], control, path, data_args.on_bad_record)
@@ -58,6 +63,29 @@ def make_dataset(name, convs, path, tok, eot, data_args, training_args):
     return ds
 
 
+def check_optimizer_and_scheduler(training_args, model) -> None:
+    """Build the optimizer class and the LR scheduler once on a dummy parameter, so that a missing optional
+    package or a scheduler without its required kwargs is reported before training starts.
+
+    Raises:
+        ConfigError: naming --optim / --lr_scheduler_type and the library's reason.
+    """
+    import torch
+
+    try:
+        transformers.Trainer.get_optimizer_cls_and_kwargs(training_args, model)
+    except (ImportError, ValueError, KeyError) as e:
+        raise ConfigError([f"--optim {getattr(training_args.optim, 'value', training_args.optim)}: {str(e).strip().splitlines()[0][:300]}"]) from None
+    dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=training_args.learning_rate)
+    try:
+        transformers.get_scheduler(training_args.lr_scheduler_type, dummy, num_warmup_steps=0, num_training_steps=10,
+                                   scheduler_specific_kwargs=training_args.lr_scheduler_kwargs)
+    except (ImportError, ValueError, TypeError, KeyError) as e:
+        name = getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)
+        raise ConfigError([f"--lr_scheduler_type {name}: "
+                           f"{str(e).strip().splitlines()[0][:300]} (give them with --lr_scheduler_kwargs)"]) from None
+
+
 def build_trainer(model_args, data_args, training_args, lora_args, callbacks=None):
     """Everything up to a ready ``transformers.Trainer``. Returns ``(trainer, tokenizer, eot_id)``."""
     train_convs, eval_convs, tok, eot, grew = load_data(model_args, data_args, training_args)
@@ -67,6 +95,7 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     model, grew = load_model(model_args, training_args, tok, grew)
     if training_args.use_lora:
         model = apply_lora(model, tok, model_args, lora_args, training_args, grew)
+    check_optimizer_and_scheduler(training_args, model)
     trainer = transformers.Trainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=make_collator(tok), processing_class=tok, callbacks=callbacks,
