@@ -105,7 +105,9 @@ def read_raw_records(path: str) -> tuple[list[tuple[int, Any]], list[Problem]]:
             return _top_level(path, _json_loads(path, raw.decode("utf-8"))), []
         except (UnicodeDecodeError, DataError):
             lines = [x for x in raw.split(b"\n", 64)[:64] if x.strip()]
-            if len(lines) > 1 and any(_parses(x) for x in lines[:8]):  # whole JSON objects on lines: JSONL
+            # JSONL: the first line looks like a whole object and some early line is one (a pretty-printed
+            # object starts with a lone "{" and is reported with its own syntax error below)
+            if len(lines) > 1 and lines[0].strip().endswith(b"}") and any(_parses(x) for x in lines[:8]):
                 return _read_jsonl(path, raw)
             _json_loads(path, _decode(path, raw))  # one (pretty-printed) object: report its own syntax error
     if head != b"[":
