@@ -31,7 +31,7 @@ from .errors import DataError
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when the cached columns or their meaning change
+CACHE_FORMAT = 2  # bump when the cached columns or their meaning change
 
 
 @dataclass
@@ -115,8 +115,8 @@ def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_messa
 
     # new_fingerprint: the cache key already covers data, tokenizer and settings; it also spares
     # datasets from hashing the tokenizer inside ``fn``.
-    ds = ds.map(fn, batched=True, batch_size=256, remove_columns=["messages"], num_proc=num_proc, desc="tokenizing", load_from_cache_file=False,
-                new_fingerprint=os.path.basename(path))
+    ds = ds.map(fn, batched=True, batch_size=256, remove_columns=["messages"], num_proc=num_proc, desc="tokenizing",
+                load_from_cache_file=False, new_fingerprint=os.path.basename(path))
     report = TruncationReport(
         samples=len(ds), truncated=int(sum(ds["truncated"])), supervised_tokens=int(sum(ds["n_supervised"])),
         supervised_tokens_lost=int(sum(ds["n_lost"])),
@@ -126,7 +126,6 @@ def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_messa
     if len(ds) == 0:  # nothing to cache (an empty saved dataset cannot be loaded back either)
         raise DataError(f"{data_path}: no sample has a supervised token within --model_max_length {max_len} "
                         f"({len(convs)} samples, all cut before their first reply ends); raise --model_max_length")
-    ds = ds.map(lambda ids: {"length": len(ids)}, input_columns=["input_ids"], load_from_cache_file=False)
     ds = ds.remove_columns(["n_lost", "truncated"])
     tmp = f"{path}.tmp-{os.getpid()}"
     ds.save_to_disk(tmp)
@@ -153,7 +152,9 @@ def build_dataset(convs: list[Conversation], data_path: str, tokenizer, eot_id: 
     """Return ``(dataset, TruncationReport)`` for ``convs`` read from ``data_path``.
 
     The dataset has columns ``id`` (str), ``input_ids`` and ``labels`` (int lists, equal lengths,
-    at most ``max_len``), ``n_supervised`` (int) and ``length`` (int, for length-grouped sampling).
+    at most ``max_len``) and ``n_supervised`` (int). No ``length`` column: the Trainer drops columns the
+    model's forward does not take before building its sampler, so ``--group_by_length`` measures
+    ``input_ids`` itself.
 
     Raises:
         DataError: no sample has a supervised token left after truncation.
