@@ -71,9 +71,8 @@ def end_of_turn_id(tokenizer) -> int:
     Raises:
         TemplateError: the template puts something other than a special token after the reply.
     """
-    text = render(tokenizer, _PROBE)
-    prefix = render(tokenizer, _PROBE[:1], add_generation_prompt=True)
-    end = len(prefix) + len(_PROBE[1]["content"])
+    text, spans = render_with_spans(tokenizer, _PROBE)
+    end = spans[0][1]
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     for tid, (s, _e) in zip(enc["input_ids"], enc["offset_mapping"]):
         if s >= end:
