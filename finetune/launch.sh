@@ -9,7 +9,8 @@
 #   GPUS_PER_NODE  processes per node on a GPU machine (default: every visible GPU)
 #   NPROC_PER_NODE processes per node on a machine without GPUs (default 1)
 #   PYTHON       interpreter (default: the repository's .venv if present, else python3)
-#   SFT_PRESET_FLAGS  flags a preset puts before the user's (the user's, given later, win)
+#   SFT_PROGRAM  Python file run in each process (default: finetune.py next to this folder; the tests
+#                use a worker that also reports what each rank computed)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -60,16 +61,16 @@ else
 fi
 is_uint "$NPROC" && (( NPROC >= 1 )) || die "processes per node=$NPROC: must be a whole number >= 1"
 
-read -r -a PRESET <<< "${SFT_PRESET_FLAGS:-}"
-ARGS=(--model_name_or_path "$MODEL" --data_path "$DATA" "${PRESET[@]}" "${PREC[@]}" "${PASS[@]}")
+PROGRAM="${SFT_PROGRAM:-$ROOT/finetune.py}"
+ARGS=(--model_name_or_path "$MODEL" --data_path "$DATA" "${PREC[@]}" "${PASS[@]}")
 echo "launch: node rank $NODE_RANK of $NNODES nodes, $NPROC process(es) per node, world size $((NNODES * NPROC)), device $DEVICE, master $MASTER_ADDR:$MASTER_PORT" >&2
 
 # No cd: relative paths in the flags are relative to the caller's working directory.
 if (( NNODES == 1 && NPROC == 1 )); then
-  exec "$PYTHON" "$ROOT/finetune.py" "${ARGS[@]}"
+  exec "$PYTHON" "$PROGRAM" "${ARGS[@]}"
 fi
 # Several processes: check flags and data once, in one process, so a mistake is reported once and
 # cleanly instead of by every rank and then by torchrun.
-SFT_CHECK_ONLY=1 "$PYTHON" "$ROOT/finetune.py" "${ARGS[@]}" || exit $?
+SFT_CHECK_ONLY=1 "$PYTHON" "$PROGRAM" "${ARGS[@]}" || exit $?
 exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$ROOT/finetune.py" "${ARGS[@]}"
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$PROGRAM" "${ARGS[@]}"

@@ -137,8 +137,21 @@ class TrainingArguments(transformers.TrainingArguments):
         import torch
 
         self.fp16_requested_without_cuda = False
-        # transformers imports deepspeed while parsing --deepspeed; keep it for validate() to report instead
-        self.deepspeed_requested, self.deepspeed = self.deepspeed, None
+        # transformers reads --deepspeed while parsing and raises a bare traceback on a bad file: check it
+        # first; a config with problems is dropped here and the problems reported by validate().
+        self.deepspeed_requested, self.deepspeed_problems, self.zero_stage = self.deepspeed, [], 0
+        if isinstance(self.deepspeed, str) and self.deepspeed:
+            from .ds_config import read_ds_config, zero_stage
+
+            config, self.deepspeed_problems = read_ds_config(self.deepspeed, str(getattr(
+                self.lr_scheduler_type, "value", self.lr_scheduler_type)))
+            if config is None:
+                self.deepspeed = None
+            else:
+                self.zero_stage = zero_stage(config)
+                from .ds_compat import skip_shm_comm_op_build
+
+                skip_shm_comm_op_build()
         if self.ddp_find_unused_parameters is None:
             # every parameter of a causal LM (and of a LoRA adapter on it) takes part in each step; DDP's
             # search for unused ones costs a graph traversal per step and warns on every rank.
@@ -373,9 +386,12 @@ def _check_training(t) -> list[str]:
                  "leave both off (fp32)")
     if (t.fp16 or t.fp16_requested_without_cuda) and t.bf16:
         p.append("--fp16 True and --bf16 True: choose one precision")
-    if t.deepspeed_requested:
-        p.append(f"--deepspeed {t.deepspeed_requested}: DeepSpeed is not supported in this version yet; "
-                 "drop the flag (multi-process runs use DDP)")
+    p += t.deepspeed_problems
+    hf_ds = getattr(t, "hf_deepspeed_config", None) if t.deepspeed else None
+    if hf_ds is not None and hf_ds.mismatches:
+        from .ds_config import mismatch_problems
+
+        p += mismatch_problems(t.deepspeed_requested, hf_ds.mismatches)
     for name in t.report_to or []:
         if name in _REPORTERS and not _importable(*_REPORTERS[name]):
             p.append(f"--report_to {name}: the {name} package is not installed; pip install it or use --report_to none")
@@ -387,8 +403,17 @@ def _check_training(t) -> list[str]:
 def _check_lora(model_args, t, lora_args) -> list[str]:
     p = []
     if lora_args.q_lora:
-        p.append("--q_lora True: Q-LoRA (4-bit base model) is not available in this version yet; use "
-                 "--use_lora True for LoRA on the full-precision model")
+        if not t.use_lora:
+            p.append("--q_lora True: Q-LoRA trains a LoRA adapter on the 4-bit base model; add --use_lora True")
+        if not _importable("bitsandbytes"):
+            p.append("--q_lora True: needs bitsandbytes (4-bit NF4), which is not installed; pip install "
+                     "bitsandbytes, or use --use_lora True without --q_lora")
+        if t.zero_stage == 3:
+            p.append(f"--q_lora True with --deepspeed {t.deepspeed_requested} (ZeRO-3): ZeRO-3 partitions every "
+                     "weight across ranks, and bitsandbytes' packed 4-bit weights cannot be partitioned or gathered "
+                     "by it; use ZeRO-2 (--deepspeed finetune/ds_config_zero2.json, the finetune_qlora_ds.sh "
+                     "default: the frozen 4-bit base is replicated, adapter gradients and optimizer state are "
+                     "sharded) or plain LoRA (--q_lora False) with ZeRO-3")
     if lora_args.lora_r <= 0:
         p.append(f"--lora_r {lora_args.lora_r}: the LoRA rank must be a positive integer (e.g. 8, 16, 64)")
     if lora_args.lora_alpha <= 0:

@@ -18,6 +18,9 @@ def quiet_libraries(rank: int = 0) -> None:
     datasets.utils.logging.set_verbosity(logging.WARNING)
     datasets.disable_progress_bars()  # our own log lines say what was prepared
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # DeepSpeed 0.19's ZeRO collectives call torch names that torch 2.13 deprecates, once per call
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)
 
 
 def setup_logging() -> None:

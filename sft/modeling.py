@@ -74,6 +74,19 @@ def torch_dtype(training_args) -> torch.dtype:
     return torch.float32
 
 
+def gathered(*params):
+    """Context manager: under DeepSpeed ZeRO-3, the full tensors of ``params`` (read-only); else a no-op."""
+    import contextlib
+
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+
+
 def chat_tokens_are_new(model, tok, vocab_grew: bool) -> tuple[bool, str]:
     """Decide from the tokenizer and the weights whether the chat template's special tokens are untrained.
 
@@ -82,9 +95,9 @@ def chat_tokens_are_new(model, tok, vocab_grew: bool) -> tuple[bool, str]:
     """
     ids = chat_token_ids(tok)
     emb = model.get_input_embeddings().weight
-    if vocab_grew or any(i >= emb.shape[0] for i in ids):
-        return True, "the tokenizer has tokens the model's embedding matrix lacks"
-    with torch.no_grad():
+    with gathered(emb), torch.no_grad():  # under ZeRO-3 each rank holds a shard only
+        if vocab_grew or any(i >= emb.shape[0] for i in ids):
+            return True, "the tokenizer has tokens the model's embedding matrix lacks"
         rows = emb[torch.tensor(ids)].float().abs().amax(dim=1)
     untrained = [tok.convert_ids_to_tokens(i) for i, r in zip(ids, rows.tolist()) if r <= UNTRAINED_ROW_ABS_MAX]
     if untrained:
@@ -92,14 +105,69 @@ def chat_tokens_are_new(model, tok, vocab_grew: bool) -> tuple[bool, str]:
     return False, f"chat tokens {tok.convert_ids_to_tokens(ids)} have trained embeddings"
 
 
-def load_model(model_args, training_args, tok, vocab_grew: bool):
-    """Load ``AutoModelForCausalLM`` in the dtype of the precision flags; resize embeddings if the vocab grew."""
+def init_deepspeed_comm(training_args) -> None:
+    """Under DeepSpeed, start ``deepspeed.comm`` on the process group before the model is built.
+
+    ZeRO-3 builds the model inside ``deepspeed.zero.Init`` (transformers does this in ``from_pretrained``
+    when the config has stage 3), which partitions each parameter as it is created and reads the world
+    size from ``deepspeed.comm``; before ``deepspeed.init_distributed`` it sees a world of 1 and rejects the
+    batch sizes. ``training_args.device`` creates the torch process group first (gloo on CPU, nccl on
+    GPU, with ``--ddp_timeout``); ``init_distributed`` then reuses it. A single process started without
+    torchrun gets a one-process world on loopback (DeepSpeed would otherwise look for MPI).
+    """
+    if not training_args.deepspeed:
+        return
+    import datetime
+    import os
+    import socket
+
+    import deepspeed
+
+    _ = training_args.device  # initializes torch.distributed when torchrun started us (accelerate PartialState)
+    if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    backend = (torch.distributed.get_backend() if torch.distributed.is_initialized()
+               else "nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(seconds=training_args.ddp_timeout))
+
+
+def quantization_kwargs(training_args, lora_args=None) -> dict:
+    """``from_pretrained`` kwargs for Q-LoRA: bitsandbytes 4-bit NF4 with double quantization.
+
+    Compute dtype follows the precision flags (bf16 / fp16 / fp32; fp32 on CPU, where bitsandbytes' bf16
+    kernels are far slower). ``device_map`` puts the whole model on this process's own device: under
+    torchrun each rank loads its own replica (``{"": local_rank}`` on GPU), never ``"auto"`` sharding.
+    """
+    q = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch_dtype(training_args),
+    )
+    device = training_args.device
+    return {"quantization_config": q, "device_map": {"": device.index if device.type == "cuda" else str(device)}}
+
+
+def load_model(model_args, training_args, tok, vocab_grew: bool, lora_args=None):
+    """Load ``AutoModelForCausalLM`` in the dtype of the precision flags (4-bit NF4 base with ``--q_lora``);
+    resize embeddings if the vocab grew."""
+    init_deepspeed_comm(training_args)
+    extra = quantization_kwargs(training_args, lora_args) if lora_args is not None and lora_args.q_lora else {}
     with explain_load_errors("model", model_args.model_name_or_path, "the folder needs a valid config.json of a "
                              "causal LM and its weights (model.safetensors), as save_pretrained writes them"):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path, dtype=torch_dtype(training_args),
-            trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir,
+            trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir, **extra,
         )
+    if extra:
+        from peft import prepare_model_for_kbit_training
+
+        # fp32 layer norms and lm_head, frozen base, input grads for checkpointing (peft's Q-LoRA recipe)
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=bool(training_args.activation_checkpointing),
+            gradient_checkpointing_kwargs=training_args.activation_checkpointing_kwargs)
     if len(tok) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tok), mean_resizing=True)
         vocab_grew = True
@@ -142,7 +210,7 @@ def apply_lora(model, tok, model_args, lora_args, training_args, vocab_grew: boo
         task_type="CAUSAL_LM", modules_to_save=modules_to_save,
         ensure_weight_tying=bool(train_emb and tied),
     )
-    if training_args.gradient_checkpointing:
+    if training_args.activation_checkpointing:
         model.enable_input_require_grads()
     try:
         model = get_peft_model(model, config)

@@ -92,7 +92,7 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     train_ds = make_dataset("train", train_convs, data_args.data_path, tok, eot, data_args, training_args)
     eval_ds = (make_dataset("eval", eval_convs, data_args.eval_data_path, tok, eot, data_args, training_args)
                if eval_convs is not None else None)
-    model, grew = load_model(model_args, training_args, tok, grew)
+    model, grew = load_model(model_args, training_args, tok, grew, lora_args)
     if training_args.use_lora:
         model = apply_lora(model, tok, model_args, lora_args, training_args, grew)
     check_optimizer_and_scheduler(training_args, model)

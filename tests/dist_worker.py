@@ -1,7 +1,10 @@
-"""torchrun worker for tests/test_distributed.py: trains through sft.training like finetune.py, and
-records which samples this rank saw and a digest of its final weights.
+"""Test worker run in place of finetune.py (``SFT_PROGRAM=tests/dist_worker.py`` for finetune/launch.sh and
+the presets, or directly under torchrun): trains through sft.training exactly like finetune.py, then
+records, per rank, which samples it saw, its losses and learning rates, what kind of run it was, and
+(rank 0) the trained model's logits on a probe prompt, computed on every rank (ZeRO-3 gathers weights
+layer by layer during the forward).
 
-Usage: torchrun ... tests/dist_worker.py REPORT_DIR [finetune.py flags ...]
+Report folder: ``$SFT_TEST_REPORT_DIR`` (``rank{N}.json``, ``logits.pt``).
 """
 import hashlib
 import json
@@ -10,13 +13,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
+
+import finetune  # noqa: E402
 from sft.arguments import parse_args, validate  # noqa: E402
-from sft.logs import setup_logging
+from sft.logs import setup_logging  # noqa: E402
 from sft.training import build_trainer, save  # noqa: E402
+
+PROBE = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
 
 
 def main():
-    report_dir, argv = sys.argv[1], sys.argv[2:]
+    if os.environ.get("SFT_CHECK_ONLY") == "1":
+        return finetune.main(sys.argv[1:])
+    report_dir, argv = os.environ["SFT_TEST_REPORT_DIR"], sys.argv[1:]
     args = parse_args(argv)
     validate(*args)
     setup_logging()
@@ -31,15 +41,29 @@ def main():
     trainer.data_collator = recording_collator
     trainer.train()
     save(trainer, tok, eot, args[2].output_dir)
+    model = trainer.model
+    model.eval()
+    with torch.no_grad():
+        ids = torch.tensor([tok(PROBE)["input_ids"]])
+        logits = model(input_ids=ids).logits.float()
+    zero3 = args[2].zero_stage == 3
     h = hashlib.sha256()
-    for name, p in sorted(trainer.model.named_parameters()):
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    rank = int(os.environ["RANK"])
+    if not zero3:  # under ZeRO-3 every rank holds a different shard
+        for name, p in sorted(model.named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        torch.save(logits, os.path.join(report_dir, "logits.pt"))
+    log = trainer.state.log_history
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world_size": args[2].world_size, "seen": seen, "digest": h.hexdigest(),
-                   "losses": [x["loss"] for x in trainer.state.log_history if "loss" in x]}, f)
+                   "deepspeed": trainer.is_deepspeed_enabled, "zero_stage": args[2].zero_stage,
+                   "quantized_4bit": any(type(m).__name__ == "Linear4bit" for m in model.modules()),
+                   "losses": [x["loss"] for x in log if "loss" in x],
+                   "learning_rates": [x["learning_rate"] for x in log if "learning_rate" in x],
+                   "max_steps": trainer.state.max_steps}, f)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
