@@ -87,6 +87,13 @@ def gathered(*params):
     return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
 
+def embedding_rows(model) -> int:
+    """Number of rows of the input embedding matrix. Under ZeRO-3 a rank's ``weight.shape`` is the empty
+    placeholder left by partitioning; DeepSpeed keeps the full shape in ``ds_shape``."""
+    weight = model.get_input_embeddings().weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
+
+
 def chat_tokens_are_new(model, tok, vocab_grew: bool) -> tuple[bool, str]:
     """Decide from the tokenizer and the weights whether the chat template's special tokens are untrained.
 
@@ -96,7 +103,7 @@ def chat_tokens_are_new(model, tok, vocab_grew: bool) -> tuple[bool, str]:
     ids = chat_token_ids(tok)
     emb = model.get_input_embeddings().weight
     with gathered(emb), torch.no_grad():  # under ZeRO-3 each rank holds a shard only
-        if vocab_grew or any(i >= emb.shape[0] for i in ids):
+        if vocab_grew or any(i >= embedding_rows(model) for i in ids):
             return True, "the tokenizer has tokens the model's embedding matrix lacks"
         rows = emb[torch.tensor(ids)].float().abs().amax(dim=1)
     untrained = [tok.convert_ids_to_tokens(i) for i, r in zip(ids, rows.tolist()) if r <= UNTRAINED_ROW_ABS_MAX]
@@ -168,7 +175,7 @@ def load_model(model_args, training_args, tok, vocab_grew: bool, lora_args=None)
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=bool(training_args.activation_checkpointing),
             gradient_checkpointing_kwargs=training_args.activation_checkpointing_kwargs)
-    if len(tok) > model.get_input_embeddings().weight.shape[0]:
+    if len(tok) > embedding_rows(model):
         model.resize_token_embeddings(len(tok), mean_resizing=True)
         vocab_grew = True
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing

@@ -34,6 +34,8 @@ CELLS = {
     "lora-ddp": ("finetune_lora_single_gpu.sh", 2, LORA),
     "lora-zero2": ("finetune_lora_ds.sh", 2, LORA),
     "lora-zero3-offload": ("finetune_lora_ds.sh", 2, LORA + ["--deepspeed", ZERO3_OFFLOAD]),
+    # a base model whose chat tokens are untrained: embeddings + lm_head are trained with the adapter
+    "lora-zero3-new-chat-tokens": ("finetune_lora_ds.sh", 2, LORA + ["--deepspeed", ZERO3]),
     "qlora-single": ("finetune_qlora_single_gpu.sh", 1, LORA),
     "qlora-ddp": ("finetune_qlora_single_gpu.sh", 2, LORA),
     "qlora-zero2": ("finetune_qlora_ds.sh", 2, LORA),
@@ -48,11 +50,27 @@ def free_port():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("ds-data") / "toy.jsonl", TOY * 4)  # 32 samples
+    """32 distinct conversations: TOY four times, each copy's first turn tagged with its copy number."""
+    records = []
+    for copy in range(4):
+        for r in json.loads(json.dumps(TOY)):
+            turns = r.get("conversations") or r.get("messages")
+            key = "value" if "conversations" in r else "content"
+            first = next(t for t in turns if t.get("from", t.get("role")) in ("human", "user"))
+            first[key] += f" (copy {copy})"
+            r["id"] = f"{r['id']}-{copy}"
+            records.append(r)
+    return write_jsonl(tmp_path_factory.mktemp("ds-data") / "toy.jsonl", records)
+
+
+def model_dir(cell):
+    import assets
+
+    return assets.tiny_qwen2_dir(zero_chat_rows=cell.endswith("new-chat-tokens"))
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, data, tmp_path_factory):
+def runs(data, tmp_path_factory):
     """Run a cell once per module (a cell's result is used by several tests)."""
     done = {}
 
@@ -66,7 +84,7 @@ def runs(tiny_model_dir, data, tmp_path_factory):
                    "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
                    "SFT_PROGRAM": os.path.join(ROOT, "tests", "dist_worker.py"), "SFT_TEST_REPORT_DIR": str(report)}
             env.pop("GPUS_PER_NODE", None)
-            cmd = ["bash", os.path.join(FT, script), "-m", tiny_model_dir, "-d", data, "--output_dir", str(out),
+            cmd = ["bash", os.path.join(FT, script), "-m", model_dir(cell), "-d", data, "--output_dir", str(out),
                    *COMMON, *flags]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp))
             assert r.returncode == 0, f"{cell}: exit {r.returncode}\n{r.stderr[-4000:]}"
@@ -95,7 +113,7 @@ def reload(cell, out, base_dir):
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
-def test_cell_trains_follows_cosine_saves_and_reloads_equal(cell, runs, tiny_model_dir, qwen_tok):
+def test_cell_trains_follows_cosine_saves_and_reloads_equal(cell, runs, qwen_tok):
     res = runs(cell)
     r0 = res["ranks"][0]
     _, nproc, flags = CELLS[cell]
@@ -114,11 +132,15 @@ def test_cell_trains_follows_cosine_saves_and_reloads_equal(cell, runs, tiny_mod
     tok, _ = qwen_tok
     from dist_worker import PROBE
 
-    model = reload(cell, res["out"], tiny_model_dir).eval()
+    model = reload(cell, res["out"], model_dir(cell)).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([tok(PROBE)["input_ids"]])).logits.float()
     torch.testing.assert_close(logits, res["logits"], rtol=1e-5, atol=1e-5)
     if not cell.startswith("full"):
+        new_tokens = cell.endswith("new-chat-tokens")
+        # decided from the gathered embedding rows, also under ZeRO-3 (where a rank holds a shard only)
+        assert (f"train embeddings: {new_tokens} (auto: "
+                + ("embedding rows of" if new_tokens else "chat tokens")) in res["stderr"], res["stderr"][-3000:]
         from safetensors.torch import load_file
 
         adapter = load_file(os.path.join(res["out"], "adapter_model.safetensors"))
