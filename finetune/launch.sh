@@ -58,6 +58,7 @@ if (( NGPU > 0 )); then
 else
   NPROC="${NPROC_PER_NODE:-1}"
   DEVICE="cpu"
+  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"  # DeepSpeed's choice anyway, without its warning per process
 fi
 is_uint "$NPROC" && (( NPROC >= 1 )) || die "processes per node=$NPROC: must be a whole number >= 1"
 

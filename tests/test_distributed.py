@@ -36,19 +36,4 @@ def test_two_processes_train_one_model_on_disjoint_samples(tiny_model_dir, toy_d
     assert "world size 2" in r.stderr and "global batch 4" in r.stderr
     assert os.path.isfile(tmp_path / "out" / "adapter_model.safetensors")
 
-
-def test_launcher_runs_finetune_py_with_two_cpu_processes(tiny_model_dir, toy_data, tmp_path):
-    env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1",
-           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    env.pop("GPUS_PER_NODE", None)
-    out = tmp_path / "out"
-    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), "-m", tiny_model_dir,
-                        "-d", toy_data, "--output_dir", str(out), "--max_steps", "2", "--lora_r", "4",
-                        "--gradient_accumulation_steps", "1", "--per_device_train_batch_size", "2",
-                        "--disable_tqdm", "True"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "world size 2" in r.stderr and "global batch 4" in r.stderr
-    assert os.path.isfile(out / "adapter_model.safetensors")
-    state = json.load(open(out / "trainer_state.json"))
-    assert state["global_step"] == 2
+# The launcher and every preset under torchrun: tests/test_deepspeed.py (the support matrix).
