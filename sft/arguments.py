@@ -140,7 +140,7 @@ class TrainingArguments(transformers.TrainingArguments):
         # transformers reads --deepspeed while parsing and raises a bare traceback on a bad file: check it
         # first; a config with problems is dropped here and the problems reported by validate().
         self.deepspeed_requested, self.deepspeed_problems, self.zero_stage = self.deepspeed, [], 0
-        if isinstance(self.deepspeed, str) and self.deepspeed:
+        if isinstance(self.deepspeed, str):
             from .ds_config import read_ds_config, zero_stage
 
             config, self.deepspeed_problems = read_ds_config(self.deepspeed, str(getattr(
@@ -149,6 +149,8 @@ class TrainingArguments(transformers.TrainingArguments):
                 self.deepspeed = None
             else:
                 self.zero_stage = zero_stage(config)
+                if self.deepspeed.lstrip().startswith("{"):  # inline JSON (e.g. a YAML mapping): pass the dict
+                    self.deepspeed = config
                 from .ds_compat import skip_shm_comm_op_build
 
                 skip_shm_comm_op_build()
@@ -403,6 +405,8 @@ def _check_training(t) -> list[str]:
 def _check_lora(model_args, t, lora_args) -> list[str]:
     p = []
     if lora_args.q_lora:
+        from .ds_config import EXAMPLE
+
         if not t.use_lora:
             p.append("--q_lora True: Q-LoRA trains a LoRA adapter on the 4-bit base model; add --use_lora True")
         if not _importable("bitsandbytes"):
@@ -411,7 +415,7 @@ def _check_lora(model_args, t, lora_args) -> list[str]:
         if t.zero_stage == 3:
             p.append(f"--q_lora True with --deepspeed {t.deepspeed_requested} (ZeRO-3): ZeRO-3 partitions every "
                      "weight across ranks, and bitsandbytes' packed 4-bit weights cannot be partitioned or gathered "
-                     "by it; use ZeRO-2 (--deepspeed finetune/ds_config_zero2.json, the finetune_qlora_ds.sh "
+                     f"by it; use ZeRO-2 (--deepspeed {EXAMPLE}, the finetune_qlora_ds.sh "
                      "default: the frozen 4-bit base is replicated, adapter gradients and optimizer state are "
                      "sharded) or plain LoRA (--q_lora False) with ZeRO-3")
     if lora_args.lora_r <= 0:

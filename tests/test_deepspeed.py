@@ -183,7 +183,30 @@ BAD_DS = [
      'has a "scheduler" block (WarmupLR); DeepSpeed would use it instead of --lr_scheduler_type linear'),
     ("batch-mismatch", '{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}',
      ["--deepspeed", "{c}", "--per_device_train_batch_size", "1"],
-     "JSON train_micro_batch_size_per_gpu=4 but flag per_device_train_batch_size=1; set the JSON value to \"auto\""),
+     "JSON train_micro_batch_size_per_gpu=4 but --per_device_train_batch_size=1; set the JSON value to \"auto\""),
+    # found by an adversarial run: each of these used to pass the check and crash after loading, or crash
+    # with a traceback inside transformers while the flags were parsed
+    ("no-batch-size", '{"zero_optimization": {"stage": 0}}', ["--deepspeed", "{c}"],
+     'neither "train_micro_batch_size_per_gpu" nor "train_batch_size"; add "train_micro_batch_size_per_gpu": "auto"'),
+    ("fp16-not-object", '{"zero_optimization": {"stage": 2}, "fp16": true}', ["--deepspeed", "{c}"],
+     '"fp16" must be an object {...} (got true)'),
+    ("optimizer-int", '{"zero_optimization": {"stage": 2}, "optimizer": 5}', ["--deepspeed", "{c}"],
+     '"optimizer" must be an object {...} (got 5)'),
+    ("optimizer-null", '{"zero_optimization": {"stage": 2}, "optimizer": null}', ["--deepspeed", "{c}"],
+     '"optimizer" must be an object {...} (got null)'),
+    ("optimizer-params-str", '{"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": "x"}}',
+     ["--deepspeed", "{c}"], '"optimizer.params" must be an object {...} (got "x")'),
+    ("deep-json", '{"a": ' + "[" * 100000 + "]" * 100000 + "}", ["--deepspeed", "{c}"], "JSON nested too deeply"),
+    ("no-zero-block", "{}", ["--deepspeed", "{c}"], 'no "zero_optimization" block; add e.g. "zero_optimization"'),
+    ("misspelled-zero-key", '{"zero_optimization": {"Stage": 3}, "train_micro_batch_size_per_gpu": "auto"}',
+     ["--deepspeed", "{c}"], 'unknown key zero_optimization.Stage (did you mean "stage"?)'),
+    ("offload-compiles-cpu-adam", '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, '
+     '"train_micro_batch_size_per_gpu": "auto"}', ["--deepspeed", "{c}"],
+     'offload_optimizer with transformers\' optimizer needs "zero_force_ds_cpu_optimizer": false'),
+    ("empty-flag", None, ["--deepspeed", ""], "--deepspeed is empty; give a DeepSpeed JSON config"),
+    ("inline-json-zero3-qlora", None, ["--deepspeed", '{"zero_optimization": {"stage": 3}, '
+     '"train_micro_batch_size_per_gpu": "auto"}', "--use_lora", "True", "--q_lora", "True"],
+     "(ZeRO-3): ZeRO-3 partitions every weight"),
     ("qlora-zero3", None, ["--deepspeed", ZERO3, "--use_lora", "True", "--q_lora", "True"],
      "(ZeRO-3): ZeRO-3 partitions every weight across ranks"),
     ("qlora-without-lora", None, ["--q_lora", "True"], "--q_lora True: Q-LoRA trains a LoRA adapter on the 4-bit "
@@ -226,7 +249,7 @@ def test_qlora_preset_refuses_zero3_in_seconds_before_loading(tiny_model_dir, tm
                         "--output_dir", str(tmp_path / "out"), "--deepspeed", ZERO3],
                        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "use ZeRO-2 (--deepspeed finetune/ds_config_zero2.json" in r.stderr and "Traceback" not in r.stderr
+    assert f"use ZeRO-2 (--deepspeed {ZERO2}" in r.stderr and "Traceback" not in r.stderr
     assert "LoRA r=" not in r.stderr  # the model was never loaded
     assert not (tmp_path / "out").exists()
 
@@ -271,3 +294,17 @@ def test_presets_pass_bash_n_and_print_help():
         assert subprocess.run(["bash", "-n", os.path.join(FT, name)]).returncode == 0, name
     r = subprocess.run(["bash", os.path.join(FT, "finetune_qlora_ds.sh"), "-h"], capture_output=True, text=True)
     assert r.returncode == 0 and "--q_lora True --deepspeed" in r.stdout and "NNODES" in r.stdout
+
+
+def test_deepspeed_config_as_a_yaml_mapping(tiny_model_dir, tmp_path, capsys, forget_ds_config):
+    """A YAML `deepspeed:` mapping becomes inline JSON and is checked like a file (here: ZeRO-3 + Q-LoRA)."""
+    import finetune
+
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("deepspeed:\n  zero_optimization: {stage: 3}\n  train_micro_batch_size_per_gpu: auto\n"
+                   "use_lora: true\nq_lora: true\n")
+    data = write_jsonl(tmp_path / "toy.jsonl", TOY)
+    rc = finetune.main(["--config", str(cfg), "--model_name_or_path", tiny_model_dir, "--data_path", data,
+                        "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--deepspeed (inline JSON)" not in err and "(ZeRO-3): ZeRO-3 partitions" in err, err
