@@ -47,7 +47,14 @@ def main(argv=None) -> int:
             raise
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(f"{prefix}error: {_user_message(e)}", file=sys.stderr)
+        from sft.errors import PREEMPTED_EXIT_CODE
+
+        if e.exit_code == PREEMPTED_EXIT_CODE:
+            from sft.preemption import report_exit_code
+
+            report_exit_code(e.exit_code)
+        label = "preempted" if e.exit_code == PREEMPTED_EXIT_CODE else "error"
+        print(f"{prefix}{label}: {_user_message(e)}", file=sys.stderr)
         return e.exit_code
 
 

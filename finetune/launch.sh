@@ -71,5 +71,31 @@ fi
 # Several processes: check flags and data once, in one process, so a mistake is reported once and
 # cleanly instead of by every rank and then by torchrun.
 SFT_CHECK_ONLY=1 "$PYTHON" "$ROOT/finetune.py" "${ARGS[@]}" || exit $?
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$ROOT/finetune.py" "${ARGS[@]}"
+
+# Preemption (README "Resume and preemption"): SIGTERM/SIGINT to this script is passed to torchrun, whose
+# agent passes it to every worker and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds before SIGKILL (torch's
+# default, 30 s, is raised here to cover --preemption_timeout). torchrun itself then fails with its own
+# code, so the workers report theirs in SFT_EXIT_CODE_FILE and this script exits 75 when any rank was
+# preempted (also when the signal reached only the workers, e.g. SLURM signalling every process).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-360}"
+SFT_EXIT_CODE_FILE="$(mktemp "${TMPDIR:-/tmp}/sft-exit.XXXXXX")"
+export SFT_EXIT_CODE_FILE
+trap 'rm -f "$SFT_EXIT_CODE_FILE"' EXIT
+"$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$ROOT/finetune.py" "${ARGS[@]}" &
+CHILD=$!
+SIGNALLED=""
+forward() { if [[ -z "$SIGNALLED" ]]; then SIGNALLED="$1"; kill -s "$1" "$CHILD" 2>/dev/null || true; fi; }
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+while :; do
+  rc=0; wait "$CHILD" || rc=$?
+  # a trapped signal interrupts wait (rc > 128) while torchrun still runs: wait again for its real exit
+  if (( rc > 128 )) && kill -0 "$CHILD" 2>/dev/null; then continue; fi
+  break
+done
+if (( rc != 0 )) && { [[ -n "$SIGNALLED" ]] || grep -qx 75 "$SFT_EXIT_CODE_FILE"; }; then
+  echo "launch: preempted; the checkpoint is in --output_dir; run the same command again to resume (exit 75)" >&2
+  exit 75
+fi
+exit "$rc"
