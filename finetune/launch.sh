@@ -5,11 +5,14 @@
 # Usage: finetune/launch.sh -m MODEL_DIR -d DATA_FILE [finetune.py flags ...]
 #
 # Environment (all optional):
-#   NNODES (1)  NODE_RANK (0)  MASTER_ADDR (localhost)  MASTER_PORT (6001)
+#   NNODES (1)  NODE_RANK (0)  MASTER_ADDR (localhost; required when NNODES > 1)  MASTER_PORT (6001)
 #   GPUS_PER_NODE  processes per node on a GPU machine (default: every visible GPU)
 #   NPROC_PER_NODE processes per node on a machine without GPUs (default 1)
 #   PYTHON       interpreter (default: the repository's .venv if present, else python3)
 #   SFT_PRESET_FLAGS  flags a preset puts before the user's (the user's, given later, win)
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits for workers after SIGTERM (default here 360)
+#
+# Exit code 75: preempted (SIGTERM/SIGINT); a checkpoint was saved and the same command resumes.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,11 +40,15 @@ done
 is_uint() { [[ "$1" =~ ^(0|[1-9][0-9]{0,8})$ ]]; }
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR_GIVEN="${MASTER_ADDR:-}"
 MASTER_ADDR="${MASTER_ADDR:-localhost}"
 MASTER_PORT="${MASTER_PORT:-6001}"
 is_uint "$NNODES" && (( NNODES >= 1 )) || die "NNODES=$NNODES: must be a whole number >= 1"
 is_uint "$NODE_RANK" && (( NODE_RANK < NNODES )) || die "NODE_RANK=$NODE_RANK: must be in [0, NNODES=$NNODES)"
 is_uint "$MASTER_PORT" && (( MASTER_PORT >= 1 && MASTER_PORT <= 65535 )) || die "MASTER_PORT=$MASTER_PORT: must be in 1-65535"
+if (( NNODES > 1 )) && [[ -z "$MASTER_ADDR_GIVEN" ]]; then
+  die "MASTER_ADDR is not set: with NNODES=$NNODES every node must be given the address of node rank 0 (localhost would make each node train alone)"
+fi
 
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi

@@ -285,7 +285,13 @@ def parse_args(argv: Optional[list[str]] = None):
         model_args, data_args, training_args, lora_args, _ = parser.parse_args_into_dataclasses(
             args=argv, return_remaining_strings=False
         )
-    except ValueError as e:  # raised by TrainingArguments.__post_init__
+    except ValueError as e:  # raised by TrainingArguments.__post_init__, or for flags no dataclass has
+        if "not used by the HfArgumentParser" in str(e):
+            known = _flag_names() | {"config"}
+            names = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+            unknown = [u for u in names if u[2:] not in known and not (u.startswith("--no_") and u[5:] in known)]
+            raise ConfigError([f"unknown flag {u}" + _suggest(u[2:], known).replace("'", "'--", 1)
+                               + "; see finetune.py -h for the flags" for u in unknown] or [str(e).strip()]) from None
         raise ConfigError([str(e).strip()]) from None
     return model_args, data_args, training_args, lora_args
 
