@@ -68,6 +68,7 @@ def command(a, out: str) -> list[str]:
              "--max_steps", str(a.steps), "--per_device_train_batch_size", "2", "--learning_rate", "1e-2",
              "--save_strategy", "steps", "--save_steps", str(a.save_steps), "--save_total_limit", "2",
              "--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "True", "--seed", str(a.seed)]
+    flags += a.extra.split()
     if a.mode == "lora":
         flags += ["--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0.05"]
     else:
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="model folder (default: the tiny test model)")
     ap.add_argument("--data", help="data file (default: 8 toy conversations)")
     ap.add_argument("--seed", type=int, default=0, help="training seed")
+    ap.add_argument("--extra", default="", help="more finetune.py flags, e.g. '--group_by_length True'")
     ap.add_argument("--kill_seed", type=int, default=None, help="seed of the random kill moments (default: random)")
     ap.add_argument("--workdir", help="where runs go (default: a temporary folder, deleted at the end)")
     a = ap.parse_args(argv)

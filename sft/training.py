@@ -99,7 +99,9 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     if training_args.use_lora:
         model = apply_lora(model, tok, model_args, lora_args, training_args, grew)
     check_optimizer_and_scheduler(training_args, model)
-    trainer = transformers.Trainer(
+    from .sampling import Trainer  # transformers.Trainer whose --group_by_length order resumes exactly
+
+    trainer = Trainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=make_collator(tok), processing_class=tok, callbacks=callbacks,
     )
