@@ -7,7 +7,8 @@
 Flags: ``python finetune.py -h``. Errors the user can fix exit with code 2 and a one-paragraph
 message; set SFT_DEBUG=1 to also see the Python traceback. With SFT_CHECK_ONLY=1 the run stops
 after checking the configuration and every data record (exit 0 when all is well); the launcher
-does this once before starting several processes.
+does this once before starting several processes. On SIGTERM/SIGINT the run finishes its optimizer
+step, saves a checkpoint and exits with 75 (sft.errors.PREEMPTED_EXIT_CODE); the same command resumes.
 """
 import os
 import sys
