@@ -3,9 +3,9 @@
 to the uninterrupted run?
 
 Trains once without interruption (the reference), then for each iteration: starts the same command in
-a fresh --output_dir, SIGKILLs its whole process group at a random moment (after a random number of
-checkpoints appeared, plus a random delay, so that some kills land while a checkpoint is being
-written), runs the same command again to the end (it resumes with ``auto``), and compares every
+a fresh --output_dir, SIGKILLs its whole process group at a random moment (a random delay after a
+random checkpoint-k appeared, which mostly lands inside that save, or after it was complete, which
+lands in a later training step), runs the same command again to the end (it resumes with ``auto``), and compares every
 tensor of the final adapter/model with the reference's, bit for bit. Prints one line per iteration
 and ``exact: K/N``; exits 0 only when all N were exact.
 
@@ -98,14 +98,18 @@ def run_to_end(cmd, log_path) -> int:
 def kill_at_random(cmd, out, log_path, rng, steps, sig=signal.SIGKILL) -> str:
     """Start ``cmd``; once ``checkpoint-k`` (random k) exists, wait a random delay, then send ``sig``: SIGKILL to
     the whole process group (a crash), any other signal to the top process only (as a scheduler does)."""
+    from sft.checkpoint import checkpoint_dirs, is_complete
+
     k = rng.randint(1, steps - 1)
     delay = rng.uniform(0.0, 0.5)
+    # "save": from the moment checkpoint-k's folder appears (usually lands inside the save);
+    # "step": from the moment checkpoint-k is complete (lands in the following steps)
+    phase = rng.choice(["save", "step"])
     with open(log_path, "ab") as log:
         p = start(cmd, log)
         deadline = time.monotonic() + 600
         while p.poll() is None and time.monotonic() < deadline:
-            names = os.listdir(out) if os.path.isdir(out) else []
-            if any(n.startswith("checkpoint-") and int(n.split("-")[1]) >= k for n in names if n[11:].isdigit()):
+            if any(s >= k and (phase == "save" or is_complete(c)) for s, c in checkpoint_dirs(out)):
                 time.sleep(delay)
                 break
             time.sleep(0.005)
@@ -123,10 +127,9 @@ def kill_at_random(cmd, out, log_path, rng, steps, sig=signal.SIGKILL) -> str:
                 os.killpg(p.pid, signal.SIGKILL)
                 rc = p.wait()
             how = f"{sig.name} -> exit {rc}"
-    from sft.checkpoint import checkpoint_dirs, is_complete
-
     state = ", ".join(f"{os.path.basename(c)}{'' if is_complete(c) else ' (incomplete)'}" for _, c in checkpoint_dirs(out))
-    return f"{how} after checkpoint-{k} +{delay:.2f}s; left: {state or 'nothing'}"
+    when = "appeared" if phase == "save" else "was complete"
+    return f"{how} {delay:.2f}s after checkpoint-{k} {when}; left: {state or 'nothing'}"
 
 
 def weights(out: str) -> dict:
