@@ -53,6 +53,7 @@ class PreemptionHandler(TrainerCallback):
         self.signum: Optional[int] = None  # first signal received by this process
         self.stopped_at: Optional[int] = None  # global step at which all ranks agreed to stop
         self._previous = {}
+        self._watchdog: Optional[threading.Timer] = None
 
     # ---- signals -------------------------------------------------------------------------------
     def install(self) -> "PreemptionHandler":
@@ -62,9 +63,12 @@ class PreemptionHandler(TrainerCallback):
         return self
 
     def uninstall(self) -> None:
+        """Restore the previous handlers and cancel the watchdog (the run is over)."""
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous.clear()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
 
     def _on_signal(self, signum, frame):
         if self.signum is not None:
@@ -75,9 +79,9 @@ class PreemptionHandler(TrainerCallback):
         os.write(2, (f"[sft rank{rank}] WARNING received {signal.Signals(signum).name}: finishing the current "
                      f"optimizer step, then saving a checkpoint (exit {PREEMPTED_EXIT_CODE}; forced after "
                      f"{self.timeout_s:g} s)\n").encode())
-        t = threading.Timer(self.timeout_s, self._force_exit)
-        t.daemon = True
-        t.start()
+        self._watchdog = threading.Timer(self.timeout_s, self._force_exit)
+        self._watchdog.daemon = True
+        self._watchdog.start()
 
     def _force_exit(self):
         rank = os.environ.get("RANK", "0")

@@ -134,8 +134,10 @@ def run(model_args, data_args, training_args, lora_args) -> str:
     from .preemption import Preempted, PreemptionHandler
 
     setup_logging()
-    preemption = PreemptionHandler(training_args.preemption_timeout).install()  # before loading: a signal
-    try:  # during loading still ends in a checkpoint after the first step
+    # Installed before loading (a signal then still ends in a checkpoint after the first step) and kept
+    # through the final save (a signal there only starts the watchdog that bounds the time to exit).
+    preemption = PreemptionHandler(training_args.preemption_timeout).install()
+    try:
         resume = resolve_resume(training_args)
         callbacks = [install(training_args), preemption]
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)
@@ -143,13 +145,13 @@ def run(model_args, data_args, training_args, lora_args) -> str:
             logger.info("resuming from %s", os.path.abspath(resume))
             warn_if_different(resume, training_args)
         trainer.train(resume_from_checkpoint=resume)
+        if preemption.preempted and trainer.state.global_step < trainer.state.max_steps:
+            where = os.path.join(os.path.abspath(training_args.output_dir), f"checkpoint-{preemption.stopped_at}")
+            raise Preempted(f"stopped by {signal_name(preemption.signum)} at step {preemption.stopped_at} of "
+                            f"{trainer.state.max_steps}; checkpoint {where}; run the same command again to resume")
+        save(trainer, tok, eot, training_args.output_dir)
     finally:
         preemption.uninstall()
-    if preemption.preempted and trainer.state.global_step < trainer.state.max_steps:
-        where = os.path.join(os.path.abspath(training_args.output_dir), f"checkpoint-{preemption.stopped_at}")
-        raise Preempted(f"stopped by {signal_name(preemption.signum)} at step {preemption.stopped_at} of "
-                        f"{trainer.state.max_steps}; checkpoint {where}; run the same command again to resume")
-    save(trainer, tok, eot, training_args.output_dir)
     if trainer.is_world_process_zero():
         kind = "adapter" if training_args.use_lora else "model"
         logger.info("saved %s, tokenizer and generation config to %s", kind, os.path.abspath(training_args.output_dir))

@@ -123,9 +123,12 @@ def test_signal_sets_flag_and_all_ranks_stop_at_step_end(monkeypatch):
         assert h.signum == signal.SIGTERM
         h.on_step_end(args, state, control)
         assert control.should_save and control.should_training_stop and h.stopped_at == 7
+        assert h._watchdog.is_alive()
     finally:
-        h.uninstall()
+        h.uninstall()  # also cancels the watchdog, which would otherwise end this process with 75
     assert signal.getsignal(signal.SIGTERM) is before
+    h._watchdog.join(5)
+    assert not h._watchdog.is_alive()
 
 
 def test_watchdog_exits_75_when_the_stop_takes_too_long(tmp_path):
