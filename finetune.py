@@ -7,7 +7,8 @@
 Flags: ``python finetune.py -h``. Errors the user can fix exit with code 2 and a one-paragraph
 message; set SFT_DEBUG=1 to also see the Python traceback. With SFT_CHECK_ONLY=1 the run stops
 after checking the configuration and every data record (exit 0 when all is well); the launcher
-does this once before starting several processes.
+does this once before starting several processes. On SIGTERM/SIGINT the run finishes its optimizer
+step, saves a checkpoint and exits with 75 (sft.errors.PREEMPTED_EXIT_CODE); the same command resumes.
 """
 import os
 import sys
@@ -47,7 +48,14 @@ def main(argv=None) -> int:
             raise
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(f"{prefix}error: {_user_message(e)}", file=sys.stderr)
+        from sft.errors import PREEMPTED_EXIT_CODE
+
+        if e.exit_code == PREEMPTED_EXIT_CODE:
+            from sft.preemption import report_exit_code
+
+            report_exit_code(e.exit_code)
+        label = "preempted" if e.exit_code == PREEMPTED_EXIT_CODE else "error"
+        print(f"{prefix}{label}: {_user_message(e)}", file=sys.stderr)
         return e.exit_code
 
 

@@ -126,6 +126,11 @@ class TrainingArguments(transformers.TrainingArguments):
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Allow writing into a non-empty --output_dir."}
     )
+    preemption_timeout: float = field(
+        default=300.0,
+        metadata={"help": "Seconds from SIGTERM/SIGINT to a forced exit (code 75) if the current step and the "
+                  "checkpoint have not finished by then; the last complete checkpoint is kept."},
+    )
 
     def __post_init__(self):
         if self.evaluation_strategy is not None:
@@ -295,7 +300,13 @@ def parse_args(argv: Optional[list[str]] = None):
         model_args, data_args, training_args, lora_args, _ = parser.parse_args_into_dataclasses(
             args=argv, return_remaining_strings=False
         )
-    except ValueError as e:  # raised by TrainingArguments.__post_init__
+    except ValueError as e:  # raised by TrainingArguments.__post_init__, or for flags no dataclass has
+        if "not used by the HfArgumentParser" in str(e):
+            known = _flag_names() | {"config"}
+            names = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+            unknown = [u for u in names if u[2:] not in known and not (u.startswith("--no_") and u[5:] in known)]
+            raise ConfigError([f"unknown flag {u}" + _suggest(u[2:], known).replace("'", "'--", 1)
+                               + "; see finetune.py -h for the flags" for u in unknown] or [str(e).strip()]) from None
         raise ConfigError([str(e).strip()]) from None
     return model_args, data_args, training_args, lora_args
 
@@ -381,6 +392,8 @@ def _check_training(t) -> list[str]:
         p.append(f"--dataloader_num_workers {t.dataloader_num_workers}: must be >= 0")
     if t.warmup_ratio is not None and not 0 <= t.warmup_ratio < 1:
         p.append(f"--warmup_ratio {t.warmup_ratio}: must be in [0, 1)")
+    if not (math.isfinite(t.preemption_timeout) and t.preemption_timeout > 0):
+        p.append(f"--preemption_timeout {t.preemption_timeout}: must be a number of seconds > 0 (e.g. 300)")
     if not 0 <= t.seed < 2**32:
         p.append(f"--seed {t.seed}: must be in [0, 2**32)")
     if t.fp16_requested_without_cuda:
@@ -433,11 +446,6 @@ def _check_lora(model_args, t, lora_args) -> list[str]:
     return p
 
 
-def _inside(path: str, folder: str) -> bool:
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return os.path.commonpath([path, folder]) == folder
-
-
 def _check_output(t) -> list[str]:
     out = t.output_dir
     if not out:
@@ -455,12 +463,10 @@ def _check_output(t) -> list[str]:
         p.append(f"--output_dir {out}: {parent} is a file, so the folder cannot be created; choose another path")
     elif not os.access(parent, os.W_OK | os.X_OK):
         p.append(f"--output_dir {out}: {parent} is not writable; choose a folder you can write to")
-    resume = t.resume_from_checkpoint
-    is_ckpt = bool(resume) and os.path.isfile(os.path.join(resume, "trainer_state.json"))
-    if resume and not is_ckpt:
-        p.append(f"--resume_from_checkpoint {resume}: not a checkpoint folder (no trainer_state.json); give a "
-                 "checkpoint-N folder written by an earlier run")
-    resuming_here = is_ckpt and os.path.isdir(out) and _inside(resume, out)
+    from .checkpoint import check_resume
+
+    resume_problems, resuming_here = check_resume(t)
+    p += resume_problems
     if os.path.isdir(out) and os.listdir(out) and not t.overwrite_output_dir and not resuming_here:
         p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
                  "into it anyway, or choose another folder")

@@ -48,3 +48,8 @@ def explain_load_errors(what: str, path: str, fix: str):
             raise SFTError(f"{path}: cannot load the {what} ({type(e).__name__}: {first}); {fix}") from e
 
     return _cm()
+
+
+# Exit code of a run stopped by SIGTERM/SIGINT after saving a checkpoint: sysexits.h EX_TEMPFAIL
+# ("temporary failure; retry"). Job scripts requeue on it; the same command then resumes.
+PREEMPTED_EXIT_CODE = 75

@@ -92,11 +92,16 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     train_ds = make_dataset("train", train_convs, data_args.data_path, tok, eot, data_args, training_args)
     eval_ds = (make_dataset("eval", eval_convs, data_args.eval_data_path, tok, eot, data_args, training_args)
                if eval_convs is not None else None)
+    # Seed before the model exists: LoRA's A matrices (and any new embedding rows) are drawn from the global
+    # RNG, and how much of it data preparation consumed differs between a cache miss and a cache hit.
+    (transformers.enable_full_determinism if training_args.full_determinism else transformers.set_seed)(training_args.seed)
     model, grew = load_model(model_args, training_args, tok, grew, lora_args)
     if training_args.use_lora:
         model = apply_lora(model, tok, model_args, lora_args, training_args, grew)
     check_optimizer_and_scheduler(training_args, model)
-    trainer = transformers.Trainer(
+    from .sampling import Trainer  # transformers.Trainer whose --group_by_length order resumes exactly
+
+    trainer = Trainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=make_collator(tok), processing_class=tok, callbacks=callbacks,
     )
@@ -117,12 +122,46 @@ def save(trainer, tok, eot_id: int, output_dir: str) -> None:
 
 
 def run(model_args, data_args, training_args, lora_args) -> str:
-    """Train and save. Returns the output folder."""
+    """Train and save. Returns the output folder.
+
+    Resumes from :func:`sft.checkpoint.resolve_resume` (``auto`` by default), writes checkpoints with a
+    completion marker (:mod:`sft.checkpoint`), and stops cleanly on SIGTERM/SIGINT (:mod:`sft.preemption`).
+
+    Raises:
+        Preempted: a signal stopped training after a checkpoint was saved (exit code 75).
+    """
+    from .checkpoint import install, resolve_resume, warn_if_different
+    from .preemption import Preempted, PreemptionHandler
+
     setup_logging()
-    trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    save(trainer, tok, eot, training_args.output_dir)
+    # Installed before loading (a signal then still ends in a checkpoint after the first step) and kept
+    # through the final save (a signal there only starts the watchdog that bounds the time to exit).
+    preemption = PreemptionHandler(training_args.preemption_timeout).install()
+    try:
+        resume = resolve_resume(training_args)
+        callbacks = [install(training_args), preemption]
+        trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)
+        if resume:
+            logger.info("resuming from %s", os.path.abspath(resume))
+            warn_if_different(resume, training_args)
+        trainer.train(resume_from_checkpoint=resume)
+        if preemption.preempted and trainer.state.global_step < trainer.state.max_steps:
+            where = os.path.join(os.path.abspath(training_args.output_dir), f"checkpoint-{preemption.stopped_at}")
+            raise Preempted(f"stopped by {signal_name(preemption.signum)} at step {preemption.stopped_at} of "
+                            f"{trainer.state.max_steps}; checkpoint {where}; run the same command again to resume")
+        save(trainer, tok, eot, training_args.output_dir)
+    finally:
+        preemption.uninstall()
     if trainer.is_world_process_zero():
         kind = "adapter" if training_args.use_lora else "model"
         logger.info("saved %s, tokenizer and generation config to %s", kind, os.path.abspath(training_args.output_dir))
     return training_args.output_dir
+
+
+def signal_name(signum) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except (ValueError, TypeError):
+        return "a signal (received by another rank)"

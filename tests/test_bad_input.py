@@ -242,3 +242,188 @@ def test_merge_overwrite_only_replaces_model_folders(tmp_path, tiny_model_dir, t
     merge_adapter(str(tmp_path / "lora"), str(merged))
     merge_adapter(str(tmp_path / "lora"), str(merged), overwrite=True)  # a model folder may be replaced
     assert (merged / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The bad-input corpus (issue #5): data, configuration and environment cases, each with the expected exit code
+# and a fragment of the expected message. Every case also checks: no traceback, the user's files (data folder,
+# model folder, an existing output folder) unchanged, and no checkpoint that `auto` resume could pick up.
+# DeepSpeed JSON and Q-LoRA cases live with those features.
+
+HUGE = {"id": "huge", "messages": [{"role": "user", "content": "word " * 200000}, {"role": "assistant", "content": "ok"}]}
+
+
+def _jl(*records):
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+GOOD = json.dumps(TOY[0])
+# (id, data file content (bytes; None = use good.jsonl) or a special path, extra flags, exit code, message fragment)
+DATA_CORPUS = [
+    ("broken-json-list", b'[{"id": "a", "messages": [}]', [], 2, "not valid JSON"),
+    ("broken-jsonl-line", (GOOD + '\n{"id": "b", oops}\n').encode(), [], 2, "line 2, column 13: not valid JSON"),
+    ("top-level-number", b"42", [], 2, "does not start with '[' or '{', so it is neither a JSON list nor JSONL"),
+    ("top-level-string", b'"hello"', [], 2, "does not start with '[' or '{'"),
+    ("list-of-numbers", b"[1, 2]", [], 2, "the record is a JSON int, not an object"),
+    ("record-is-a-list", b"[[1, 2]]", [], 2, "the record is a JSON list, not an object"),
+    ("missing-conversation-key", _jl({"id": "nokey", "text": "hi"}), [], 2, "id='nokey'"),
+    ("unknown-role", _jl({"id": "r", "messages": [{"role": "robot", "content": "beep"}]}), [], 2,
+     "unknown role 'robot'"),
+    ("empty-turn-list", _jl({"id": "e", "conversations": []}), [], 2, "'conversations' is empty"),
+    ("empty-text", _jl({"id": "t", "messages": [{"role": "user", "content": ""},
+                                                 {"role": "assistant", "content": "x"}]}), [], 2, "empty 'content'"),
+    ("null-text", _jl({"id": "n", "messages": [{"role": "user", "content": None},
+                                                {"role": "assistant", "content": "x"}]}), [], 2, "id='n', turn 0"),
+    ("null-role", _jl({"id": "nr", "messages": [{"role": None, "content": "a"},
+                                                 {"role": "assistant", "content": "x"}]}), [], 2, "id='nr', turn 0"),
+    ("turn-not-an-object", _jl({"id": "s", "messages": ["hello", {"role": "assistant", "content": "x"}]}), [], 2,
+     "id='s', turn 0"),
+    ("number-as-text", _jl({"id": "num", "messages": [{"role": "user", "content": 5},
+                                                       {"role": "assistant", "content": "x"}]}), [], 2, "id='num', turn 0"),
+    ("no-assistant-turn", _jl({"id": "u", "messages": [{"role": "user", "content": "hi"}]}), [], 2, "id='u'"),
+    ("non-utf8-bytes", GOOD.encode() + b'\n{"id": "latin", "messages": [{"role": "user", "content": "caf\xe9"}]}\n',
+     [], 2, "not UTF-8"),
+    ("empty-file", b"", [], 2, "the file is empty"),
+    ("whitespace-only-file", b"\n  \n\t\n", [], 2, "d.jsonl"),
+    ("single-huge-sample", _jl(HUGE), ["--model_max_length", "64"], 2,
+     "no sample has a supervised token within --model_max_length 64"),
+    ("every-sample-too-long", _jl(*LONG), ["--model_max_length", "32"], 2, "no sample has a supervised token"),
+    ("data-is-a-directory", "{d}", [], 2, "is a directory; give a .json or .jsonl file"),
+    ("data-missing", "{d}/nope.jsonl", [], 2, "--data_path {d}/nope.jsonl: no such file"),
+    ("eval-data-broken", None, ["--eval_data_path", "{d}/bad_eval.jsonl", "--eval_strategy", "steps",
+                                "--eval_steps", "1"], 2, "bad_eval.jsonl"),
+]
+
+
+@pytest.mark.parametrize("content,flags,code,fragment", [c[1:] for c in DATA_CORPUS], ids=[c[0] for c in DATA_CORPUS])
+def test_data_corpus(files, tiny_model_dir, capsys, content, flags, code, fragment):
+    write_jsonl(files / "bad_eval.jsonl", [{"id": "ev", "messages": [{"role": "wizard", "content": "x"}]}])
+    if content is None:
+        data = f"{files}/good.jsonl"
+    elif isinstance(content, str):
+        data = content.replace("{d}", str(files))
+    else:
+        (files / "d.jsonl").write_bytes(content)
+        data = f"{files}/d.jsonl"
+    run_corpus_case(files, tiny_model_dir, capsys, ["--data_path", data] + flags, code, fragment)
+
+
+def snapshot(*folders):
+    out = {}
+    for folder in folders:
+        for root, _, names in os.walk(folder):
+            for n in names:
+                p = os.path.join(root, n)
+                st = os.lstat(p)
+                out[p] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def run_corpus_case(files, model_dir, capsys, flags, code, fragment, out=None):
+    from sft.checkpoint import checkpoint_dirs, latest_complete
+
+    out = out or files / "out"
+    base = ["--model_name_or_path", model_dir, "--data_path", f"{files}/good.jsonl", "--output_dir", str(out),
+            "--max_steps", "1", "--report_to", "none", "--save_strategy", "steps", "--save_steps", "1",
+            "--disable_tqdm", "True"]
+    flags = [f.replace("{d}", str(files)).replace("{m}", model_dir) for f in flags]
+    before = snapshot(files, model_dir)
+    try:
+        rc = finetune.main(base + flags)
+    except SystemExit as e:  # argparse's own exit for an unknown flag
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == code, err[-2000:]
+    assert fragment.replace("{d}", str(files)) in err, err[-2000:]
+    assert "Traceback" not in err
+    assert snapshot(files, model_dir) == before, "a user file was changed"
+    if os.path.isdir(out):
+        assert not checkpoint_dirs(str(out)) and latest_complete(str(out)) is None
+    return err
+
+
+# (id, flags ({d} data folder, {m} tiny model), files to create {name: text}, exit code, message fragment)
+CONFIG_CORPUS = [
+    ("yaml-syntax-error", ["--config", "{d}/bad.yaml"], {"bad.yaml": "lora_r: [1,\nuse_lora: true\n"}, 2,
+     "not valid YAML (expected ',' or ']'"),
+    ("yaml-unknown-key", ["--config", "{d}/typo.yaml"], {"typo.yaml": "lora_rank: 8\n"}, 2,
+     "unknown key 'lora_rank'"),
+    ("yaml-top-level-list", ["--config", "{d}/list.yaml"], {"list.yaml": "- lora_r: 8\n"}, 2,
+     "top level is a list; it must be a mapping"),
+    ("yaml-missing-file", ["--config", "{d}/nope.yaml"], {}, 2, "nope.yaml: no such file"),
+    ("unknown-flag", ["--lora_alpah", "8"], {}, 2, "unknown flag --lora_alpah (did you mean '--lora_alpha'?)"),
+    ("model-folder-missing", ["--model_name_or_path", "{d}/no_model"], {}, 2,
+     "--model_name_or_path {d}/no_model: no such folder"),
+    ("model-path-is-a-file", ["--model_name_or_path", "{d}/afile"], {}, 2, "is a file; give the model's folder"),
+    ("output-dir-is-a-file", ["--output_dir", "{d}/afile"], {}, 2, "--output_dir {d}/afile: is a file"),
+    ("output-dir-not-empty", ["--output_dir", "{d}/only_config"], {}, 2, "the folder is not empty"),
+    ("fp16-on-cpu", ["--fp16", "True"], {}, 2, "fp16 training needs a CUDA GPU"),
+    ("fp16-and-bf16", ["--fp16", "True", "--bf16", "True"], {}, 2, "choose one precision"),
+    ("lora-flags-without-lora", ["--lora_target_modules", "q_proj"], {}, 2, "only apply with --use_lora True"),
+    ("lora-rank-0", ["--use_lora", "True", "--lora_r", "0"], {}, 2, "--lora_r 0: the LoRA rank must be a positive"),
+    ("lora-dropout-1", ["--use_lora", "True", "--lora_dropout", "1.5"], {}, 2, "--lora_dropout 1.5: must be in [0, 1)"),
+    ("model-max-length-tiny", ["--model_max_length", "2"], {}, 2, "--model_max_length 2: must be at least 8"),
+    ("resume-path-is-a-file", ["--resume_from_checkpoint", "{d}/afile"], {}, 2, "not a checkpoint folder"),
+    ("resume-lora-checkpoint-as-full", ["--resume_from_checkpoint", "{d}/lora_ckpt/checkpoint-2",
+                                        "--output_dir", "{d}/lora_ckpt"],
+     {"lora_ckpt/checkpoint-2/trainer_state.json": "{}", "lora_ckpt/checkpoint-2/adapter_model.safetensors": "x"}, 2,
+     "holds a LoRA adapter, but this run trains the full model"),
+    ("preemption-timeout-0", ["--preemption_timeout", "0"], {}, 2, "--preemption_timeout 0.0: must be a number of seconds"),
+]
+
+
+@pytest.mark.parametrize("flags,create,code,fragment", [c[1:] for c in CONFIG_CORPUS], ids=[c[0] for c in CONFIG_CORPUS])
+def test_config_corpus(files, tiny_model_dir, capsys, flags, create, code, fragment):
+    for name, text in create.items():
+        (files / name).parent.mkdir(parents=True, exist_ok=True)
+        (files / name).write_text(text)
+    run_corpus_case(files, tiny_model_dir, capsys, flags, code, fragment)
+
+
+def test_output_dir_not_writable(tmp_path, tiny_model_dir, toy_data):
+    """Root ignores directory permissions, so the check runs without CAP_DAC_OVERRIDE (setpriv)."""
+    import shutil
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    cmd = [sys.executable, os.path.join(ROOT, "finetune.py"), "--model_name_or_path", tiny_model_dir, "--data_path",
+           toy_data, "--output_dir", str(ro / "out")]
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv: cannot make a folder unwritable")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"--output_dir {ro}/out: {ro} is not writable" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and os.listdir(ro) == []
+
+
+# Launcher environment: (id, environment, arguments after the preset/launcher, exit code, message fragment).
+ENV_CORPUS = [
+    ("nnodes-0", {"NNODES": "0"}, [], 2, "NNODES=0: must be a whole number >= 1"),
+    ("nnodes-word", {"NNODES": "two"}, [], 2, "NNODES=two: must be a whole number >= 1"),
+    ("nnodes-negative", {"NNODES": "-1"}, [], 2, "NNODES=-1: must be a whole number >= 1"),
+    ("node-rank-too-big", {"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"}, [], 2,
+     "NODE_RANK=2: must be in [0, NNODES=2)"),
+    ("node-rank-word", {"NODE_RANK": "first"}, [], 2, "NODE_RANK=first: must be in [0, NNODES=1)"),
+    ("master-port-too-big", {"MASTER_PORT": "70000"}, [], 2, "MASTER_PORT=70000: must be in 1-65535"),
+    ("master-port-empty", {"MASTER_PORT": "x1"}, [], 2, "MASTER_PORT=x1: must be in 1-65535"),
+    ("nproc-0", {"NPROC_PER_NODE": "0"}, [], 2, "processes per node=0: must be a whole number >= 1"),
+    ("multi-node-without-master-addr", {"NNODES": "2", "NODE_RANK": "1"}, [], 2,
+     "MASTER_ADDR is not set: with NNODES=2 every node must be given the address of node rank 0"),
+    ("preset-without-model", {}, ["-d", "data.jsonl"], 2, "-m/--model MODEL_DIR is required"),
+    ("preset-without-data", {}, ["-m", "model"], 2, "-d/--data DATA_FILE is required"),
+    ("preset-flag-without-value", {}, ["-m"], 2, "-m needs a value (the model folder)"),
+]
+
+
+@pytest.mark.parametrize("env,args,code,fragment", [c[1:] for c in ENV_CORPUS], ids=[c[0] for c in ENV_CORPUS])
+def test_launcher_env_corpus(tmp_path, env, args, code, fragment):
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "GPUS_PER_NODE")}
+    argv = args or ["-m", "model", "-d", "data.jsonl"]
+    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), *argv],
+                       capture_output=True, text=True, env={**base, **env, "PYTHON": sys.executable}, timeout=60,
+                       cwd=str(tmp_path))
+    assert r.returncode == code and fragment in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and os.listdir(tmp_path) == []  # no output_lora folder was created

@@ -1,0 +1,268 @@
+"""Checkpoints that are complete or ignored, resume that finds them, rotation that keeps them.
+
+transformers 5.24's ``Trainer._save_checkpoint`` writes straight into ``OUTPUT_DIR/checkpoint-N``
+(model or adapter, optimizer, scheduler, one RNG file per rank, ``trainer_state.json``) with no barrier
+between the ranks' files and no mark of completion, and ``get_last_checkpoint`` takes the highest N
+even when its writing was killed (transformers#35782). Its ``enable_jit_checkpoint`` sentinel file is
+written only for its own SIGTERM checkpoints and not read by ``get_last_checkpoint``.
+
+Our rule (a completion marker, chosen over write-to-temp-and-rename because the Trainer, DeepSpeed and
+every rank write into the final folder name themselves):
+
+* after every rank has returned from the Trainer's save (a barrier), the saving process fsyncs the
+  folder's files and atomically writes :data:`MARKER` (temp file + ``os.replace``) listing every file
+  and its size;
+* a checkpoint is *complete* iff its marker exists, parses, and every listed file has its size;
+* ``auto`` resume takes the complete checkpoint with the highest step; incomplete ones are never used;
+* rotation (``--save_total_limit``) is ours (the Trainer's is switched off, because it runs before the
+  marker exists and could delete the last complete checkpoint while the new one is still unmarked):
+  it removes a checkpoint's marker first and then its files, never removes the newest complete
+  checkpoint or the best one (``state.best_model_checkpoint``), and clears incomplete leftovers.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from typing import Optional
+
+from transformers import TrainerCallback
+
+logger = logging.getLogger("sft")
+
+MARKER = "sft_checkpoint_complete.json"
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+AUTO_VALUES = ("auto", "true")  # "true": Qwen-era scripts pass --resume_from_checkpoint True
+
+
+def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
+    """``[(step, path)]`` of every ``checkpoint-N`` folder in ``output_dir``, by step (complete or not)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = _CKPT.match(name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isdir(path) and not os.path.islink(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def is_complete(path: str) -> bool:
+    """True iff ``path`` holds a readable :data:`MARKER` and every file it lists exists with its recorded size."""
+    try:
+        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        return all(os.path.getsize(os.path.join(path, name)) == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def latest_complete(output_dir: str) -> Optional[str]:
+    """The complete checkpoint with the highest step in ``output_dir``, or None."""
+    for _, path in reversed(checkpoint_dirs(output_dir)):
+        if is_complete(path):
+            return path
+    return None
+
+
+def _fsync(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems do not support fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def mark_complete(path: str, info: dict) -> None:
+    """Flush every file under ``path`` to disk, then write :data:`MARKER` atomically.
+
+    ``info`` (JSON-serializable) is stored next to the file list, e.g. world size and batch shape.
+    """
+    files = {}
+    for root, dirs, names in os.walk(path):
+        dirs.sort()
+        for name in sorted(names):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path)
+            if rel == MARKER or name.startswith(f".{MARKER}"):
+                continue
+            _fsync(full)
+            files[rel] = os.path.getsize(full)
+        _fsync(root, directory=True)
+    tmp = os.path.join(path, f".{MARKER}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({**info, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MARKER))
+    _fsync(path, directory=True)
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint so that no crash can leave it looking complete: marker first, then the files."""
+    try:
+        os.remove(os.path.join(path, MARKER))
+        _fsync(path, directory=True)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def rotate(output_dir: str, limit: Optional[int], best: Optional[str]) -> list[str]:
+    """Delete checkpoints beyond ``limit`` complete ones; return the deleted paths.
+
+    Kept: the newest complete checkpoint and ``best`` always (so up to ``limit`` or 2, whichever is
+    larger), then the newest complete others up to ``limit``. Incomplete folders are deleted whenever
+    a complete one exists (they can only be leftovers of a killed write; call this only right after
+    :func:`mark_complete`, while no other process writes checkpoints here). ``limit`` None or <= 0
+    deletes nothing.
+    """
+    if not limit or limit <= 0:
+        return []
+    entries = checkpoint_dirs(output_dir)
+    complete = [p for _, p in entries if is_complete(p)]
+    if not complete:
+        return []
+    best = os.path.realpath(best) if best else None
+    keep = {complete[-1]} | {p for p in complete if os.path.realpath(p) == best}
+    for p in reversed(complete):
+        if len(keep) >= limit:
+            break
+        keep.add(p)
+    doomed = [p for _, p in entries if p not in keep]
+    for p in doomed:
+        logger.info("deleting %s (--save_total_limit %d%s)", p, limit,
+                    "" if p in complete else "; it was incomplete")
+        remove_checkpoint(p)
+    return doomed
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class AtomicCheckpoints(TrainerCallback):
+    """Marks each checkpoint complete once every rank has saved it, then applies ``save_total_limit``.
+
+    Construct with the user's ``--save_total_limit`` and set ``training_args.save_total_limit = None``
+    (see :func:`install`), so that the Trainer's own rotation, which runs before the marker exists,
+    never deletes anything.
+    """
+
+    def __init__(self, save_total_limit: Optional[int], info: dict):
+        self.save_total_limit = save_total_limit
+        self.info = info
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # Checkpoints above the step we start from belong to an abandoned history (an explicit older
+        # --resume_from_checkpoint, or a killed write); they will be rewritten, so they must not look complete.
+        if args.should_save:
+            for step, path in checkpoint_dirs(args.output_dir):
+                if step > state.global_step and os.path.exists(os.path.join(path, MARKER)):
+                    logger.warning("%s is newer than the step this run starts from (%d); marking it incomplete "
+                                   "(it will be overwritten)", path, state.global_step)
+                    os.remove(os.path.join(path, MARKER))
+        _barrier()
+
+    def on_save(self, args, state, control, **kwargs):
+        _barrier()  # every rank's files (RNG state, shards) are written
+        if args.should_save:
+            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            mark_complete(path, {**self.info, "global_step": state.global_step})
+            rotate(args.output_dir, self.save_total_limit, state.best_model_checkpoint)
+
+
+def run_info(training_args) -> dict:
+    """What a checkpoint records about the run that wrote it (compared on resume)."""
+    return {"world_size": training_args.world_size,
+            "per_device_train_batch_size": training_args.per_device_train_batch_size,
+            "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+            "seed": training_args.seed, "use_lora": bool(getattr(training_args, "use_lora", False))}
+
+
+def install(training_args) -> AtomicCheckpoints:
+    """The callback for ``transformers.Trainer(callbacks=[...])``; moves ``save_total_limit`` from the Trainer
+    to it (side effect: ``training_args.save_total_limit`` becomes None)."""
+    cb = AtomicCheckpoints(training_args.save_total_limit, run_info(training_args))
+    training_args.save_total_limit = None
+    return cb
+
+
+def resolve_resume(training_args) -> Optional[str]:
+    """The checkpoint this run resumes from, or None for a fresh start.
+
+    ``--resume_from_checkpoint PATH`` is used as given (checked by :func:`check_resume`). ``auto`` (also
+    ``True``) takes :func:`latest_complete` of ``--output_dir`` (None when there is none). Unset means
+    ``auto`` unless ``--overwrite_output_dir True``.
+    """
+    value = training_args.resume_from_checkpoint
+    if value is None or str(value).strip().lower() in AUTO_VALUES:
+        if value is None and training_args.overwrite_output_dir:
+            return None
+        return latest_complete(training_args.output_dir)
+    return value
+
+
+def check_resume(training_args) -> tuple[list[str], bool]:
+    """Problems with the resume setting, and whether the run may write into a non-empty ``--output_dir``.
+
+    Returns:
+        ``(problems, output_dir_ok)``: ``output_dir_ok`` is True when the run resumes from a checkpoint
+        inside ``--output_dir``, or when ``--output_dir`` holds nothing but checkpoint folders (incomplete
+        leftovers of a killed first save: the run starts fresh and overwrites them).
+    """
+    out = training_args.output_dir
+    value = training_args.resume_from_checkpoint
+    explicit = value is not None and str(value).strip().lower() not in AUTO_VALUES
+    problems = []
+    if explicit:
+        if not os.path.isfile(os.path.join(value, "trainer_state.json")):
+            problems.append(f"--resume_from_checkpoint {value}: not a checkpoint folder (no trainer_state.json); "
+                            "give a checkpoint-N folder written by an earlier run, or 'auto' for the newest "
+                            "complete one in --output_dir")
+            return problems, False
+        problems += _compare_with_checkpoint(value, training_args)
+    resume = resolve_resume(training_args)
+    if not os.path.isdir(out):
+        return problems, True
+    inside = resume is not None and os.path.commonpath([os.path.realpath(resume), os.path.realpath(out)]) == \
+        os.path.realpath(out)
+    only_checkpoints = all(_CKPT.match(n) and os.path.isdir(os.path.join(out, n)) for n in os.listdir(out))
+    return problems, inside or (only_checkpoints and not explicit)
+
+
+def _compare_with_checkpoint(path: str, training_args) -> list[str]:
+    """A checkpoint of a LoRA run cannot be resumed as full fine-tuning and vice versa."""
+    lora_files = any(os.path.exists(os.path.join(path, n)) for n in ("adapter_model.safetensors", "adapter_model.bin"))
+    full_files = any(n.startswith(("model.safetensors", "model-0", "pytorch_model")) for n in os.listdir(path))
+    use_lora = bool(getattr(training_args, "use_lora", False))
+    if use_lora and full_files and not lora_files:
+        return [f"--resume_from_checkpoint {path}: holds a full model, but this run has --use_lora True; resume "
+                "with the flags of the run that wrote it (no --use_lora), or start a new --output_dir"]
+    if not use_lora and lora_files:
+        return [f"--resume_from_checkpoint {path}: holds a LoRA adapter, but this run trains the full model; add "
+                "--use_lora True (and the LoRA flags of the run that wrote it)"]
+    return []
+
+
+def warn_if_different(path: str, training_args) -> None:
+    """Log why a resume from ``path`` will not reproduce the uninterrupted run (missing marker, other batch shape)."""
+    if not is_complete(path):
+        logger.warning("%s has no completion marker (%s): it may be incomplete, or written by another tool; "
+                       "resuming from it anyway because it was named explicitly", path, MARKER)
+        return
+    with open(os.path.join(path, MARKER), encoding="utf-8") as f:
+        saved = json.load(f)
+    now = run_info(training_args)
+    diff = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
+    if diff:
+        logger.warning("resuming from %s with a different run shape (%s): training continues, but the data order "
+                       "and the result will differ from an uninterrupted run", path, "; ".join(diff))

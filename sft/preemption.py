@@ -1,0 +1,128 @@
+"""Preemption: on SIGTERM or SIGINT, finish the optimizer step, save a checkpoint, exit with code 75.
+
+SIGTERM is what SLURM sends before a kill (``--signal``, time limit, ``scancel``), what Kubernetes and
+spot/preemptible VMs send, and what torchrun's agent forwards to its workers when it is itself
+signalled (it then waits ``--shutdown_timeout`` / ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds, default 30,
+before SIGKILL; ``finetune/launch.sh`` raises that to this module's deadline plus a margin).
+
+* The handler only sets a flag (safe at any point of a step). Repeated signals are ignored: under
+  torchrun a Ctrl-C reaches a worker twice (from the terminal and from the agent).
+* At the end of every optimizer step the ranks agree on the flag with one all-reduce (MAX of one
+  integer): the signal may reach only some ranks, and all must stop at the same step or the next
+  collective would hang. Then the Trainer saves a checkpoint (``control.should_save``) and stops.
+* A watchdog started by the first signal ends the process with :data:`PREEMPTED_EXIT_CODE` after
+  ``--preemption_timeout`` seconds whatever it is doing (a peer that died, a save that hangs). A
+  checkpoint cut short there has no completion marker, so ``auto`` resume takes the previous one.
+
+Transformers' own ``enable_jit_checkpoint`` is not used: it checks the flag on each rank separately
+(ranks can stop at different steps), can save before the optimizer step of the current batch, and
+leaves the exit code to the caller.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Optional
+
+from transformers import TrainerCallback
+
+from .errors import PREEMPTED_EXIT_CODE, SFTError
+
+logger = logging.getLogger("sft")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(SFTError):
+    """Training stopped on a signal after saving a checkpoint; the same command resumes it."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+
+class PreemptionHandler(TrainerCallback):
+    """Signal handlers + the per-step agreement; see the module docstring.
+
+    Args:
+        timeout_s: seconds from the first signal to a forced exit with :data:`PREEMPTED_EXIT_CODE`.
+    """
+
+    def __init__(self, timeout_s: float = 300.0):
+        self.timeout_s = float(timeout_s)
+        self.signum: Optional[int] = None  # first signal received by this process
+        self.stopped_at: Optional[int] = None  # global step at which all ranks agreed to stop
+        self._previous = {}
+        self._watchdog: Optional[threading.Timer] = None
+
+    # ---- signals -------------------------------------------------------------------------------
+    def install(self) -> "PreemptionHandler":
+        """Install the handlers (main thread only). Returns self."""
+        for s in SIGNALS:
+            self._previous[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers and cancel the watchdog (the run is over)."""
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def _on_signal(self, signum, frame):
+        if self.signum is not None:
+            return
+        self.signum = signum
+        # os.write: no locks in a signal handler (the logging module takes some)
+        rank = os.environ.get("RANK", "0")
+        os.write(2, (f"[sft rank{rank}] WARNING received {signal.Signals(signum).name}: finishing the current "
+                     f"optimizer step, then saving a checkpoint (exit {PREEMPTED_EXIT_CODE}; forced after "
+                     f"{self.timeout_s:g} s)\n").encode())
+        self._watchdog = threading.Timer(self.timeout_s, self._force_exit)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _force_exit(self):
+        rank = os.environ.get("RANK", "0")
+        os.write(2, (f"[sft rank{rank}] ERROR preemption: no clean stop within {self.timeout_s:g} s (--preemption_"
+                     f"timeout); exiting with {PREEMPTED_EXIT_CODE}; the last complete checkpoint is kept\n").encode())
+        report_exit_code(PREEMPTED_EXIT_CODE)
+        os._exit(PREEMPTED_EXIT_CODE)
+
+    # ---- Trainer callback ----------------------------------------------------------------------
+    def _agreed(self, args) -> bool:
+        local = 1 if self.signum is not None else 0
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return bool(local)
+        import torch
+
+        flag = torch.tensor([local], dtype=torch.int32, device=args.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stopped_at is None and self._agreed(args):
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+            logger.warning("preemption: saving a checkpoint at step %d and stopping", state.global_step)
+        return control
+
+    @property
+    def preempted(self) -> bool:
+        return self.stopped_at is not None
+
+
+def report_exit_code(code: int) -> None:
+    """Write ``code`` to the file named by ``SFT_EXIT_CODE_FILE`` (set by finetune/launch.sh), so that the
+    launcher can exit with it even when torchrun replaces the workers' codes with its own."""
+    path = os.environ.get("SFT_EXIT_CODE_FILE")
+    if path:
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"{code}\n")
+        except OSError:
+            pass

@@ -1,0 +1,196 @@
+"""Resume, atomic checkpoints and preemption (README "Resume and preemption").
+
+Fast rules first (completion marker, rotation, auto resume, signal handling), then real runs through
+scripts/kill_resume_loop.py: SIGKILL at random moments in one process, and SIGTERM to finetune/launch.sh
+with two torchrun processes; each resumed run must end with the uninterrupted run's weights, bit for bit.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT
+from sft import checkpoint as ck
+from sft.errors import PREEMPTED_EXIT_CODE
+
+
+def fake_checkpoint(out, step, complete=True, payload=b"w" * 100):
+    path = out / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text('{"global_step": %d}' % step)
+    (path / "adapter_model.safetensors").write_bytes(payload)
+    (path / "global_step" / "shard").parent.mkdir()
+    (path / "global_step" / "shard").write_bytes(b"s" * 10)
+    if complete:
+        ck.mark_complete(str(path), {"world_size": 1})
+    return str(path)
+
+
+def targs(out, resume=None, overwrite=False, use_lora=True):
+    return SimpleNamespace(output_dir=str(out), resume_from_checkpoint=resume, overwrite_output_dir=overwrite,
+                           use_lora=use_lora)
+
+
+def test_auto_takes_newest_complete_checkpoint_only(tmp_path):
+    out = tmp_path / "out"
+    two = fake_checkpoint(out, 2)
+    three = fake_checkpoint(out, 3)
+    fake_checkpoint(out, 10, complete=False)  # killed mid-write: no marker
+    with open(os.path.join(three, "global_step", "shard"), "wb") as f:  # marked, then a file lost its tail
+        f.write(b"s")
+    (out / "checkpoint-11").write_text("not a folder")
+    assert ck.is_complete(two) and not ck.is_complete(three)
+    assert ck.latest_complete(str(out)) == two
+    assert ck.resolve_resume(targs(out)) == two  # unset = auto
+    assert ck.resolve_resume(targs(out, "auto")) == two
+    assert ck.resolve_resume(targs(out, "True")) == two  # Qwen-era scripts
+    assert ck.resolve_resume(targs(out, overwrite=True)) is None  # fresh start asked for
+    assert ck.resolve_resume(targs(out, "auto", overwrite=True)) == two  # explicit auto wins
+    assert ck.resolve_resume(targs(out, three)) == three  # an explicit path is used as given
+    assert ck.resolve_resume(targs(tmp_path / "missing")) is None
+    # a marker that is not JSON / lists a missing file
+    (out / "checkpoint-2" / ck.MARKER).write_text("{")
+    assert ck.latest_complete(str(out)) is None
+
+
+def test_rotation_keeps_newest_complete_and_best(tmp_path):
+    out = tmp_path / "out"
+    paths = {s: fake_checkpoint(out, s) for s in (1, 2, 3, 4, 5)}
+    fake_checkpoint(out, 6, complete=False)
+    deleted = ck.rotate(str(out), 2, best=paths[1])
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-5"]  # best + newest complete
+    assert set(deleted) == {paths[2], paths[3], paths[4], str(out / "checkpoint-6")}
+    assert ck.rotate(str(out), 1, best=paths[1]) == []  # both protected even with limit 1
+    assert ck.rotate(str(out), 1, best=None) == [paths[1]]
+    assert sorted(os.listdir(out)) == ["checkpoint-5"]
+    assert ck.rotate(str(out), None, None) == [] and ck.rotate(str(out), 0, None) == []
+    # only incomplete folders: nothing is complete, so nothing is deleted (the newest complete is unknown)
+    only = tmp_path / "only"
+    fake_checkpoint(only, 3, complete=False)
+    assert ck.rotate(str(only), 1, None) == [] and os.listdir(only) == ["checkpoint-3"]
+
+
+def test_removed_checkpoint_loses_its_marker_first(tmp_path, monkeypatch):
+    path = fake_checkpoint(tmp_path, 4)
+
+    def dies(*a, **k):  # rmtree killed right at the start: the folder must already be incomplete
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck.shutil, "rmtree", dies)
+    with pytest.raises(KeyboardInterrupt):
+        ck.remove_checkpoint(path)
+    assert os.path.isdir(path) and not ck.is_complete(path)
+
+
+def test_output_dir_rules_for_resume(tmp_path):
+    out = tmp_path / "out"
+    fake_checkpoint(out, 2, complete=False)  # a first save that was killed: start fresh, no complaint
+    assert ck.check_resume(targs(out)) == ([], True)
+    fake_checkpoint(out, 1)
+    assert ck.check_resume(targs(out)) == ([], True)
+    (out / "notes.txt").write_text("mine")  # complete checkpoint inside: resuming here is fine
+    assert ck.check_resume(targs(out)) == ([], True)
+    assert ck.check_resume(targs(out, overwrite=True))[1] is False  # fresh start into a non-empty folder
+    problems, _ = ck.check_resume(targs(out, str(out / "checkpoint-1"), use_lora=False))
+    assert len(problems) == 1 and "holds a LoRA adapter, but this run trains the full model" in problems[0]
+    full = tmp_path / "full" / "checkpoint-3"
+    full.mkdir(parents=True)
+    (full / "trainer_state.json").write_text("{}")
+    (full / "model.safetensors").write_bytes(b"x")
+    problems, _ = ck.check_resume(targs(tmp_path / "new", str(full), use_lora=True))
+    assert "holds a full model, but this run has --use_lora True" in problems[0]
+    problems, ok = ck.check_resume(targs(out, str(tmp_path / "nope")))
+    assert "not a checkpoint folder (no trainer_state.json)" in problems[0] and not ok
+
+
+def test_signal_sets_flag_and_all_ranks_stop_at_step_end(monkeypatch):
+    from sft.preemption import PreemptionHandler
+
+    h = PreemptionHandler(timeout_s=60)
+    before = signal.getsignal(signal.SIGTERM)
+    h.install()
+    try:
+        args, state = SimpleNamespace(device="cpu"), SimpleNamespace(global_step=7)
+        control = SimpleNamespace(should_save=False, should_training_stop=False)
+        h.on_step_end(args, state, control)
+        assert not control.should_save and not h.preempted
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # repeated signals (torchrun forwards Ctrl-C again) are ignored
+        assert h.signum == signal.SIGTERM
+        h.on_step_end(args, state, control)
+        assert control.should_save and control.should_training_stop and h.stopped_at == 7
+        assert h._watchdog.is_alive()
+    finally:
+        h.uninstall()  # also cancels the watchdog, which would otherwise end this process with 75
+    assert signal.getsignal(signal.SIGTERM) is before
+    h._watchdog.join(5)
+    assert not h._watchdog.is_alive()
+
+
+def test_watchdog_exits_75_when_the_stop_takes_too_long(tmp_path):
+    code_file = tmp_path / "codes"
+    prog = ("import os, signal, time, sys; sys.path.insert(0, %r)\n"
+            "from sft.preemption import PreemptionHandler\n"
+            "PreemptionHandler(timeout_s=1).install()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)  # a hung collective or save\n" % ROOT)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "SFT_EXIT_CODE_FILE": str(code_file)})
+    assert r.returncode == PREEMPTED_EXIT_CODE, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 50
+    assert "no clean stop within 1 s" in r.stderr and code_file.read_text() == "75\n"
+
+
+def loop(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kill_resume_loop.py"), *args],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+def test_sigkill_at_random_steps_then_resume_is_bit_exact(tmp_path):
+    r = loop("--iterations", "2", "--steps", "6", "--kill_seed", "5", "--workdir", str(tmp_path))
+    assert r.returncode == 0 and "exact: 2/2" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count("] killed ") == 2  # really killed, not finished before the kill
+    logs = "".join(open(tmp_path / f"run{i}.log").read() for i in range(2))
+    assert "resuming from" in logs and "Traceback" not in logs
+
+
+def test_sigterm_to_launcher_with_two_processes_exits_75_and_resumes_exactly(tmp_path):
+    r = loop("--iterations", "1", "--steps", "6", "--save_steps", "2", "--nproc", "2", "--launcher",
+             "--signal", "TERM", "--kill_seed", "2", "--workdir", str(tmp_path))
+    assert r.returncode == 0 and "exact: 1/1" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert f"SIGTERM -> exit {PREEMPTED_EXIT_CODE}" in r.stdout
+    log = open(tmp_path / "run0.log").read()
+    assert "preempted: stopped by SIGTERM at step" in log and "[rank 1] preempted" in log
+    assert "resuming from" in log
+
+
+def test_group_by_length_order_depends_on_seed_and_epoch_only(tiny_model_dir, toy_data, tmp_path):
+    import torch
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    from sft.arguments import parse_args
+    from sft.sampling import EpochSeededLengthGroupedSampler
+    from sft.training import build_trainer
+
+    args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
+                       str(tmp_path / "o"), "--group_by_length", "True", "--per_device_train_batch_size", "2",
+                       "--report_to", "none", "--use_lora", "True", "--lora_r", "2"])
+    trainer, _, _ = build_trainer(*args)
+    sampler = trainer._get_train_sampler()
+    assert isinstance(sampler, EpochSeededLengthGroupedSampler)
+    lengths = sampler.lengths
+
+    def order(s, epoch, rng_seed):
+        s.set_epoch(epoch) if hasattr(s, "set_epoch") else None
+        torch.manual_seed(rng_seed)  # the global RNG differs between an uninterrupted and a resumed run
+        return list(s)
+
+    ours = EpochSeededLengthGroupedSampler(8, lengths * 8, seed=42)
+    assert order(ours, 1, 0) == order(ours, 1, 123) != order(ours, 2, 0)
+    theirs = LengthGroupedSampler(8, lengths=lengths * 8)
+    assert order(theirs, 1, 0) != order(theirs, 1, 123)  # why the replacement exists
