@@ -14,13 +14,13 @@ import json
 import os
 import re
 import signal
-import stat
 import subprocess
 import time
 
 import pytest
 
 import netns
+from cluster_fakes import fake_slurm, fake_ssh
 from conftest import ROOT, TOY, write_jsonl
 
 _WHY = netns.unavailable()
@@ -188,62 +188,6 @@ def test_by_hand_equals_one_host(n, make_hosts, job, tmp_path, tmp_path_factory,
     assert_same_training(out, ref)
 
 
-def write_tool(folder, name, text):
-    path = folder / name
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
-
-
-def fake_slurm(folder, hosts=None):
-    """srun: one task per host of SLURM_JOB_NODELIST, in that host's namespace, with SLURM_NODEID etc.;
-    exits with the highest task exit code. scontrol: 'show hostnames a,b,c' and 'requeue ID' (logged)."""
-    ns = " ".join(f"[{h}]={n}" for h, n in zip(hosts.hostnames, hosts.names)) if hosts else ""
-    write_tool(folder, "srun", f"""#!/usr/bin/env bash
-echo "srun $*" >> "$FAKE_LOG"
-while [[ "${{1:-}}" == -* ]]; do shift; done
-declare -A NS=({ns})
-IFS=, read -r -a hosts <<< "$SLURM_JOB_NODELIST"
-pids=()
-for i in "${{!hosts[@]}}"; do
-  h="${{hosts[$i]}}"
-  task=(env SLURM_NODEID="$i" SLURM_PROCID="$i" SLURM_LOCALID=0 SLURMD_NODENAME="$h" "$@")
-  if [[ -n "${{NS[$h]:-}}" ]]; then
-    ip netns exec "${{NS[$h]}}" unshare --uts -- bash -c 'hostname "$0" && exec "$@"' "$h" "${{task[@]}}" &
-  else
-    "${{task[@]}}" &
-  fi
-  pids+=("$!")
-done
-rc=0
-for p in "${{pids[@]}}"; do wait "$p"; r=$?; if (( r > rc )); then rc=$r; fi; done
-exit "$rc"
-""")
-    write_tool(folder, "scontrol", """#!/usr/bin/env bash
-echo "scontrol $*" >> "$FAKE_LOG"
-case "$1 $2" in
-  "show hostnames") tr ',' '\\n' <<< "$3" ;;
-  requeue*) ;;
-  *) echo "fake scontrol: unsupported: $*" >&2; exit 1 ;;
-esac
-""")
-
-
-def fake_ssh(folder, hosts):
-    """ssh [-n] [-o opt] HOST COMMAND: runs COMMAND with bash -c in HOST's namespace with a clean environment
-    (HOME, PATH only), as sshd would: the PBS script must send everything the node needs."""
-    ns = " ".join(f"[{h}]={n}" for h, n in zip(hosts.hostnames, hosts.names))
-    write_tool(folder, "ssh", f"""#!/usr/bin/env bash
-while [[ "${{1:-}}" == -* ]]; do case "$1" in -o|-p|-l|-i) shift 2 ;; *) shift ;; esac; done
-host="$1"; shift
-echo "ssh $host $*" >> "$FAKE_LOG"
-declare -A NS=({ns})
-[[ -n "${{NS[$host]:-}}" ]] || {{ echo "ssh: Could not resolve hostname $host" >&2; exit 255; }}
-exec ip netns exec "${{NS[$host]}}" unshare --uts -- env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin \\
-  bash -c 'hostname "$0" && exec bash -c "$1"' "$host" "$*"
-""")
-
-
 def test_slurm_script_equals_one_host(make_hosts, job, tmp_path, tmp_path_factory, tiny_model_dir, data):
     ref = reference(3, make_hosts, tmp_path_factory, tiny_model_dir, data)
     hosts = make_hosts(3)
@@ -283,9 +227,9 @@ def test_pbs_script_equals_one_host(make_hosts, job, tmp_path, tmp_path_factory,
     log = job.text(0)
     for i in range(3):
         assert f"launch: node rank {i} of 3 nodes, 1 process(es) per node, world size 3, master node0:10777" in log
-    calls = (tmp_path / "calls.log").read_text().splitlines()
+    calls = sorted((tmp_path / "calls.log").read_text().splitlines())  # the ssh run in parallel
     assert [c.split()[1] for c in calls] == ["node0", "node1", "node2"]  # one ssh per unique host
-    assert all(f"NODE_RANK={i}" in c for i, c in enumerate(calls))
+    assert all(f"NODE_RANK={i} " in c for i, c in enumerate(calls))
     assert_same_training(out, ref)
 
 
