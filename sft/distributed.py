@@ -371,7 +371,7 @@ def _worker_rendezvous(c: Contract, log) -> None:
         try:
             conn = socket.create_connection((addrs[0], c.master_port), timeout=max(0.1, min(3.0, deadline - time.monotonic())))
         except OSError as e:
-            last = e.strerror or type(e).__name__
+            last = e.strerror or ("no answer (connection timed out)" if isinstance(e, TimeoutError) else type(e).__name__)
             if time.monotonic() >= deadline:
                 raise PreflightError(
                     f"node rank {c.node_rank}: cannot reach the master at {c.master_addr}:{c.master_port} within "
@@ -435,6 +435,8 @@ def init_process_group(backend: Optional[str], timeout_s: float) -> bool:
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.cuda.is_available():
         return False
+    if not all(k in os.environ for k in ("RANK", "MASTER_ADDR", "MASTER_PORT")):
+        return False  # not torchrun's env:// (e.g. an MPI launch): leave it to accelerate
     import torch.distributed as dist
 
     if not dist.is_available() or dist.is_initialized():
@@ -469,12 +471,15 @@ def _model_file(model: str, name: str) -> Optional[str]:
         return None
 
 
-def input_fingerprint(model_path: str, data_paths: list[str]) -> dict:
-    """What must be identical on every rank: ``{"data <path>": sha256, "model config": sha256, "tokenizer": sha256,
-    "sft version": str, "world view": str}`` (hex digests of file bytes)."""
+def input_fingerprint(model_path: str, data_files: dict[str, str]) -> dict:
+    """What must be identical on every rank: ``{"<flag> file": sha256, "model config (config.json)": sha256,
+    "tokenizer files": sha256, "sft version": str, "world view": str}`` (hex digests of file bytes).
+
+    ``data_files`` maps a flag (``--data_path``) to the file it names on this node; the contents are compared,
+    not the paths."""
     from . import __version__
 
-    fp = {f"data file {p}": _sha256_file(p) for p in data_paths}
+    fp = {f"{flag} file": _sha256_file(path) for flag, path in data_files.items()}
     cfg = _model_file(model_path, "config.json")
     fp["model config (config.json)"] = _sha256_file(cfg) if cfg else "missing"
     h = hashlib.sha256()
@@ -501,8 +506,9 @@ def _rank_info() -> dict:
 def compare_fingerprints(infos: list[dict]) -> list[str]:
     """One line per fingerprint item on which ranks disagree, naming the node ranks/hosts on each side.
 
-    ``infos``: one ``{"rank", "node_rank", "host", "fp": {item: value}}`` per rank, in rank order.
-    The value of global rank 0 is the reference.
+    ``infos``: one ``{"rank", "node_rank", "host", "fp": {item: value}}`` per rank, in rank order, optionally
+    with ``"where": {item: text}`` shown next to a value (the file's path on that node). The value of global
+    rank 0 is the reference.
     """
     problems = []
     for item in infos[0]["fp"]:
@@ -517,6 +523,8 @@ def compare_fingerprints(infos: list[dict]) -> list[str]:
             nodes = sorted({(m["node_rank"], m["host"]) for m in members})
             who = ", ".join(f"node rank {n} ({h})" for n, h in nodes)
             shown = value[:12] + "..." if re.fullmatch(r"[0-9a-f]{64}", value) else value
+            where = sorted({m.get("where", {}).get(item) for m in members} - {None})
+            shown += f" ({', '.join(where)})" if where else ""
             sides.append(f"{who}: {shown}")
         problems.append(f"{item} differs between nodes: " + "; ".join(sides))
     for info in infos:
@@ -526,7 +534,7 @@ def compare_fingerprints(infos: list[dict]) -> list[str]:
     return problems
 
 
-def check_same_inputs(model_path: str, data_paths: list[str]) -> None:
+def check_same_inputs(model_path: str, data_files: dict[str, Optional[str]]) -> None:
     """All ranks: gather every rank's :func:`input_fingerprint` and fail together when any item differs.
 
     Needs an initialised default process group; a no-op for one process or with ``SFT_PREFLIGHT=0``.
@@ -538,7 +546,8 @@ def check_same_inputs(model_path: str, data_paths: list[str]) -> None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    mine = {**_rank_info(), "fp": input_fingerprint(model_path, [p for p in data_paths if p])}
+    files = {flag: path for flag, path in data_files.items() if path}
+    mine = {**_rank_info(), "fp": input_fingerprint(model_path, files), "where": {f"{f} file": p for f, p in files.items()}}
     infos: list = [None] * dist.get_world_size()
     dist.all_gather_object(infos, mine)
     for info in infos:

@@ -90,7 +90,8 @@ def check_optimizer_and_scheduler(training_args, model) -> None:
 def build_trainer(model_args, data_args, training_args, lora_args, callbacks=None):
     """Everything up to a ready ``transformers.Trainer``. Returns ``(trainer, tokenizer, eot_id)``."""
     if preflight_enabled():  # several processes: same data, model config, tokenizer and version everywhere
-        check_same_inputs(model_args.model_name_or_path, [data_args.data_path, data_args.eval_data_path])
+        check_same_inputs(model_args.model_name_or_path, {"--data_path": data_args.data_path,
+                                                          "--eval_data_path": data_args.eval_data_path})
     # Seed before the model and the LoRA weights are created (Trainer seeds only later, in its __init__):
     # the same --seed then gives the same adapter initialisation, run after run and on any number of nodes.
     transformers.set_seed(training_args.seed)

@@ -176,7 +176,7 @@ def test_something_else_on_the_master_port():
 # ------------------------------------------------------------------------------------ fingerprints, lost peers
 
 def info(rank, node, host, **fp):
-    base = {"data file d.jsonl": "a" * 64, "model config (config.json)": "c" * 64, "sft version": "0.1.0"}
+    base = {"--data_path file": "a" * 64, "model config (config.json)": "c" * 64, "sft version": "0.1.0"}
     base.update(fp)
     return {"rank": rank, "node_rank": node, "host": host, "addr": f"10.0.0.{node + 1}", "fp": base}
 
@@ -184,26 +184,28 @@ def info(rank, node, host, **fp):
 def test_fingerprints_name_the_differing_nodes():
     same = [info(0, 0, "a"), info(1, 0, "a"), info(2, 1, "b")]
     assert D.compare_fingerprints(same) == []
-    bad = same + [info(3, 2, "c", **{"data file d.jsonl": "f" * 64}), info(4, 3, "d", **{"sft version": "0.2.0"})]
+    bad = same + [info(3, 2, "c", **{"--data_path file": "f" * 64}), info(4, 3, "d", **{"sft version": "0.2.0"})]
     problems = D.compare_fingerprints(bad)
     assert len(problems) == 2
-    assert problems[0] == ("data file d.jsonl differs between nodes: node rank 0 (a), node rank 1 (b), "
+    assert problems[0] == ("--data_path file differs between nodes: node rank 0 (a), node rank 1 (b), "
                            "node rank 3 (d): aaaaaaaaaaaa...; node rank 2 (c): ffffffffffff...")
+    bad[3]["where"] = {"--data_path file": "/other/d.jsonl"}
+    assert "node rank 2 (c): ffffffffffff... (/other/d.jsonl)" in D.compare_fingerprints(bad)[0]
     assert "sft version differs between nodes" in problems[1] and "node rank 3 (d): 0.2.0" in problems[1]
 
 
 def test_input_fingerprint_covers_data_config_and_tokenizer(tiny_model_dir, toy_data, tmp_path):
     import shutil
 
-    fp = D.input_fingerprint(tiny_model_dir, [toy_data])
-    assert set(fp) == {f"data file {toy_data}", "model config (config.json)", "tokenizer files", "sft version",
+    fp = D.input_fingerprint(tiny_model_dir, {"--data_path": toy_data})
+    assert set(fp) == {"--data_path file", "model config (config.json)", "tokenizer files", "sft version",
                        "world view"}
     copy = tmp_path / "model"
     shutil.copytree(tiny_model_dir, copy)
-    assert D.input_fingerprint(str(copy), [toy_data])["tokenizer files"] == fp["tokenizer files"]
+    assert D.input_fingerprint(str(copy), {"--data_path": toy_data})["tokenizer files"] == fp["tokenizer files"]
     with open(copy / "tokenizer_config.json", "a") as f:
         f.write("\n")
-    assert D.input_fingerprint(str(copy), [toy_data])["tokenizer files"] != fp["tokenizer files"]
+    assert D.input_fingerprint(str(copy), {"--data_path": toy_data})["tokenizer files"] != fp["tokenizer files"]
 
 
 def test_lost_peer_is_named(monkeypatch):
