@@ -560,7 +560,9 @@ def check_same_inputs(model_path: str, data_files: dict[str, Optional[str]]) -> 
                              "again; SFT_PREFLIGHT=0 skips this check")
 
 
-_PEER_ADDR = re.compile(r"(?:closed by peer|reset by peer|peer)\s*\[?([0-9a-fA-F:.]+?)\]?:(\d+)")
+# gloo names the peer as "[ip]:port" ("Connection closed by peer [10.0.0.3]:4123", "Read error [10.0.0.3]:4123:
+# Connection reset by peer"); the first bracketed address is the peer (source paths in brackets start with "/").
+_PEER_ADDR = re.compile(r"\[(\d{1,3}(?:\.\d{1,3}){3}|[0-9a-fA-F:]*:[0-9a-fA-F:]+)\]:(\d+)")
 
 
 def explain_collective_failure(err: BaseException, timeout_s: Optional[float] = None) -> Optional[str]:

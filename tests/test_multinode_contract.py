@@ -217,6 +217,9 @@ def test_lost_peer_is_named(monkeypatch):
     msg = D.explain_collective_failure(err, 600)
     assert msg.startswith("training stopped: another process of the job went away; the peer at 10.213.0.3 is node "
                           "rank 2 (node2, global rank(s) 2)")
+    reset = D.explain_collective_failure(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                                                      "error [10.213.0.3]:49827: Connection reset by peer."), 600)
+    assert "the peer at 10.213.0.3 is node rank 2 (node2, global rank(s) 2)" in reset
     timeout = D.explain_collective_failure(RuntimeError("[gloo] Timed out waiting 3000ms for recv operation"), 3)
     assert "no answer within --ddp_timeout 3 s" in timeout
     assert D.explain_collective_failure(ValueError("unrelated")) is None
