@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     from sft.arguments import parse_args, validate
     from sft.errors import SFTError
 
+    training_args = None
     try:
         model_args, data_args, training_args, lora_args = parse_args(argv)
         validate(model_args, data_args, training_args, lora_args)
@@ -46,8 +47,6 @@ def main(argv=None) -> int:
     except SFTError as e:
         if os.environ.get("SFT_DEBUG"):
             raise
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         from sft.errors import PREEMPTED_EXIT_CODE
 
         if e.exit_code == PREEMPTED_EXIT_CODE:
@@ -55,8 +54,21 @@ def main(argv=None) -> int:
 
             report_exit_code(e.exit_code)
         label = "preempted" if e.exit_code == PREEMPTED_EXIT_CODE else "error"
-        print(f"{prefix}{label}: {_user_message(e)}", file=sys.stderr)
+        print(f"{_rank_prefix()}{label}: {_user_message(e)}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:  # a lost node or a timed-out collective: say which node, not a 100-line traceback
+        from sft.distributed import PEER_LOST_EXIT_CODE, explain_collective_failure
+
+        message = explain_collective_failure(e, getattr(training_args, "ddp_timeout", None))
+        if message is None or os.environ.get("SFT_DEBUG"):
+            raise
+        print(f"{_rank_prefix()}error: {message}", file=sys.stderr)
+        return PEER_LOST_EXIT_CODE
+
+
+def _rank_prefix() -> str:
+    rank = os.environ.get("RANK")
+    return f"[rank {rank}] " if rank not in (None, "0") else ""
 
 
 if __name__ == "__main__":

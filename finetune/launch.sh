@@ -2,12 +2,17 @@
 # Shared launcher behind every preset in this folder: strict mode, the node/process environment,
 # then finetune.py (directly for one process, through torchrun otherwise).
 #
-# Usage: finetune/launch.sh -m MODEL_DIR -d DATA_FILE [finetune.py flags ...]
+# Usage: finetune/launch.sh -m MODEL_DIR -d DATA_FILE [--no_preflight] [finetune.py flags ...]
 #
-# Environment (all optional):
-#   NNODES (1)  NODE_RANK (0)  MASTER_ADDR (localhost; required when NNODES > 1)  MASTER_PORT (6001)
+# Environment (all optional; the same on every node except NODE_RANK):
+#   NNODES (1)  NODE_RANK (0, each node its own in [0, NNODES))  MASTER_ADDR (localhost: node rank 0's
+#   address, not loopback when NNODES > 1)  MASTER_PORT (6001)
 #   GPUS_PER_NODE  processes per node on a GPU machine (default: every visible GPU)
 #   NPROC_PER_NODE processes per node on a machine without GPUs (default 1)
+#   RDZV_TIMEOUT   seconds to wait for all nodes to join (600); a lost node during training is waited
+#                  for --ddp_timeout seconds (600 here for several processes)
+#   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  network interface (default for gloo: the route to MASTER_ADDR)
+#   SFT_PREFLIGHT=0 (or --no_preflight) skips the node rendezvous and the cross-node input comparison
 #   PYTHON       interpreter (default: the repository's .venv if present, else python3)
 #   SFT_PROGRAM  Python file run in each process (default: finetune.py next to this folder; the tests
 #                use a worker that also reports what each rank computed)
@@ -30,6 +35,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     -m|--model) [[ $# -ge 2 ]] || die "$1 needs a value (the model folder)"; MODEL="$2"; shift 2 ;;
     -d|--data) [[ $# -ge 2 ]] || die "$1 needs a value (the data file)"; DATA="$2"; shift 2 ;;
+    --no_preflight) export SFT_PREFLIGHT=0; shift ;;
     -h|--help) usage; exit 0 ;;
     *) PASS+=("$1"); shift ;;
   esac
@@ -37,41 +43,31 @@ done
 [[ -n "$MODEL" ]] || { usage >&2; die "-m/--model MODEL_DIR is required"; }
 [[ -n "$DATA" ]] || { usage >&2; die "-d/--data DATA_FILE is required"; }
 
-# decimal, no leading zeros (bash would read 010 as octal), at most 9 digits (no arithmetic overflow)
-is_uint() { [[ "$1" =~ ^(0|[1-9][0-9]{0,8})$ ]]; }
-NNODES="${NNODES:-1}"
-NODE_RANK="${NODE_RANK:-0}"
-MASTER_ADDR_GIVEN="${MASTER_ADDR:-}"
-MASTER_ADDR="${MASTER_ADDR:-localhost}"
-MASTER_PORT="${MASTER_PORT:-6001}"
-is_uint "$NNODES" && (( NNODES >= 1 )) || die "NNODES=$NNODES: must be a whole number >= 1"
-is_uint "$NODE_RANK" && (( NODE_RANK < NNODES )) || die "NODE_RANK=$NODE_RANK: must be in [0, NNODES=$NNODES)"
-is_uint "$MASTER_PORT" && (( MASTER_PORT >= 1 && MASTER_PORT <= 65535 )) || die "MASTER_PORT=$MASTER_PORT: must be in 1-65535"
-if (( NNODES > 1 )) && [[ -z "$MASTER_ADDR_GIVEN" ]]; then
-  die "MASTER_ADDR is not set: with NNODES=$NNODES every node must be given the address of node rank 0 (localhost would make each node train alone)"
-fi
-
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
 
 NGPU=0
 if command -v nvidia-smi >/dev/null 2>&1; then NGPU="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"; fi
+# The env contract is parsed and checked in one place, sft/distributed.py (shared with the training
+# processes); it prints this node's start line on stderr and shell assignments on stdout:
+# NNODES NODE_RANK MASTER_ADDR MASTER_PORT NPROC DEVICE RDZV_TIMEOUT WORLD (+ export GLOO_SOCKET_IFNAME).
+sft_distributed() {  # python -m sft.distributed, with the repository first on sys.path whatever the caller's directory
+  "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); from sft.distributed import main; sys.exit(main(sys.argv[2:]))' \
+    "$ROOT" "$@"
+}
+PLAN="$(sft_distributed plan --gpus "$NGPU")" || exit $?
+eval "$PLAN"
 PREC=()
-if (( NGPU > 0 )); then
-  NPROC="${GPUS_PER_NODE:-$NGPU}"
-  PREC=(--bf16 True)
-  DEVICE="cuda"
-else
-  NPROC="${NPROC_PER_NODE:-1}"
-  DEVICE="cpu"
-  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"  # DeepSpeed's choice anyway, without its warning per process
-fi
-is_uint "$NPROC" && (( NPROC >= 1 )) || die "processes per node=$NPROC: must be a whole number >= 1"
+if [[ "$DEVICE" == cuda ]]; then PREC=(--bf16 True); fi
+if [[ "$DEVICE" == cpu ]]; then export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"; fi  # DeepSpeed's choice anyway, without its warning per process
+# Bounded waits: a lost node stops the others after --ddp_timeout seconds, not torch's 30 minutes
+# (the preset's or the user's --ddp_timeout, given later, wins).
+TIMEOUTS=()
+if (( WORLD > 1 )); then TIMEOUTS=(--ddp_timeout 600); fi
 
 PROGRAM="${SFT_PROGRAM:-$ROOT/finetune.py}"
-ARGS=(--model_name_or_path "$MODEL" --data_path "$DATA" "${PREC[@]}" "${PASS[@]}")
-echo "launch: node rank $NODE_RANK of $NNODES nodes, $NPROC process(es) per node, world size $((NNODES * NPROC)), device $DEVICE, master $MASTER_ADDR:$MASTER_PORT" >&2
+ARGS=(--model_name_or_path "$MODEL" --data_path "$DATA" "${TIMEOUTS[@]}" "${PREC[@]}" "${PASS[@]}")
 
 # No cd: relative paths in the flags are relative to the caller's working directory.
 if (( NNODES == 1 && NPROC == 1 )); then
@@ -80,6 +76,9 @@ fi
 # Several processes: check flags and data once, in one process, so a mistake is reported once and
 # cleanly instead of by every rank and then by torchrun.
 SFT_CHECK_ONLY=1 "$PYTHON" "$PROGRAM" "${ARGS[@]}" || exit $?
+# Preflight: node rank 0 checks that MASTER_PORT is free and waits for every node to say hello on it;
+# the others wait (up to RDZV_TIMEOUT) for it to accept connections. Any problem ends every node here.
+if [[ "${SFT_PREFLIGHT:-1}" != 0 ]]; then sft_distributed rendezvous --gpus "$NGPU" || exit $?; fi
 
 # Preemption (README "Resume and preemption"): SIGTERM/SIGINT to this script is passed to torchrun, whose
 # agent passes it to every worker and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds before SIGKILL (torch's
@@ -90,8 +89,10 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-360}"
 SFT_EXIT_CODE_FILE="$(mktemp "${TMPDIR:-/tmp}/sft-exit.XXXXXX")"
 export SFT_EXIT_CODE_FILE
 trap 'rm -f "$SFT_EXIT_CODE_FILE"' EXIT
+# torchrun's static rendezvous (a TCPStore on MASTER_ADDR:MASTER_PORT) gives up after RDZV_TIMEOUT too.
 "$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$PROGRAM" "${ARGS[@]}" &
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --rdzv_conf "timeout=$RDZV_TIMEOUT" \
+  "$PROGRAM" "${ARGS[@]}" &
 CHILD=$!
 SIGNALLED=""
 forward() { if [[ -z "$SIGNALLED" ]]; then SIGNALLED="$1"; kill -s "$1" "$CHILD" 2>/dev/null || true; fi; }

@@ -177,6 +177,10 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.activation_checkpointing and self.activation_checkpointing_kwargs is None:
             # Non-reentrant checkpointing works with frozen inputs (LoRA).
             self.activation_checkpointing_kwargs = {"use_reentrant": False}
+        # Before transformers sets up devices: on CPU it would start gloo without --ddp_timeout (30 min).
+        from .distributed import init_process_group
+
+        init_process_group(self.ddp_backend, self.ddp_timeout)
         super().__post_init__()
 
 

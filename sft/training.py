@@ -10,6 +10,7 @@ from .chat import chat_control_tokens, visualize
 from .data import load_conversations, reject_control_tokens
 from .errors import ConfigError
 from .dataset import LazySupervisedDataset, build_dataset, make_collator
+from .distributed import check_same_inputs, preflight_enabled
 from .logs import setup_logging
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer
 
@@ -88,6 +89,12 @@ def check_optimizer_and_scheduler(training_args, model) -> None:
 
 def build_trainer(model_args, data_args, training_args, lora_args, callbacks=None):
     """Everything up to a ready ``transformers.Trainer``. Returns ``(trainer, tokenizer, eot_id)``."""
+    if preflight_enabled():  # several processes: same data, model config, tokenizer and version everywhere
+        check_same_inputs(model_args.model_name_or_path, {"--data_path": data_args.data_path,
+                                                          "--eval_data_path": data_args.eval_data_path})
+    # Seed before the model and the LoRA weights are created (Trainer seeds only later, in its __init__):
+    # the same --seed then gives the same adapter initialisation, run after run and on any number of nodes.
+    transformers.set_seed(training_args.seed)
     train_convs, eval_convs, tok, eot, grew = load_data(model_args, data_args, training_args)
     train_ds = make_dataset("train", train_convs, data_args.data_path, tok, eot, data_args, training_args)
     eval_ds = (make_dataset("eval", eval_convs, data_args.eval_data_path, tok, eot, data_args, training_args)

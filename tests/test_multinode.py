@@ -1,0 +1,307 @@
+"""Multi-node runs across separate network hosts (Linux network namespaces joined by a private bridge).
+
+Each node runs the real launcher in its own namespace (own address 10.213.0.x, own host name): by hand
+with the env contract, through scripts/slurm_train.sh with srun/scontrol stand-ins, and through
+scripts/pbs_train.sh with an ssh stand-in. Losses and the saved adapter must equal a single-host run with
+the same world size, global batch and seed. Faults end within their timeouts with a message naming the
+problem. Traffic goes only to the namespaces made here; they are removed after each test (also on failure).
+
+Needs root (CI runs as root); skipped with the reason otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+import netns
+from cluster_fakes import fake_slurm, fake_ssh
+from conftest import ROOT, TOY, write_jsonl
+
+_WHY = netns.unavailable()
+pytestmark = [pytest.mark.multinode, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
+
+# The preset every node runs. The lead switches this to finetune/finetune_lora_ds.sh once it exists.
+PRESET = os.path.join(ROOT, "finetune", os.environ.get("SFT_MULTINODE_PRESET", "finetune_lora_single_gpu.sh"))
+
+# Few steps of a tiny model; global batch = 1 (micro) x 1 (accumulation) x world size.
+TRAIN = ["--max_steps", "3", "--lora_r", "4", "--per_device_train_batch_size", "1",
+         "--gradient_accumulation_steps", "1", "--save_strategy", "no", "--disable_tqdm", "True", "--seed", "7"]
+# Multi-node and single-host runs compare per-step losses within this absolute tolerance (trainer_state.json
+# floats) and the saved adapter tensors within ATOL_WEIGHTS: the same samples meet the same gloo all-reduce,
+# so in practice they are bitwise equal; the tolerance only absorbs summation-order noise.
+ATOL_LOSS = 1e-5
+ATOL_WEIGHTS = 1e-6
+RUN_LIMIT_S = 300  # a whole job on a loaded 2-core machine; every fault must end well before
+
+
+@pytest.fixture
+def make_hosts():
+    made = []
+
+    def make(n: int) -> netns.Hosts:
+        h = netns.Hosts(n, tag=f"t{len(made)}")
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+        assert not h.leftovers(), f"namespaces left behind: {h.leftovers()}"
+
+
+def node_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "PYTHON")}
+    env.update({"OMP_NUM_THREADS": "1", "RDZV_TIMEOUT": "120"})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Job:
+    """Processes started in namespaces, each with its own log file; all killed on close()."""
+
+    def __init__(self, tmp_path):
+        self.tmp, self.procs, self.logs, self.t0 = tmp_path, [], [], time.monotonic()
+
+    def start(self, argv, env, name):
+        log = self.tmp / f"{name}.log"
+        self.logs.append(log)
+        self.procs.append(subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                           cwd=str(self.tmp), start_new_session=True))
+        return self.procs[-1]
+
+    def wait(self, limit=RUN_LIMIT_S) -> list[int]:
+        rcs = []
+        for p in self.procs:
+            try:
+                rcs.append(p.wait(timeout=max(1.0, limit - (time.monotonic() - self.t0))))
+            except subprocess.TimeoutExpired:
+                self.close()
+                pytest.fail(f"job still running after {limit} s:\n" + self.tails())
+        return rcs
+
+    def text(self, i) -> str:
+        return self.logs[i].read_text(errors="replace")
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-2500:]}" for log in self.logs)
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = Job(tmp_path)
+    yield j
+    j.close()
+
+
+def start_by_hand(job, hosts, n, model, data, out, extra=(), ranks=None, master=None, envs=None, skip=()):
+    """Node i: NNODES=n NODE_RANK=ranks[i] MASTER_ADDR=... bash PRESET -m model -d data[i] ... in namespace i."""
+    for i in range(n):
+        if i in skip:
+            continue
+        settings = {"NNODES": n, "NODE_RANK": (ranks or list(range(n)))[i], "MASTER_ADDR": master or hosts.addrs[0],
+                    "MASTER_PORT": 6001, **(envs or {}).get(i, {})}
+        env = node_env(**settings)
+        d = data[i] if isinstance(data, list) else data
+        argv = ["bash", PRESET, "-m", model, "-d", d, "--output_dir", str(out), *TRAIN, *extra]
+        job.start(hosts.cmd(i, argv), env, f"node{i}")
+
+
+def results(out):
+    """Per-step losses (trainer_state.json) and the saved adapter tensors of a finished run."""
+    from safetensors.torch import load_file
+
+    state = json.load(open(os.path.join(out, "trainer_state.json")))
+    losses = [h["loss"] for h in state["log_history"] if "loss" in h]
+    return losses, load_file(os.path.join(out, "adapter_model.safetensors"))
+
+
+def assert_same_training(out, ref):
+    import torch
+
+    losses, weights = results(out)
+    ref_losses, ref_weights = ref
+    assert len(losses) == len(ref_losses) == 3
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL_LOSS, (losses, ref_losses)
+    assert weights.keys() == ref_weights.keys()
+    for k in weights:
+        torch.testing.assert_close(weights[k], ref_weights[k], atol=ATOL_WEIGHTS, rtol=0)
+
+
+_REFERENCE: dict[int, tuple] = {}
+
+
+def reference(n, make_hosts, tmp_path_factory, tiny_model_dir, data):
+    """One host, NPROC_PER_NODE=n processes (world size n), same flags: the losses multi-node must reproduce."""
+    if n not in _REFERENCE:
+        hosts = make_hosts(1)
+        tmp = tmp_path_factory.mktemp(f"ref{n}")
+        j = Job(tmp)
+        try:
+            out = tmp / "out"
+            j.start(hosts.cmd(0, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, "--output_dir", str(out), *TRAIN]),
+                    node_env(NPROC_PER_NODE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001), "ref")
+            assert j.wait() == [0], j.tails()
+            assert f"world size {n}" in j.text(0)
+        finally:
+            j.close()
+        _REFERENCE[n] = results(out)
+    return _REFERENCE[n]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "toy.jsonl", TOY)
+
+
+# ------------------------------------------------------------------------------------------------ launch paths
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_by_hand_equals_one_host(n, make_hosts, job, tmp_path, tmp_path_factory, tiny_model_dir, data):
+    ref = reference(n, make_hosts, tmp_path_factory, tiny_model_dir, data)
+    hosts = make_hosts(n)
+    out = tmp_path / "out"  # one folder for all nodes: a shared filesystem, rank 0 writes
+    start_by_hand(job, hosts, n, tiny_model_dir, data, out)
+    assert job.wait() == [0] * n, job.tails()
+    for i in range(n):
+        first = job.text(i).splitlines()[0]
+        assert first.startswith(f"launch: node rank {i} of {n} nodes, 1 process(es) per node, world size {n}, "
+                                f"master {hosts.addrs[0]}:6001, interface eth0 {hosts.addrs[i]}"), first
+        assert "backend gloo" in first
+    joined = job.text(0)
+    assert all(f"rendezvous: node rank {i} (node{i}, {hosts.addrs[i]}) joined" in joined for i in range(1, n))
+    assert f"joined; {n} of {n} nodes" in joined
+    assert_same_training(out, ref)
+
+
+def test_slurm_script_equals_one_host(make_hosts, job, tmp_path, tmp_path_factory, tiny_model_dir, data):
+    ref = reference(3, make_hosts, tmp_path_factory, tiny_model_dir, data)
+    hosts = make_hosts(3)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_slurm(bin_dir, hosts)
+    out = tmp_path / "out"
+    env = node_env(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=tmp_path / "calls.log", SLURM_JOB_ID=4242,
+                   SLURM_NNODES=3, SLURM_JOB_NODELIST=",".join(hosts.hostnames), SLURM_SUBMIT_DIR=ROOT)
+    job.start(["bash", os.path.join(ROOT, "scripts", "slurm_train.sh"), os.path.basename(PRESET), "-m", tiny_model_dir,
+               "-d", data, "--output_dir", str(out), *TRAIN], env, "sbatch")
+    assert job.wait() == [0], job.tails()
+    log = job.text(0)
+    port = 10000 + 4242 % 20000
+    for i in range(3):
+        assert f"launch: node rank {i} of 3 nodes, 1 process(es) per node, world size 3, master node0:{port}" in log
+    calls = (tmp_path / "calls.log").read_text()
+    assert "scontrol show hostnames node0,node1,node2" in calls and "--ntasks-per-node=1" in calls
+    assert "requeue" not in calls
+    assert_same_training(out, ref)
+
+
+def test_pbs_script_equals_one_host(make_hosts, job, tmp_path, tmp_path_factory, tiny_model_dir, data):
+    ref = reference(3, make_hosts, tmp_path_factory, tiny_model_dir, data)
+    hosts = make_hosts(3)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_ssh(bin_dir, hosts)
+    nodefile = tmp_path / "nodefile"  # one line per slot, as PBS writes it; not every host adjacent
+    nodefile.write_text("node0\nnode0\nnode1\nnode0\nnode1\nnode2\nnode2\nnode1\n")
+    out = tmp_path / "out"
+    env = node_env(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=tmp_path / "calls.log", PBS_NODEFILE=nodefile,
+                   PBS_JOBID="777.pbs-server", PBS_O_WORKDIR=tmp_path)
+    job.start(["bash", os.path.join(ROOT, "scripts", "pbs_train.sh"), os.path.basename(PRESET), "-m", tiny_model_dir,
+               "-d", data, "--output_dir", "out", *TRAIN], env, "qsub")  # relative to PBS_O_WORKDIR
+    assert job.wait() == [0], job.tails()
+    log = job.text(0)
+    for i in range(3):
+        assert f"launch: node rank {i} of 3 nodes, 1 process(es) per node, world size 3, master node0:10777" in log
+    calls = sorted((tmp_path / "calls.log").read_text().splitlines())  # the ssh run in parallel
+    assert [c.split()[1] for c in calls] == ["node0", "node1", "node2"]  # one ssh per unique host
+    assert all(f"NODE_RANK={i} " in c for i, c in enumerate(calls))
+    assert_same_training(out, ref)
+
+
+# ------------------------------------------------------------------------------------------------------ faults
+
+def test_node_that_never_starts(make_hosts, job, tmp_path, tiny_model_dir, data):
+    hosts = make_hosts(3)
+    start_by_hand(job, hosts, 3, tiny_model_dir, data, tmp_path / "out", skip={2},
+                  envs={0: {"RDZV_TIMEOUT": 30}, 1: {"RDZV_TIMEOUT": 30}})
+    rcs = job.wait()
+    elapsed = time.monotonic() - job.t0
+    assert all(rc != 0 for rc in rcs), job.tails()
+    for i in range(2):
+        text = job.text(i)
+        assert re.search(r"only [12] of 3 nodes joined within RDZV_TIMEOUT=30 s", text), job.tails()
+        assert re.search(r"missing: node ranks? (1, )?2\b", text), text
+    assert elapsed < RUN_LIMIT_S
+
+
+def test_two_nodes_with_the_same_node_rank(make_hosts, job, tmp_path, tiny_model_dir, data):
+    hosts = make_hosts(3)
+    start_by_hand(job, hosts, 3, tiny_model_dir, data, tmp_path / "out", ranks=[0, 1, 1],
+                  envs={i: {"RDZV_TIMEOUT": 60} for i in range(3)})
+    rcs = job.wait()
+    assert rcs == [2, 2, 2], job.tails()
+    for i in range(3):
+        assert re.search(r"two nodes were started with NODE_RANK=1: node[12] \(10\.213\.0\.[23]\) and node[12] "
+                         r"\(10\.213\.0\.[23]\)", job.text(i)), job.tails()
+
+
+def test_wrong_master_addr(make_hosts, job, tmp_path, tiny_model_dir, data):
+    hosts = make_hosts(2)
+    # node 1 points at an address on the bridge that nobody has: connections time out
+    start_by_hand(job, hosts, 2, tiny_model_dir, data, tmp_path / "out",
+                  envs={0: {"RDZV_TIMEOUT": 20}, 1: {"RDZV_TIMEOUT": 20, "MASTER_ADDR": "10.213.0.99"}})
+    rcs = job.wait()
+    assert rcs[0] != 0 and rcs[1] != 0, job.tails()
+    assert "only 1 of 2 nodes joined within RDZV_TIMEOUT=20 s" in job.text(0) and "missing: node rank 1" in job.text(0)
+    assert ("node rank 1: cannot reach the master at 10.213.0.99:6001 within RDZV_TIMEOUT=20 s" in job.text(1)
+            and "MASTER_ADDR is node rank 0's address" in job.text(1)), job.tails()
+
+
+def test_different_data_on_one_node(make_hosts, job, tmp_path, tiny_model_dir, data):
+    hosts = make_hosts(2)
+    other = write_jsonl(tmp_path / "toy-edited.jsonl", TOY[:-1])  # the same file, one record short
+    start_by_hand(job, hosts, 2, tiny_model_dir, [data, other], tmp_path / "out")
+    rcs = job.wait()
+    assert rcs == [2, 2] or all(rc != 0 for rc in rcs), job.tails()
+    text = job.text(0)
+    assert "the nodes do not train on the same inputs" in text, job.tails()
+    assert re.search(r"--data_path file differs between nodes: node rank 0 \(node0\): [0-9a-f]{12}\.\.\. \(\S+toy.jsonl\); "
+                     r"node rank 1 \(node1\): [0-9a-f]{12}\.\.\. \(\S+toy-edited.jsonl\)", text), text
+    assert "model config" not in text.split("the nodes do not train")[1].split("Copy the same")[0]  # only the data
+
+
+def test_node_killed_mid_run(make_hosts, job, tmp_path, tiny_model_dir, data):
+    hosts = make_hosts(3)
+    start_by_hand(job, hosts, 3, tiny_model_dir, data, tmp_path / "out",
+                  extra=["--max_steps", "100000", "--ddp_timeout", "60"])
+    deadline = time.monotonic() + RUN_LIMIT_S
+    while "'loss'" not in job.text(0):  # training is under way
+        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.tails()
+        time.sleep(0.5)
+    for pid in hosts.pids(2):  # everything on node 2 dies at once, as in a crash or a node failure
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    rcs = [p.wait(timeout=90) for p in job.procs[:2]]
+    assert time.monotonic() - killed < 60, "survivors waited longer than --ddp_timeout"
+    assert all(rc != 0 for rc in rcs), job.tails()
+    texts = [job.text(i) for i in range(2)]
+    for text in texts:  # each survivor names the peer whose connection closed (node 2, or a survivor that already quit)
+        assert re.search(r"error: training stopped: another process of the job went away; the peer at 10\.213\.0\.[23] "
+                         r"is node rank [12] \(node[12], global rank\(s\) [12]\)", text), job.tails()
+    assert any("the peer at 10.213.0.3 is node rank 2 (node2, global rank(s) 2)" in t for t in texts), job.tails()
