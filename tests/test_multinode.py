@@ -26,8 +26,8 @@ from conftest import ROOT, TOY, write_jsonl
 _WHY = netns.unavailable()
 pytestmark = [pytest.mark.multinode, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 
-# The preset every node runs. The lead switches this to finetune/finetune_lora_ds.sh once it exists.
-PRESET = os.path.join(ROOT, "finetune", os.environ.get("SFT_MULTINODE_PRESET", "finetune_lora_single_gpu.sh"))
+# The preset every node runs: LoRA with DeepSpeed ZeRO-2 (SFT_MULTINODE_PRESET=finetune_lora_single_gpu.sh for DDP).
+PRESET = os.path.join(ROOT, "finetune", os.environ.get("SFT_MULTINODE_PRESET", "finetune_lora_ds.sh"))
 
 # Few steps of a tiny model; global batch = 1 (micro) x 1 (accumulation) x world size.
 TRAIN = ["--max_steps", "3", "--lora_r", "4", "--per_device_train_batch_size", "1",
