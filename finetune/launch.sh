@@ -33,8 +33,8 @@ MODEL="" DATA=""
 PASS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    -m|--model) [[ $# -ge 2 ]] || die "$1 needs a value (the model folder)"; MODEL="$2"; shift 2 ;;
-    -d|--data) [[ $# -ge 2 ]] || die "$1 needs a value (the data file)"; DATA="$2"; shift 2 ;;
+    -m|--model) [[ $# -ge 2 && "$2" != -* ]] || die "$1 needs a value (the model folder)"; MODEL="$2"; shift 2 ;;
+    -d|--data) [[ $# -ge 2 && "$2" != -* ]] || die "$1 needs a value (the data file)"; DATA="$2"; shift 2 ;;
     --no_preflight) export SFT_PREFLIGHT=0; shift ;;
     -h|--help) usage; exit 0 ;;
     *) PASS+=("$1"); shift ;;

@@ -413,6 +413,7 @@ ENV_CORPUS = [
      "MASTER_ADDR=localhost: a loopback address (it resolves to 127.0.0.1 here) with NNODES=2; other nodes cannot "
      "reach it. Give node rank 0's address"),
     ("preset-without-model", {}, ["-d", "data.jsonl"], 2, "-m/--model MODEL_DIR is required"),
+    ("model-flag-without-value", {}, ["-m", "-d", "data.jsonl"], 2, "-m needs a value (the model folder)"),
     ("preset-without-data", {}, ["-m", "model"], 2, "-d/--data DATA_FILE is required"),
     ("preset-flag-without-value", {}, ["-m"], 2, "-m needs a value (the model folder)"),
 ]
