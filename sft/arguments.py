@@ -80,6 +80,12 @@ class DataArguments:
     preprocessing_num_workers: Optional[int] = field(
         default=None, metadata={"help": "Processes used to tokenize the dataset (datasets.map num_proc)."}
     )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Pack several conversations into each row of up to --model_max_length tokens (best-fit "
+                  "decreasing); position ids restart per conversation and attention never crosses conversations. "
+                  "--per_device_train_batch_size then counts rows. Non-packing alternative: --group_by_length True."},
+    )
 
 
 @dataclass
@@ -339,6 +345,19 @@ def _check_data(data_args, training_args) -> list[str]:
         p.append(f"--data_cache_dir {cache}: is a file; give a folder (it is created if missing)")
     if data_args.preprocessing_num_workers is not None and data_args.preprocessing_num_workers < 1:
         p.append(f"--preprocessing_num_workers {data_args.preprocessing_num_workers}: must be at least 1")
+    p += _check_packing(data_args, training_args)
+    return p
+
+
+def _check_packing(data_args, training_args) -> list[str]:
+    if not data_args.packing:
+        return []
+    p = []
+    if data_args.lazy_preprocess:
+        p.append("--packing True with --lazy_preprocess True: packing needs every sample's length up front; "
+                 "drop one of them")
+    if training_args.group_by_length:
+        p.append("--packing True with --group_by_length True: choose one (packing already removes padding)")
     return p
 
 

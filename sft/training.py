@@ -12,6 +12,7 @@ from .errors import ConfigError
 from .dataset import LazySupervisedDataset, build_dataset, make_collator
 from .logs import setup_logging
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer
+from .packing import PackedCollator, check_packing_support, pack_dataset
 
 logger = logging.getLogger("sft")
 
@@ -63,6 +64,17 @@ def make_dataset(name, convs, path, tok, eot, data_args, training_args):
     return ds
 
 
+def pack_datasets(train_ds, eval_ds, max_len: int):
+    """``--packing``: rows of several conversations (:mod:`sft.packing`). Returns ``(train, eval, collator)``."""
+    packed = []
+    for name, ds in (("train", train_ds), ("eval", eval_ds)):
+        if ds is not None:
+            ds, report = pack_dataset(ds, max_len)
+            logger.info("%s", report.line(name))
+        packed.append(ds)
+    return packed[0], packed[1], PackedCollator()
+
+
 def check_optimizer_and_scheduler(training_args, model) -> None:
     """Build the optimizer class and the LR scheduler once on a dummy parameter, so that a missing optional
     package or a scheduler without its required kwargs is reported before training starts.
@@ -92,13 +104,19 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     train_ds = make_dataset("train", train_convs, data_args.data_path, tok, eot, data_args, training_args)
     eval_ds = (make_dataset("eval", eval_convs, data_args.eval_data_path, tok, eot, data_args, training_args)
                if eval_convs is not None else None)
+    collator = make_collator(tok)
+    if getattr(data_args, "packing", False):
+        train_ds, eval_ds, collator = pack_datasets(train_ds, eval_ds, training_args.model_max_length)
     model, grew = load_model(model_args, training_args, tok, grew)
     if training_args.use_lora:
         model = apply_lora(model, tok, model_args, lora_args, training_args, grew)
+    if getattr(data_args, "packing", False):
+        logger.info("packing: attention implementation '%s' (block-diagonal causal mask from restarting position ids)",
+                    check_packing_support(model))
     check_optimizer_and_scheduler(training_args, model)
     trainer = transformers.Trainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-        data_collator=make_collator(tok), processing_class=tok, callbacks=callbacks,
+        data_collator=collator, processing_class=tok, callbacks=callbacks,
     )
     log_run_shape(training_args, len(train_ds))
     return trainer, tok, eot
