@@ -132,6 +132,11 @@ class TrainingArguments(transformers.TrainingArguments):
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Allow writing into a non-empty --output_dir."}
     )
+    peak_tflops: Optional[float] = field(
+        default=None,
+        metadata={"help": "Peak TFLOP/s of one device, the denominator of the logged MFU (e.g. 989 for an H100 SXM "
+                  "in dense bf16). Unset: a torch.matmul peak measured at the start of training."},
+    )
 
     def __post_init__(self):
         if self.evaluation_strategy is not None:
@@ -387,6 +392,8 @@ def _check_training(t) -> list[str]:
         p.append(f"--warmup_ratio {t.warmup_ratio}: must be in [0, 1)")
     if not 0 <= t.seed < 2**32:
         p.append(f"--seed {t.seed}: must be in [0, 2**32)")
+    if t.peak_tflops is not None and not (math.isfinite(t.peak_tflops) and t.peak_tflops > 0):
+        p.append(f"--peak_tflops {t.peak_tflops}: must be a positive number of TFLOP/s (or leave it unset to measure)")
     if t.fp16_requested_without_cuda:
         p.append("--fp16 True: fp16 training needs a CUDA GPU and none is visible; on CPU use --bf16 True or "
                  "leave both off (fp32)")

@@ -6,6 +6,7 @@ import os
 
 import transformers
 
+from .callbacks import install as install_throughput_callback
 from .chat import chat_control_tokens, visualize
 from .data import load_conversations, reject_control_tokens
 from .errors import ConfigError
@@ -118,6 +119,7 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=collator, processing_class=tok, callbacks=callbacks,
     )
+    install_throughput_callback(trainer, getattr(training_args, "peak_tflops", None))
     log_run_shape(training_args, len(train_ds))
     return trainer, tok, eot
 
