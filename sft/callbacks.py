@@ -71,26 +71,40 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: Optional[tor
                         n: Optional[int] = None, seconds: float = 0.5) -> float:
     """Best achieved FLOP/s of a square ``torch.matmul`` on ``device`` in ``dtype`` (2 n^3 FLOPs per product).
 
-    The best of repeated timed products over about ``seconds`` seconds after one warm-up; ``n`` defaults to
-    2048 on CPU and 8192 on CUDA. A measured peak, not the datasheet figure.
+    The best of repeated timed products over about ``seconds`` seconds after a warm-up. Without ``n`` the size
+    doubles from 256 while one product takes under a quarter of ``seconds`` (up to 2048 on CPU, 8192 on CUDA), so
+    a dtype the CPU emulates slowly (bf16 without native kernels) does not take minutes. A measured peak, not
+    the datasheet figure.
     """
     device = torch.device(device or "cpu")
-    n = n or (8192 if device.type == "cuda" else 2048)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    torch.matmul(a, b)
-    sync()
-    best, start = float("inf"), time.perf_counter()
-    while time.perf_counter() - start < seconds or best == float("inf"):
+    def once(a, b) -> float:
         t0 = time.perf_counter()
         torch.matmul(a, b)
         sync()
-        best = min(best, time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def operands(size):
+        return (torch.randn(size, size, device=device).to(dtype), torch.randn(size, size, device=device).to(dtype))
+
+    if n is None:
+        n, limit = 256, (8192 if device.type == "cuda" else 2048)
+        a, b = operands(n)
+        once(a, b)
+        while n < limit and once(a, b) < seconds / 4:
+            n *= 2
+            a, b = operands(n)
+            once(a, b)
+    else:
+        a, b = operands(n)
+        once(a, b)
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds or best == float("inf"):
+        best = min(best, once(a, b))
     return 2 * n ** 3 / best
 
 
