@@ -212,9 +212,11 @@ def worker_argv(a, system: str, json_path: str) -> list[str]:
     return argv + (["--bf16"] if a.bf16 else [])
 
 
-def run_system(a, system: str, nproc: int = 1, threads: int | None = None) -> list[dict]:
+def run_system(a, system: str, nproc: int = 1, threads: int | None = None, tag: str = "") -> list[dict]:
     """Run one system in fresh process(es); return each rank's result dict."""
-    json_path = os.path.join(a.work, f"{system}-{nproc}.json")
+    json_path = os.path.join(a.work, f"{system}{tag}-{nproc}.json")
+    if a.reuse and all(os.path.exists(f"{json_path}.{r}") for r in range(nproc)):
+        return [json.load(open(f"{json_path}.{r}")) for r in range(nproc)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -224,9 +226,12 @@ def run_system(a, system: str, nproc: int = 1, threads: int | None = None) -> li
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                *worker_argv(a, system, json_path)]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    log = f"{json_path}.log"
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
     if p.returncode != 0:
-        print(f"{system} (nproc {nproc}) failed (exit {p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
+        print(f"{system} (nproc {nproc}) failed (exit {p.returncode}); last lines of {log}:\n"
+              f"{open(log).read()[-3000:]}", file=sys.stderr)
         return []
     results = [json.load(open(f"{json_path}.{r}")) for r in range(nproc)]
     for r in results:
@@ -370,6 +375,8 @@ def parse(argv=None):
     p.add_argument("--skip_preprocessing", action="store_true")
     p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "sft-compare-cache"))
     p.add_argument("--bf16", action="store_true", help="train in bf16 (default on CUDA)")
+    p.add_argument("--work", help="folder for each run's JSON result (default: a new temporary folder)")
+    p.add_argument("--reuse", action="store_true", help="take a system's result from --work if it is there")
     p.add_argument("--peak_tflops", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -402,8 +409,10 @@ def main(argv=None) -> int:
               f"{a.max_length} tokens (about {a.batch} conversations' worth)")
     print(f"model {a.model}\ndata {a.data}\nLoRA r={a.lora_r} alpha={2 * a.lora_r} dropout 0.05 all-linear; micro batch "
           f"{a.batch}; max length {a.max_length}; {a.max_steps} optimizer steps (step 1 not timed)")
-    with tempfile.TemporaryDirectory(prefix="sft-compare-") as work:
-        a.work = work
+    a.work = a.work or tempfile.mkdtemp(prefix="sft-compare-")
+    os.makedirs(a.work, exist_ok=True)
+    print(f"results of each run: {a.work}", flush=True)
+    if True:
         results = {}
         for system in a.systems:
             t0 = time.perf_counter()
@@ -416,8 +425,8 @@ def main(argv=None) -> int:
                 print(f"  {label:<66}{rate:10.0f}")
         if a.scaling:
             threads = max(1, (os.cpu_count() or 2) // 2) if not a.cuda else None
-            one = run_system(a, "ours", 1, threads)
-            two = run_system(a, "ours", 2, threads)
+            one = run_system(a, "ours", 1, threads, "-scaling")
+            two = run_system(a, "ours", 2, threads, "-scaling")
             print_scaling(a, one, two)
     return 0
 
