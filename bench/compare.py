@@ -423,7 +423,9 @@ def main(argv=None) -> int:
             print("\npreprocessing (conversations/s):")
             for label, rate in preprocessing(a):
                 print(f"  {label:<66}{rate:10.0f}")
-        if a.scaling:
+        if a.scaling and a.cuda and torch.cuda.device_count() < 2:
+            print("\nscaling: 2 processes need 2 GPUs (one per process); skipped")
+        elif a.scaling:
             threads = max(1, (os.cpu_count() or 2) // 2) if not a.cuda else None
             one = run_system(a, "ours", 1, threads, "-scaling")
             two = run_system(a, "ours", 2, threads, "-scaling")
