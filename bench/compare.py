@@ -158,13 +158,14 @@ def build_trl(a, out_dir: str):
     tok.chat_template = ours_tok_template
     ours = encode_conversations(tok, [c.messages for c in convs[:n]], eot)
     cols = trainer.train_dataset.column_names
-    key = next((k for k in ("assistant_masks", "completion_mask") if k in cols), None)
+    key = next((k for k in ("labels", "assistant_masks", "completion_mask") if k in cols), None)
     if key is None:
         return trainer, {"trl_same_tokens_and_mask": f"not checked: no mask column in TRL's dataset ({cols})"}
     same = 0
     for (ids, labels), row in zip(ours, trainer.train_dataset.select(range(n))):
         mask = [int(x != IGNORE_INDEX) for x in labels][:a.max_length]
-        same += row["input_ids"] == ids[:a.max_length] and list(row[key]) == mask
+        theirs = [int(x != IGNORE_INDEX) for x in row[key]] if key == "labels" else list(row[key])  # trl 1.16: labels
+        same += row["input_ids"] == ids[:a.max_length] and theirs == mask
     return trainer, {"trl_same_tokens_and_mask": f"{same}/{n}"}
 
 
