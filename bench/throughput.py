@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -49,7 +51,9 @@ def main() -> int:
     per_step, times = [], []
 
     def count_batch(module, args, kwargs):  # forward pre-hook: sees exactly the batches of each step
-        mask, labels = kwargs["attention_mask"], kwargs["labels"]
+        mask, labels = kwargs.get("attention_mask"), kwargs["labels"]
+        if mask is None:  # --packing: one padding-free row, every token real
+            mask = torch.ones_like(kwargs["input_ids"])
         counts["real"] += int(mask.sum())
         counts["total"] += mask.numel()
         counts["supervised"] += int((labels != -100).sum())

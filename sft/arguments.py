@@ -80,6 +80,12 @@ class DataArguments:
     preprocessing_num_workers: Optional[int] = field(
         default=None, metadata={"help": "Processes used to tokenize the dataset (datasets.map num_proc)."}
     )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Pack several conversations into each row of up to --model_max_length tokens (best-fit "
+                  "decreasing); position ids restart per conversation and attention never crosses conversations. "
+                  "--per_device_train_batch_size then counts rows. Non-packing alternative: --group_by_length True."},
+    )
 
 
 @dataclass
@@ -130,6 +136,11 @@ class TrainingArguments(transformers.TrainingArguments):
         default=300.0,
         metadata={"help": "Seconds from SIGTERM/SIGINT to a forced exit (code 75) if the current step and the "
                   "checkpoint have not finished by then; the last complete checkpoint is kept."},
+    )
+    peak_tflops: Optional[float] = field(
+        default=None,
+        metadata={"help": "Peak TFLOP/s of one device, the denominator of the logged MFU (e.g. 989 for an H100 SXM "
+                  "in dense bf16). Unset: a torch.matmul peak measured at the start of training."},
     )
 
     def __post_init__(self):
@@ -369,6 +380,19 @@ def _check_data(data_args, training_args) -> list[str]:
         p.append(f"--data_cache_dir {cache}: is a file; give a folder (it is created if missing)")
     if data_args.preprocessing_num_workers is not None and data_args.preprocessing_num_workers < 1:
         p.append(f"--preprocessing_num_workers {data_args.preprocessing_num_workers}: must be at least 1")
+    p += _check_packing(data_args, training_args)
+    return p
+
+
+def _check_packing(data_args, training_args) -> list[str]:
+    if not data_args.packing:
+        return []
+    p = []
+    if data_args.lazy_preprocess:
+        p.append("--packing True with --lazy_preprocess True: packing needs every sample's length up front; "
+                 "drop one of them")
+    if training_args.group_by_length:
+        p.append("--packing True with --group_by_length True: choose one (packing already removes padding)")
     return p
 
 
@@ -400,6 +424,8 @@ def _check_training(t) -> list[str]:
         p.append(f"--preemption_timeout {t.preemption_timeout}: must be a number of seconds > 0 (e.g. 300)")
     if not 0 <= t.seed < 2**32:
         p.append(f"--seed {t.seed}: must be in [0, 2**32)")
+    if t.peak_tflops is not None and not (math.isfinite(t.peak_tflops) and t.peak_tflops > 0):
+        p.append(f"--peak_tflops {t.peak_tflops}: must be a positive number of TFLOP/s (or leave it unset to measure)")
     if t.fp16_requested_without_cuda:
         p.append("--fp16 True: fp16 training needs a CUDA GPU and none is visible; on CPU use --bf16 True or "
                  "leave both off (fp32)")

@@ -6,6 +6,7 @@ import os
 
 import transformers
 
+from .callbacks import install as install_throughput_callback
 from .chat import chat_control_tokens, visualize
 from .data import load_conversations, reject_control_tokens
 from .errors import ConfigError
@@ -13,6 +14,7 @@ from .dataset import LazySupervisedDataset, build_dataset, make_collator
 from .distributed import check_same_inputs, preflight_enabled
 from .logs import setup_logging
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer
+from .packing import PackedCollator, check_packing_support, pack_dataset
 
 logger = logging.getLogger("sft")
 
@@ -64,6 +66,17 @@ def make_dataset(name, convs, path, tok, eot, data_args, training_args):
     return ds
 
 
+def pack_datasets(train_ds, eval_ds, max_len: int):
+    """``--packing``: rows of several conversations (:mod:`sft.packing`). Returns ``(train, eval, collator)``."""
+    packed = []
+    for name, ds in (("train", train_ds), ("eval", eval_ds)):
+        if ds is not None:
+            ds, report = pack_dataset(ds, max_len)
+            logger.info("%s", report.line(name))
+        packed.append(ds)
+    return packed[0], packed[1], PackedCollator()
+
+
 def check_optimizer_and_scheduler(training_args, model) -> None:
     """Build the optimizer class and the LR scheduler once on a dummy parameter, so that a missing optional
     package or a scheduler without its required kwargs is reported before training starts.
@@ -92,26 +105,31 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     if preflight_enabled():  # several processes: same data, model config, tokenizer and version everywhere
         check_same_inputs(model_args.model_name_or_path, {"--data_path": data_args.data_path,
                                                           "--eval_data_path": data_args.eval_data_path})
-    # Seed before the model and the LoRA weights are created (Trainer seeds only later, in its __init__):
-    # the same --seed then gives the same adapter initialisation, run after run and on any number of nodes.
-    transformers.set_seed(training_args.seed)
     train_convs, eval_convs, tok, eot, grew = load_data(model_args, data_args, training_args)
     train_ds = make_dataset("train", train_convs, data_args.data_path, tok, eot, data_args, training_args)
     eval_ds = (make_dataset("eval", eval_convs, data_args.eval_data_path, tok, eot, data_args, training_args)
                if eval_convs is not None else None)
-    # Seed before the model exists: LoRA's A matrices (and any new embedding rows) are drawn from the global
-    # RNG, and how much of it data preparation consumed differs between a cache miss and a cache hit.
+    collator = make_collator(tok)
+    if getattr(data_args, "packing", False):
+        train_ds, eval_ds, collator = pack_datasets(train_ds, eval_ds, training_args.model_max_length)
+    # Seed before the model exists (Trainer seeds only later, in its __init__): LoRA's A matrices (and any new
+    # embedding rows) are drawn from the global RNG, and how much of it data preparation consumed differs
+    # between a cache miss and a cache hit; the same --seed then gives the same adapter on any number of nodes.
     (transformers.enable_full_determinism if training_args.full_determinism else transformers.set_seed)(training_args.seed)
     model, grew = load_model(model_args, training_args, tok, grew, lora_args)
     if training_args.use_lora:
         model = apply_lora(model, tok, model_args, lora_args, training_args, grew)
+    if getattr(data_args, "packing", False):
+        logger.info("packing: attention implementation '%s' (block-diagonal causal mask from restarting position ids)",
+                    check_packing_support(model))
     check_optimizer_and_scheduler(training_args, model)
     from .sampling import Trainer  # transformers.Trainer whose --group_by_length order resumes exactly
 
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-        data_collator=make_collator(tok), processing_class=tok, callbacks=callbacks,
+        data_collator=collator, processing_class=tok, callbacks=callbacks,
     )
+    install_throughput_callback(trainer, getattr(training_args, "peak_tflops", None))
     log_run_shape(training_args, len(train_ds))
     return trainer, tok, eot
 
