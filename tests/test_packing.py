@@ -1,12 +1,11 @@
 """--packing: rows of several conversations, position ids restarting, attention kept inside each conversation."""
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT, TOY
+from conftest import TOY, write_jsonl
 from sft.arguments import parse_args, validate
 from sft.chat import IGNORE_INDEX, encode_conversations
 from sft.data import load_conversations
@@ -15,7 +14,13 @@ from sft.errors import ConfigError
 from sft.packing import PackedCollator, best_fit_decreasing, check_packing_support, pack_dataset, split_row
 from sft.training import build_trainer
 
-CHITCHAT = os.path.join(ROOT, ".cache", "example", "chitchat.jsonl")
+
+@pytest.fixture(scope="module")
+def chitchat(tmp_path_factory):
+    """40 real chitchat conversations, written from the chitchat-dataset package (no prepared example needed)."""
+    import prepare_example
+
+    return write_jsonl(tmp_path_factory.mktemp("chitchat") / "chitchat40.jsonl", prepare_example.chitchat_records(40))
 
 
 def test_best_fit_decreasing_fills_bins_within_capacity():
@@ -61,10 +66,10 @@ def smol_model(smol_dir):
     return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
 
 
-def test_per_conversation_losses_equal_unpacked_run(smol_model, smol_tok):
+def test_per_conversation_losses_equal_unpacked_run(smol_model, smol_tok, chitchat):
     """Real SmolLM2 (sdpa) on real chitchat conversations: packed vs. one forward per conversation."""
     tok, eot = smol_tok
-    convs = load_conversations(CHITCHAT, "error")[:40]
+    convs = load_conversations(chitchat, "error")[:40]
     encoded = [(i[:72], l[:72]) for i, l in encode_conversations(tok, [c.messages for c in convs], eot)]
     encoded = [e for e in encoded if any(x != IGNORE_INDEX for x in e[1])][:4]
     assert check_packing_support(smol_model) == "sdpa"

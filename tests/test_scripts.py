@@ -68,4 +68,4 @@ def test_relative_paths_are_relative_to_the_callers_directory(tiny_model_dir, to
 def test_preset_help_describes_the_preset():
     r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), "-h"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "LoRA fine-tuning on one node" in r.stdout and "NPROC_PER_NODE" in r.stdout
+    assert r.returncode == 0 and "LoRA on one node without DeepSpeed" in r.stdout and "NPROC_PER_NODE" in r.stdout and "--use_lora True" in r.stdout
