@@ -121,7 +121,7 @@ def init_deepspeed_comm(training_args) -> None:
     GPU, with ``--ddp_timeout``); ``init_distributed`` then reuses it. A single process started without
     torchrun gets a one-process world on loopback (DeepSpeed would otherwise look for MPI).
     """
-    if not training_args.deepspeed:
+    if not getattr(training_args, "deepspeed", None):  # also plain namespaces (bench/compare.py's TRL path)
         return
     import datetime
     import os
