@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from .data import file_sha256
 from .errors import SFTError
 
 DEFAULT_MASTER_PORT = 6001
@@ -445,14 +446,6 @@ def init_process_group(backend: Optional[str], timeout_s: float) -> bool:
     return True
 
 
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "qwen.tiktoken", "chat_template.jinja",
                    "chat_template.json")
@@ -479,14 +472,14 @@ def input_fingerprint(model_path: str, data_files: dict[str, str]) -> dict:
     not the paths."""
     from . import __version__
 
-    fp = {f"{flag} file": _sha256_file(path) for flag, path in data_files.items()}
+    fp = {f"{flag} file": file_sha256(path) for flag, path in data_files.items()}
     cfg = _model_file(model_path, "config.json")
-    fp["model config (config.json)"] = _sha256_file(cfg) if cfg else "missing"
+    fp["model config (config.json)"] = file_sha256(cfg) if cfg else "missing"
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
         path = _model_file(model_path, name)
         if path:
-            h.update(name.encode() + b"\0" + _sha256_file(path).encode())
+            h.update(name.encode() + b"\0" + file_sha256(path).encode())
     fp["tokenizer files"] = h.hexdigest()
     fp["sft version"] = __version__
     fp["world view"] = (f"world size {os.environ.get('WORLD_SIZE')}, {os.environ.get('GROUP_WORLD_SIZE', '?')} nodes, "
