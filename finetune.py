@@ -23,13 +23,15 @@ def _user_message(err: Exception) -> str:
     return text
 
 
-def main(argv=None) -> int:
+def main(argv=None, extra=()) -> int:
+    """Run finetune.py with ``argv`` (default ``sys.argv[1:]``); returns the exit code. ``extra``: a launcher's own
+    flag dataclasses (parsed and ignored here, so one command line / YAML serves both; see scripts/ray_train.py)."""
     from sft.arguments import parse_args, validate
     from sft.errors import SFTError
 
     training_args = None
     try:
-        model_args, data_args, training_args, lora_args = parse_args(argv)
+        model_args, data_args, training_args, lora_args = parse_args(argv, extra)[:4]
         validate(model_args, data_args, training_args, lora_args)
         if os.environ.get("SFT_CHECK_ONLY"):
             from sft.training import load_data

@@ -198,9 +198,9 @@ class TrainingArguments(transformers.TrainingArguments):
 ALL_DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments)
 
 
-def _flag_names() -> set[str]:
+def _flag_names(extra: tuple = ()) -> set[str]:
     names = set()
-    for dc in ALL_DATACLASSES:
+    for dc in (*ALL_DATACLASSES, *extra):
         names.update(f.name for f in dataclasses.fields(dc) if f.init)
     return names
 
@@ -226,7 +226,7 @@ def _split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
     return path, rest
 
 
-def _read_yaml(path: str) -> dict:
+def _read_yaml(path: str, extra: tuple = ()) -> dict:
     import yaml
 
     if not path or not os.path.isfile(path):
@@ -246,7 +246,7 @@ def _read_yaml(path: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: top level is a {type(data).__name__}; it must be a mapping "
                            "of flag: value pairs"])
-    known = _flag_names()
+    known = _flag_names(extra)
     unknown = sorted(str(k) for k in data if not (isinstance(k, str) and k in known))
     if unknown:
         raise ConfigError([f"--config {path}: unknown key '{k}'"
@@ -298,8 +298,10 @@ def _yaml_scalar(v) -> str:
     return str(v) if not isinstance(v, bool) else ("True" if v else "False")
 
 
-def parse_args(argv: Optional[list[str]] = None):
-    """Parse argv (default ``sys.argv[1:]``) into (ModelArguments, DataArguments, TrainingArguments, LoraArguments).
+def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
+    """Parse argv (default ``sys.argv[1:]``) into (ModelArguments, DataArguments, TrainingArguments, LoraArguments),
+    followed by one instance of each dataclass in ``extra`` (a launcher's own flags, e.g. the Ray launcher's;
+    their names are then also valid YAML keys).
 
     Raises:
         ConfigError: bad ``--config`` file, unknown YAML keys, or a value transformers rejects.
@@ -307,23 +309,21 @@ def parse_args(argv: Optional[list[str]] = None):
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path, argv = _split_config(argv)
-    parser = transformers.HfArgumentParser(ALL_DATACLASSES)
+    parser = transformers.HfArgumentParser((*ALL_DATACLASSES, *extra))
     parser.add_argument("--config", help="YAML file of flag: value defaults; the command line wins.")
     if config_path is not None:
-        argv = _yaml_to_argv(config_path, _read_yaml(config_path), parser) + argv
+        argv = _yaml_to_argv(config_path, _read_yaml(config_path, extra), parser) + argv
     try:
-        model_args, data_args, training_args, lora_args, _ = parser.parse_args_into_dataclasses(
-            args=argv, return_remaining_strings=False
-        )
+        parsed = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
     except ValueError as e:  # raised by TrainingArguments.__post_init__, or for flags no dataclass has
         if "not used by the HfArgumentParser" in str(e):
-            known = _flag_names() | {"config"}
+            known = _flag_names(extra) | {"config"}
             names = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
             unknown = [u for u in names if u[2:] not in known and not (u.startswith("--no_") and u[5:] in known)]
             raise ConfigError([f"unknown flag {u}" + _suggest(u[2:], known).replace("'", "'--", 1)
                                + "; see finetune.py -h for the flags" for u in unknown] or [str(e).strip()]) from None
         raise ConfigError([str(e).strip()]) from None
-    return model_args, data_args, training_args, lora_args
+    return tuple(parsed[:len(ALL_DATACLASSES)]) + tuple(parsed[len(ALL_DATACLASSES):len(ALL_DATACLASSES) + len(extra)])
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

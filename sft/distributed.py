@@ -491,7 +491,8 @@ _PEERS: dict[str, dict] = {}  # address -> {"node_rank", "host", "ranks"}, fille
 
 
 def _rank_info() -> dict:
-    return {"rank": int(os.environ.get("RANK", "0")), "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+    node_rank = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))  # torchrun sets GROUP_RANK, Ray Train NODE_RANK
+    return {"rank": int(os.environ.get("RANK", "0")), "node_rank": int(node_rank),
             "host": socket.gethostname(),
             "addr": route_source(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "1")))}
 

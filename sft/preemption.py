@@ -14,6 +14,10 @@ before SIGKILL; ``finetune/launch.sh`` raises that to this module's deadline plu
   ``--preemption_timeout`` seconds whatever it is doing (a peer that died, a save that hangs). A
   checkpoint cut short there has no completion marker, so ``auto`` resume takes the previous one.
 
+Launchers that cannot deliver a signal to the training thread (Ray Train runs the training function in
+a thread of its worker actor, where Python cannot install signal handlers) call :func:`request_stop`,
+which has exactly the effect of a signal on this process.
+
 Transformers' own ``enable_jit_checkpoint`` is not used: it checks the flag on each rank separately
 (ranks can stop at different steps), can save before the optimizer step of the current batch, and
 leaves the exit code to the caller.
@@ -33,6 +37,7 @@ from .errors import PREEMPTED_EXIT_CODE, SFTError
 logger = logging.getLogger("sft")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_ACTIVE: Optional["PreemptionHandler"] = None  # the installed handler of the training running in this process
 
 
 class Preempted(SFTError):
@@ -57,16 +62,23 @@ class PreemptionHandler(TrainerCallback):
 
     # ---- signals -------------------------------------------------------------------------------
     def install(self) -> "PreemptionHandler":
-        """Install the handlers (main thread only). Returns self."""
-        for s in SIGNALS:
-            self._previous[s] = signal.signal(s, self._on_signal)
+        """Install the signal handlers (only on the main thread, the only one Python lets handle signals;
+        elsewhere :func:`request_stop` is the way in) and make this the process's active handler. Returns self."""
+        global _ACTIVE
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._on_signal)
+        _ACTIVE = self
         return self
 
     def uninstall(self) -> None:
         """Restore the previous handlers and cancel the watchdog (the run is over)."""
+        global _ACTIVE
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous.clear()
+        if _ACTIVE is self:
+            _ACTIVE = None
         if self._watchdog is not None:
             self._watchdog.cancel()
 
@@ -114,6 +126,17 @@ class PreemptionHandler(TrainerCallback):
     @property
     def preempted(self) -> bool:
         return self.stopped_at is not None
+
+
+def request_stop(signum: int = signal.SIGTERM) -> bool:
+    """Act as if this process had received ``signum``: the running training saves a checkpoint at the end of
+    the current optimizer step and stops (:class:`Preempted`, exit code 75). Thread-safe; repeated calls are
+    ignored like repeated signals. Returns False when no training is running in this process."""
+    handler = _ACTIVE
+    if handler is None:
+        return False
+    handler._on_signal(signum, None)
+    return True
 
 
 def report_exit_code(code: int) -> None:
