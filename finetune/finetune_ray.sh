@@ -7,8 +7,8 @@
 #
 # Usage: finetune/finetune_ray.sh [--preset NAME] -m MODEL_DIR -d DATA_FILE [Ray flags] [finetune.py flags ...]
 #   --preset NAME            full_ds | lora_ds (default) | qlora_ds | lora_single_gpu | qlora_single_gpu
-#   --ray_address ADDR       auto | HOST:PORT of the head (unset: $RAY_ADDRESS, the cluster started on this
-#                            machine, else a new single-machine Ray)
+#   --ray_address ADDR       auto | HOST:PORT of the head | local (a new Ray on this machine alone); unset:
+#                            $RAY_ADDRESS, else the cluster started on this machine, else a new local Ray
 #   --num_workers N          training processes (0 = one per GPU, or one per node without GPUs)
 #   --placement_strategy S   PACK (default) | SPREAD | STRICT_PACK | STRICT_SPREAD
 #   --use_gpu B  --cpus_per_worker C  --gpus_per_worker G  --placement_timeout SECONDS

@@ -57,8 +57,9 @@ class RayArguments:
     ray_address: Optional[str] = field(
         default=None,
         metadata={"help": "Ray cluster to run on: 'auto' (the cluster started with `ray start` on this machine; "
-                  "error if none), HOST:PORT of the head's GCS (e.g. 10.0.0.1:6379) or ray://HOST:10001. Unset: "
-                  "$RAY_ADDRESS, else the cluster started on this machine, else a new single-machine Ray."},
+                  "error if none), HOST:PORT of the head's GCS (e.g. 10.0.0.1:6379), or 'local' (always a new Ray "
+                  "on this machine alone). Unset: $RAY_ADDRESS, else the cluster started on this machine, else "
+                  "a new single-machine Ray."},
     )
     num_workers: int = field(
         default=0,
@@ -111,6 +112,10 @@ def check_ray_args(r: RayArguments) -> None:
         p.append(f"--placement_timeout {r.placement_timeout:g}: must be a positive number of seconds")
     if r.ray_address is not None and not r.ray_address.strip():
         p.append("--ray_address is empty; give 'auto', HOST:PORT of the head node, or leave the flag out")
+    elif r.ray_address is not None and r.ray_address.strip().startswith("ray://"):
+        p.append(f"--ray_address {r.ray_address}: Ray Client (ray://) is not supported: the launcher reads the data "
+                 "and writes --output_dir on a shared filesystem, so run it on a node of the cluster with "
+                 "--ray_address auto (or HOST:6379)")
     if p:
         raise ConfigError(p)
 

@@ -56,6 +56,8 @@ def test_ray_flags_check_and_normalise():
     text = str(e.value)
     for flag in ("--cpus_per_worker 0", "--gpus_per_worker nan", "--placement_timeout -1", "--ray_address is empty"):
         assert flag in text, text
+    with pytest.raises(ConfigError, match=r"--ray_address ray://head:10001: Ray Client \(ray://\) is not supported"):
+        check_ray_args(RayArguments(ray_address="ray://head:10001"))
 
 
 def _node(host, addr, cpus, gpus=0, alive=True):
@@ -212,7 +214,7 @@ def test_sigterm_under_strict_spread_then_resume_under_strict_pack(cluster, tmp_
     STRICT_PACK (both workers on one node) resumes from that checkpoint and finishes."""
     from sft.checkpoint import MARKER
 
-    out, steps = tmp_path / "out", 40
+    out, steps = tmp_path / "out", 24
     flags = ["--ray_address", cluster.address, "--num_workers", "2", "--logging_steps", "1"]
     p, log = launch(cluster, tmp_path, tiny_model_dir, data, out, *flags, "--placement_strategy", "STRICT_SPREAD",
                     steps=steps, name="first")
