@@ -62,6 +62,21 @@ class RayCluster:
             raise RuntimeError(f"{' '.join(argv[:3])} on {self.hosts.hostnames[i]} failed ({r.returncode}):\n"
                                f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
 
+    def processes(self) -> list[str]:
+        """Command lines of live processes that belong to this cluster (Ray's daemons name its temp dir)."""
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if self.tmp in cmd:
+                found.append(f"{pid}: {cmd[:200]}")
+        return found
+
     def close(self) -> None:
         self.hosts.close()
         try:

@@ -144,10 +144,12 @@ def cluster():
     hosts = netns.Hosts(2, tag="ray")
     c = RayCluster(hosts, cpus=[2, 2])  # closes the hosts itself if a node fails to start
     try:
+        assert c.processes(), "no Ray daemon found for the cluster just started"  # the check below can see them
         yield c
     finally:
         c.close()
         assert not hosts.leftovers(), f"namespaces left behind: {hosts.leftovers()}"
+        assert not c.processes(), f"Ray processes left running: {c.processes()}"
 
 
 def launch(cluster, tmp_path, model, data_file, out, *flags, steps=None, name="driver"):
