@@ -408,7 +408,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         import transformers
 
-        print(transformers.HfArgumentParser((RayArguments,)).format_help().replace("usage: ", "usage: ray_train.py "))
+        parser = transformers.HfArgumentParser((RayArguments,))
+        parser.prog = "ray_train.py"
+        print(parser.format_help())
         print("\nEvery finetune.py flag is accepted too (python finetune.py -h); --config YAML may hold both kinds.")
         return 0
     try:
@@ -430,7 +432,12 @@ def _drive(argv: list[str]) -> int:
     ray_args = parse_args(argv, (RayArguments,))[4]
     check_ray_args(ray_args)
     # The whole configuration and every data record, once, here (what each worker will also check).
+    import torch
+
     import finetune
+
+    if not torch.cuda.is_available():  # as finetune/launch.sh: DeepSpeed's choice anyway, without its warning
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     os.environ["SFT_CHECK_ONLY"] = "1"
     try:
@@ -462,8 +469,10 @@ def _train(ray_args: RayArguments, argv: list[str]) -> int:
     problem = placement_problem(nodes, ray_args.placement_strategy, num_workers, bundle)
     if problem:
         raise SFTError(problem)
-    # Defaults placed before the user's flags (the last occurrence wins), as finetune/launch.sh does.
-    defaults = (["--ddp_timeout", "600"] if num_workers > 1 else []) + (["--bf16", "True"] if use_gpu else [])
+    # Defaults placed before the user's flags (the last occurrence wins), as finetune/launch.sh does; no tqdm
+    # bars (Ray forwards worker output line by line; the step lines of sft.callbacks show progress).
+    defaults = ((["--ddp_timeout", "600"] if num_workers > 1 else []) + (["--bf16", "True"] if use_gpu else [])
+                + ["--disable_tqdm", "True"])
     worker_argv = defaults + argv
     from .arguments import parse_args
 
