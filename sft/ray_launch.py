@@ -306,9 +306,42 @@ def _job_env() -> dict:
     return env
 
 
+GCS_CONNECT_TIMEOUT_S = 10.0
+
+
+def _gcs_unreachable(address: Optional[str], timeout_s: float = GCS_CONNECT_TIMEOUT_S) -> Optional[str]:
+    """Why a HOST:PORT Ray address (``--ray_address``, else ``$RAY_ADDRESS``) is not reachable, or None.
+
+    ``ray.init`` retries an unreachable GCS for minutes, printing a warning every few seconds; one TCP connect with
+    ``timeout_s`` tells at once. ``auto``/``local``/unset (Ray's own lookup) are left to Ray.
+    """
+    flag = "--ray_address"
+    if address is None:
+        address, flag = os.environ.get("RAY_ADDRESS") or None, "$RAY_ADDRESS"
+    if address is None or address.strip().lower() in ("auto", "local") or "://" in address:
+        return None
+    a = address.strip()
+    host, sep, port = a.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return (f"{flag} {address}: not a Ray address; give HOST:PORT of the head node's GCS (e.g. 10.0.0.1:6379, "
+                "the port of `ray start --head --port`), 'auto' or 'local'")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e) or type(e).__name__)
+        return (f"{flag} {address}: no Ray head answers at {host}:{port} ({why}); check the "
+                "address and port of `ray start --head --port` on the head node and that the head is running, or "
+                "use --ray_address local for a Ray on this machine alone")
+    return None
+
+
 def _connect(address: Optional[str]):
     import ray
 
+    problem = _gcs_unreachable(address)
+    if problem:
+        raise SFTError(problem)
     try:
         # Ray's own lookup when unset: $RAY_ADDRESS, the cluster `ray start` made on this machine, else a new one.
         # Ray's library loggers in every actor of this job at ERROR: without Ray's dashboard (ray[train] does not

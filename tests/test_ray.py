@@ -100,6 +100,30 @@ def test_yaml_config_holds_ray_and_training_flags(tmp_path, tiny_model_dir, toy_
         parse_args(["--config", str(cfg)])
 
 
+def test_unreachable_ray_address_fails_at_once(tiny_model_dir, toy_data, tmp_path, monkeypatch):
+    """ray.init retries an address nobody listens on for minutes (a warning every few seconds): refused at once."""
+    import socket
+
+    from sft.ray_launch import _gcs_unreachable
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there now
+    assert f"--ray_address 127.0.0.1:{port}: no Ray head answers at 127.0.0.1:{port}" in _gcs_unreachable(f"127.0.0.1:{port}")
+    assert "--ray_address 10.0.0.1: not a Ray address; give HOST:PORT" in _gcs_unreachable("10.0.0.1")
+    assert _gcs_unreachable("auto") is None and _gcs_unreachable("local") is None
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    assert "$RAY_ADDRESS 127.0.0.1:" in _gcs_unreachable(None)
+    monkeypatch.delenv("RAY_ADDRESS")
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, RAY_PY, "--ray_address", f"127.0.0.1:{port}", "--model_name_or_path",
+                        tiny_model_dir, "--data_path", toy_data, "--output_dir", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"no Ray head answers at 127.0.0.1:{port}" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "gcs_client" not in r.stderr and time.monotonic() - t < 60
+
+
 def test_request_stop_reaches_training_in_a_thread():
     """Ray Train runs the training function in a thread: no signal handlers there, request_stop instead."""
     from sft import preemption
