@@ -107,7 +107,7 @@ def check_ray_args(r: RayArguments) -> None:
     for name in ("cpus_per_worker", "gpus_per_worker"):
         v = getattr(r, name)
         if not (math.isfinite(v) and v > 0):
-            p.append(f"--{name} {v:g}: must be a positive number of {name.split('_')[0].upper()}s")
+            p.append(f"--{name} {v:g}: must be a positive number of {name[:3].upper()}s")
     if not (math.isfinite(r.placement_timeout) and r.placement_timeout > 0):
         p.append(f"--placement_timeout {r.placement_timeout:g}: must be a positive number of seconds")
     if r.ray_address is not None and not r.ray_address.strip():
@@ -155,6 +155,10 @@ def placement_problem(nodes: list[dict], strategy: str, num_workers: int, bundle
     alive = [n for n in nodes if n.get("Alive", n.get("alive", False))]
     seen = "; the cluster's alive nodes: " + (", ".join(_node_line(n) for n in alive) or "none")
     need = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
+    if bundle.get("GPU", 0) > 0 and not any(n.get("Resources", {}).get("GPU", 0) > 0 for n in alive):
+        return (f"--use_gpu True: each of the {num_workers} worker(s) needs GPU {bundle['GPU']:g}, but no alive node of "
+                f"the cluster has a GPU{seen}. Fix: --use_gpu False (or leave --use_gpu out: GPUs are used when the "
+                "cluster has them), or start Ray on GPU nodes")
     if strategy == "STRICT_SPREAD":
         ok = [n for n in alive if _fits(n.get("Resources", {}), bundle)]
         if len(ok) < num_workers:

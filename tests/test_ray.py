@@ -86,6 +86,21 @@ def test_placement_rules_follow_ray_strategies():
     assert "only 1 alive node(s)" in placement_problem(mixed, "STRICT_SPREAD", 2, gpu)
 
 
+def test_gpu_workers_on_a_cluster_without_gpus_suggest_use_gpu_false():
+    from sft.errors import ConfigError
+    from sft.ray_launch import RayArguments, check_ray_args, placement_problem
+
+    two = [_node("node0", "10.0.0.1", 2), _node("node1", "10.0.0.2", 2)]
+    msg = placement_problem(two, "PACK", 1, {"CPU": 1.0, "GPU": 1.0})
+    assert "--use_gpu True: each of the 1 worker(s) needs GPU 1, but no alive node of the cluster has a GPU" in msg
+    assert "Fix: --use_gpu False" in msg and "--num_workers 1" not in msg
+    assert placement_problem([_node("g", "10.0.0.3", 8, gpus=1)], "PACK", 2, {"CPU": 1.0, "GPU": 1.0}).startswith(
+        "2 workers with CPU 1, GPU 1 each do not fit")  # GPUs exist, too few: the count is the fix
+    with pytest.raises(ConfigError) as e:
+        check_ray_args(RayArguments(cpus_per_worker=0, gpus_per_worker=-1))
+    assert "positive number of CPUs" in str(e.value) and "positive number of GPUs" in str(e.value)
+
+
 def test_yaml_config_holds_ray_and_training_flags(tmp_path, tiny_model_dir, toy_data):
     from sft.arguments import parse_args
     from sft.errors import ConfigError
