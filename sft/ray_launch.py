@@ -48,6 +48,7 @@ STRATEGIES = {
     "STRICT_SPREAD": "every worker on a different node, or fail",
 }
 PLACEMENT_FILE = "ray_placement.json"
+MAX_PLACEMENT_TIMEOUT_S = 365 * 24 * 3600
 
 
 @dataclass
@@ -110,6 +111,9 @@ def check_ray_args(r: RayArguments) -> None:
             p.append(f"--{name} {v:g}: must be a positive number of {name[:3].upper()}s")
     if not (math.isfinite(r.placement_timeout) and r.placement_timeout > 0):
         p.append(f"--placement_timeout {r.placement_timeout:g}: must be a positive number of seconds")
+    elif r.placement_timeout > MAX_PLACEMENT_TIMEOUT_S:  # Ray's wait overflows a C long far below 1e308
+        p.append(f"--placement_timeout {r.placement_timeout:g}: at most {MAX_PLACEMENT_TIMEOUT_S} seconds (a year); "
+                 "give the longest wait you mean, in seconds")
     if r.ray_address is not None and not r.ray_address.strip():
         p.append("--ray_address is empty; give 'auto', HOST:PORT of the head node, or leave the flag out")
     elif r.ray_address is not None and r.ray_address.strip().startswith("ray://"):

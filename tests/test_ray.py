@@ -56,6 +56,9 @@ def test_ray_flags_check_and_normalise():
     text = str(e.value)
     for flag in ("--cpus_per_worker 0", "--gpus_per_worker nan", "--placement_timeout -1", "--ray_address is empty"):
         assert flag in text, text
+    with pytest.raises(ConfigError, match=r"--placement_timeout 1e\+308: at most 31536000 seconds"):
+        check_ray_args(RayArguments(placement_timeout=1e308))  # Ray's own wait raised OverflowError (a traceback)
+    check_ray_args(RayArguments(placement_timeout=31536000))
     with pytest.raises(ConfigError, match=r"--ray_address ray://head:10001: Ray Client \(ray://\) is not supported"):
         check_ray_args(RayArguments(ray_address="ray://head:10001"))
 
