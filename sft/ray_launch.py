@@ -324,9 +324,16 @@ def _gcs_unreachable(address: Optional[str], timeout_s: float = GCS_CONNECT_TIME
     ``timeout_s`` tells at once. ``auto``/``local``/unset (Ray's own lookup) are left to Ray.
     """
     flag = "--ray_address"
-    if address is None:
-        address, flag = os.environ.get("RAY_ADDRESS") or None, "$RAY_ADDRESS"
-    if address is None or address.strip().lower() in ("auto", "local") or "://" in address:
+    env = os.environ.get("RAY_ADDRESS", "").strip() or None
+    if env and (address is None or address.strip() == "auto"):  # ray.init's own rule: the variable wins then
+        address, flag = env, "$RAY_ADDRESS" + (" (which --ray_address auto uses)" if address else "")
+    if address is None or address.strip().lower() in ("auto", "local"):
+        return None
+    if "://" in address:
+        if flag.startswith("$") and address.startswith("ray://"):
+            return (f"{flag} {address}: Ray Client (ray://) is not supported: the launcher reads the data and writes "
+                    "--output_dir on a shared filesystem; unset RAY_ADDRESS or set it to HOST:PORT of the head "
+                    "(e.g. 10.0.0.1:6379), and run the launcher on a node of the cluster")
         return None
     a = address.strip()
     host, sep, port = a.rpartition(":")

@@ -124,6 +124,7 @@ def test_unreachable_ray_address_fails_at_once(tiny_model_dir, toy_data, tmp_pat
 
     from sft.ray_launch import _gcs_unreachable
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -133,6 +134,10 @@ def test_unreachable_ray_address_fails_at_once(tiny_model_dir, toy_data, tmp_pat
     assert _gcs_unreachable("auto") is None and _gcs_unreachable("local") is None
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     assert "$RAY_ADDRESS 127.0.0.1:" in _gcs_unreachable(None)
+    assert "$RAY_ADDRESS (which --ray_address auto uses) 127.0.0.1:" in _gcs_unreachable("auto")  # ray.init's rule
+    assert _gcs_unreachable("local") is None  # a new Ray: the variable is not used
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    assert "$RAY_ADDRESS ray://head:10001: Ray Client (ray://) is not supported" in _gcs_unreachable(None)
     monkeypatch.delenv("RAY_ADDRESS")
     t = time.monotonic()
     r = subprocess.run([sys.executable, RAY_PY, "--ray_address", f"127.0.0.1:{port}", "--model_name_or_path",
