@@ -109,6 +109,8 @@ def check_ray_args(r: RayArguments) -> None:
         v = getattr(r, name)
         if not (math.isfinite(v) and v > 0):
             p.append(f"--{name} {v:g}: must be a positive number of {name[:3].upper()}s")
+        elif v < 1e-4:  # Ray's resource unit: smaller fractions fail in Ray Train's controller (a traceback)
+            p.append(f"--{name} {v:g}: Ray counts {name[:3].upper()}s in steps of 0.0001; give at least 0.0001")
     if not (math.isfinite(r.placement_timeout) and r.placement_timeout > 0):
         p.append(f"--placement_timeout {r.placement_timeout:g}: must be a positive number of seconds")
     elif r.placement_timeout > MAX_PLACEMENT_TIMEOUT_S:  # Ray's wait overflows a C long far below 1e308

@@ -102,6 +102,9 @@ def test_gpu_workers_on_a_cluster_without_gpus_suggest_use_gpu_false():
     with pytest.raises(ConfigError) as e:
         check_ray_args(RayArguments(cpus_per_worker=0, gpus_per_worker=-1))
     assert "positive number of CPUs" in str(e.value) and "positive number of GPUs" in str(e.value)
+    with pytest.raises(ConfigError, match=r"--cpus_per_worker 1e-09: Ray counts CPUs in steps of 0.0001"):
+        check_ray_args(RayArguments(cpus_per_worker=1e-9))  # was a controller traceback and exit 1 after Ray started
+    check_ray_args(RayArguments(cpus_per_worker=0.0001, gpus_per_worker=0.25))
 
 
 def test_yaml_config_holds_ray_and_training_flags(tmp_path, tiny_model_dir, toy_data):
