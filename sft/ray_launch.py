@@ -48,6 +48,7 @@ STRATEGIES = {
     "STRICT_SPREAD": "every worker on a different node, or fail",
 }
 PLACEMENT_FILE = "ray_placement.json"
+MAX_PLACEMENT_TIMEOUT_S = 365 * 24 * 3600
 
 
 @dataclass
@@ -107,9 +108,14 @@ def check_ray_args(r: RayArguments) -> None:
     for name in ("cpus_per_worker", "gpus_per_worker"):
         v = getattr(r, name)
         if not (math.isfinite(v) and v > 0):
-            p.append(f"--{name} {v:g}: must be a positive number of {name.split('_')[0].upper()}s")
+            p.append(f"--{name} {v:g}: must be a positive number of {name[:3].upper()}s")
+        elif v < 1e-4:  # Ray's resource unit: smaller fractions fail in Ray Train's controller (a traceback)
+            p.append(f"--{name} {v:g}: Ray counts {name[:3].upper()}s in steps of 0.0001; give at least 0.0001")
     if not (math.isfinite(r.placement_timeout) and r.placement_timeout > 0):
         p.append(f"--placement_timeout {r.placement_timeout:g}: must be a positive number of seconds")
+    elif r.placement_timeout > MAX_PLACEMENT_TIMEOUT_S:  # Ray's wait overflows a C long far below 1e308
+        p.append(f"--placement_timeout {r.placement_timeout:g}: at most {MAX_PLACEMENT_TIMEOUT_S} seconds (a year); "
+                 "give the longest wait you mean, in seconds")
     if r.ray_address is not None and not r.ray_address.strip():
         p.append("--ray_address is empty; give 'auto', HOST:PORT of the head node, or leave the flag out")
     elif r.ray_address is not None and r.ray_address.strip().startswith("ray://"):
@@ -155,6 +161,10 @@ def placement_problem(nodes: list[dict], strategy: str, num_workers: int, bundle
     alive = [n for n in nodes if n.get("Alive", n.get("alive", False))]
     seen = "; the cluster's alive nodes: " + (", ".join(_node_line(n) for n in alive) or "none")
     need = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
+    if bundle.get("GPU", 0) > 0 and not any(n.get("Resources", {}).get("GPU", 0) > 0 for n in alive):
+        return (f"--use_gpu True: each of the {num_workers} worker(s) needs GPU {bundle['GPU']:g}, but no alive node of "
+                f"the cluster has a GPU{seen}. Fix: --use_gpu False (or leave --use_gpu out: GPUs are used when the "
+                "cluster has them), or start Ray on GPU nodes")
     if strategy == "STRICT_SPREAD":
         ok = [n for n in alive if _fits(n.get("Resources", {}), bundle)]
         if len(ok) < num_workers:
@@ -306,9 +316,49 @@ def _job_env() -> dict:
     return env
 
 
+GCS_CONNECT_TIMEOUT_S = 10.0
+
+
+def _gcs_unreachable(address: Optional[str], timeout_s: float = GCS_CONNECT_TIMEOUT_S) -> Optional[str]:
+    """Why a HOST:PORT Ray address (``--ray_address``, else ``$RAY_ADDRESS``) is not reachable, or None.
+
+    ``ray.init`` retries an unreachable GCS for minutes, printing a warning every few seconds; one TCP connect with
+    ``timeout_s`` tells at once. ``auto``/``local``/unset (Ray's own lookup) are left to Ray.
+    """
+    flag = "--ray_address"
+    env = os.environ.get("RAY_ADDRESS", "").strip() or None
+    if env and (address is None or address.strip() == "auto"):  # ray.init's own rule: the variable wins then
+        address, flag = env, "$RAY_ADDRESS" + (" (which --ray_address auto uses)" if address else "")
+    if address is None or address.strip().lower() in ("auto", "local"):
+        return None
+    if "://" in address:
+        if flag.startswith("$") and address.startswith("ray://"):
+            return (f"{flag} {address}: Ray Client (ray://) is not supported: the launcher reads the data and writes "
+                    "--output_dir on a shared filesystem; unset RAY_ADDRESS or set it to HOST:PORT of the head "
+                    "(e.g. 10.0.0.1:6379), and run the launcher on a node of the cluster")
+        return None
+    a = address.strip()
+    host, sep, port = a.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return (f"{flag} {address}: not a Ray address; give HOST:PORT of the head node's GCS (e.g. 10.0.0.1:6379, "
+                "the port of `ray start --head --port`), 'auto' or 'local'")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e) or type(e).__name__)
+        return (f"{flag} {address}: no Ray head answers at {host}:{port} ({why}); check the "
+                "address and port of `ray start --head --port` on the head node and that the head is running, or "
+                "use --ray_address local for a Ray on this machine alone")
+    return None
+
+
 def _connect(address: Optional[str]):
     import ray
 
+    problem = _gcs_unreachable(address)
+    if problem:
+        raise SFTError(problem)
     try:
         # Ray's own lookup when unset: $RAY_ADDRESS, the cluster `ray start` made on this machine, else a new one.
         # Ray's library loggers in every actor of this job at ERROR: without Ray's dashboard (ray[train] does not

@@ -56,6 +56,9 @@ def test_ray_flags_check_and_normalise():
     text = str(e.value)
     for flag in ("--cpus_per_worker 0", "--gpus_per_worker nan", "--placement_timeout -1", "--ray_address is empty"):
         assert flag in text, text
+    with pytest.raises(ConfigError, match=r"--placement_timeout 1e\+308: at most 31536000 seconds"):
+        check_ray_args(RayArguments(placement_timeout=1e308))  # Ray's own wait raised OverflowError (a traceback)
+    check_ray_args(RayArguments(placement_timeout=31536000))
     with pytest.raises(ConfigError, match=r"--ray_address ray://head:10001: Ray Client \(ray://\) is not supported"):
         check_ray_args(RayArguments(ray_address="ray://head:10001"))
 
@@ -86,6 +89,24 @@ def test_placement_rules_follow_ray_strategies():
     assert "only 1 alive node(s)" in placement_problem(mixed, "STRICT_SPREAD", 2, gpu)
 
 
+def test_gpu_workers_on_a_cluster_without_gpus_suggest_use_gpu_false():
+    from sft.errors import ConfigError
+    from sft.ray_launch import RayArguments, check_ray_args, placement_problem
+
+    two = [_node("node0", "10.0.0.1", 2), _node("node1", "10.0.0.2", 2)]
+    msg = placement_problem(two, "PACK", 1, {"CPU": 1.0, "GPU": 1.0})
+    assert "--use_gpu True: each of the 1 worker(s) needs GPU 1, but no alive node of the cluster has a GPU" in msg
+    assert "Fix: --use_gpu False" in msg and "--num_workers 1" not in msg
+    assert placement_problem([_node("g", "10.0.0.3", 8, gpus=1)], "PACK", 2, {"CPU": 1.0, "GPU": 1.0}).startswith(
+        "2 workers with CPU 1, GPU 1 each do not fit")  # GPUs exist, too few: the count is the fix
+    with pytest.raises(ConfigError) as e:
+        check_ray_args(RayArguments(cpus_per_worker=0, gpus_per_worker=-1))
+    assert "positive number of CPUs" in str(e.value) and "positive number of GPUs" in str(e.value)
+    with pytest.raises(ConfigError, match=r"--cpus_per_worker 1e-09: Ray counts CPUs in steps of 0.0001"):
+        check_ray_args(RayArguments(cpus_per_worker=1e-9))  # was a controller traceback and exit 1 after Ray started
+    check_ray_args(RayArguments(cpus_per_worker=0.0001, gpus_per_worker=0.25))
+
+
 def test_yaml_config_holds_ray_and_training_flags(tmp_path, tiny_model_dir, toy_data):
     from sft.arguments import parse_args
     from sft.errors import ConfigError
@@ -98,6 +119,35 @@ def test_yaml_config_holds_ray_and_training_flags(tmp_path, tiny_model_dir, toy_
     assert (ray_args.num_workers, ray_args.placement_strategy, training.learning_rate) == (2, "SPREAD", 1e-4)
     with pytest.raises(ConfigError, match="unknown key 'num_workers'"):  # finetune.py alone has no Ray flags
         parse_args(["--config", str(cfg)])
+
+
+def test_unreachable_ray_address_fails_at_once(tiny_model_dir, toy_data, tmp_path, monkeypatch):
+    """ray.init retries an address nobody listens on for minutes (a warning every few seconds): refused at once."""
+    import socket
+
+    from sft.ray_launch import _gcs_unreachable
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there now
+    assert f"--ray_address 127.0.0.1:{port}: no Ray head answers at 127.0.0.1:{port}" in _gcs_unreachable(f"127.0.0.1:{port}")
+    assert "--ray_address 10.0.0.1: not a Ray address; give HOST:PORT" in _gcs_unreachable("10.0.0.1")
+    assert _gcs_unreachable("auto") is None and _gcs_unreachable("local") is None
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    assert "$RAY_ADDRESS 127.0.0.1:" in _gcs_unreachable(None)
+    assert "$RAY_ADDRESS (which --ray_address auto uses) 127.0.0.1:" in _gcs_unreachable("auto")  # ray.init's rule
+    assert _gcs_unreachable("local") is None  # a new Ray: the variable is not used
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    assert "$RAY_ADDRESS ray://head:10001: Ray Client (ray://) is not supported" in _gcs_unreachable(None)
+    monkeypatch.delenv("RAY_ADDRESS")
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, RAY_PY, "--ray_address", f"127.0.0.1:{port}", "--model_name_or_path",
+                        tiny_model_dir, "--data_path", toy_data, "--output_dir", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"no Ray head answers at 127.0.0.1:{port}" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "gcs_client" not in r.stderr and time.monotonic() - t < 60
 
 
 def test_request_stop_reaches_training_in_a_thread():
