@@ -378,6 +378,9 @@ def _check_data(data_args, training_args) -> list[str]:
     cache = data_args.data_cache_dir
     if cache and os.path.exists(cache) and not os.path.isdir(cache):
         p.append(f"--data_cache_dir {cache}: is a file; give a folder (it is created if missing)")
+    env_cache = os.environ.get("SFT_CACHE_DIR")
+    if not cache and env_cache and os.path.exists(env_cache) and not os.path.isdir(env_cache):
+        p.append(f"SFT_CACHE_DIR={env_cache}: is a file; point it at a folder (it is created if missing) or unset it")
     if data_args.preprocessing_num_workers is not None and data_args.preprocessing_num_workers < 1:
         p.append(f"--preprocessing_num_workers {data_args.preprocessing_num_workers}: must be at least 1")
     p += _check_packing(data_args, training_args)

@@ -199,8 +199,9 @@ def reserve_placement(strategy: str, num_workers: int, bundle: dict, timeout_s: 
     try:
         if not pg.wait(timeout_seconds=timeout_s):
             raise SFTError(f"Ray could not reserve {num_workers} x {bundle} with --placement_strategy {strategy} "
-                           f"within --placement_timeout {timeout_s:g} s: the resources exist but are in use (see "
-                           "`ray status`); free them, wait for other jobs, or raise --placement_timeout")
+                           f"within --placement_timeout {timeout_s:g} s, although the alive nodes can hold them: they are in use by "
+                           "other jobs (see `ray status`), or the timeout is too short for Ray to place them; free "
+                           "them, wait, or raise --placement_timeout")
     finally:
         remove_placement_group(pg)
 
@@ -304,6 +305,25 @@ def _print(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+_SUMMARY: list[str] = []  # the driver's closing lines, printed after ray.shutdown() (after Ray's forwarded output)
+
+
+def _summary(msg: str) -> None:
+    _SUMMARY.append(msg)
+
+
+class _Interrupted(Exception):
+    """SIGTERM before training started (nothing to save)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted(signum)
+
+
 def _job_env() -> dict:
     """Environment for every process of this Ray job (set once in ``ray.init``, so the coordinator, Ray Train's
     controller and the workers share it): the repository on PYTHONPATH (the same path on every node), this
@@ -364,8 +384,15 @@ def _connect(address: Optional[str]):
         # Ray's library loggers in every actor of this job at ERROR: without Ray's dashboard (ray[train] does not
         # install it) Ray Train's placement-group cleaner warns every second that the state API is unavailable.
         # Ray Train's errors, the workers' output and this launcher's own report still show.
-        ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": _job_env()},
-                 logging_config=ray.LoggingConfig(log_level="ERROR"))
+        # SIGTERM blocked while Ray may start its daemons here (a local Ray): they inherit the mask (as Ray itself
+        # does for SIGINT), so a SIGTERM to the whole process group or job step (`timeout`, SLURM, systemd) reaches
+        # this launcher, which then stops the workers after a checkpoint, and not Ray's GCS and raylet under them.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": _job_env()},
+                     logging_config=ray.LoggingConfig(log_level="ERROR"))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     except (ConnectionError, RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise SFTError(f"--ray_address {address}: cannot connect to a Ray cluster ({first}); start one with "
@@ -378,16 +405,16 @@ def _report_placement(placement: dict, out_dir: str, strategy: str) -> None:
         return
     ranks = [placement[r] for r in sorted(placement)]
     nodes = sorted({p["node_id"] for p in ranks})
-    _print(f"ray: placement {strategy}: {len(ranks)} worker(s) on {len(nodes)} node(s)")
+    _summary(f"ray: placement {strategy}: {len(ranks)} worker(s) on {len(nodes)} node(s)")
     for p in ranks:
-        _print(f"ray:   rank {p['rank']} (local rank {p['local_rank']}) on {p['hostname']} ({p['node_ip']}, "
+        _summary(f"ray:   rank {p['rank']} (local rank {p['local_rank']}) on {p['hostname']} ({p['node_ip']}, "
                f"node {p['node_id'][:12]}), pid {p['pid']}")
     try:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, PLACEMENT_FILE), "w", encoding="utf-8") as f:
             json.dump({"placement_strategy": strategy, "nodes": len(nodes), "workers": ranks}, f, indent=2)
     except OSError as e:
-        _print(f"ray: warning: cannot write {os.path.join(out_dir, PLACEMENT_FILE)}: {e.strerror}")
+        _summary(f"ray: warning: cannot write {os.path.join(out_dir, PLACEMENT_FILE)}: {e.strerror}")
 
 
 class _Signals:
@@ -410,6 +437,8 @@ class _Signals:
     def _on_signal(self, signum, frame):
         if self.signum is None:
             self.signum = signum
+            os.write(2, (f"ray: received {signal.Signals(signum).name}: asking every worker to finish its step, save a "
+                         f"checkpoint and stop (exit {PREEMPTED_EXIT_CODE})\n").encode())
         else:
             os.write(2, b"ray: already stopping: waiting for the workers' checkpoint (--preemption_timeout bounds it)\n")
 
@@ -434,8 +463,6 @@ def _fit(trainer, coordinator, preemption_timeout: float):
         while t.is_alive():
             t.join(0.5)
             if sig.signum is not None and sent_at is None:
-                _print(f"ray: received {signal.Signals(sig.signum).name}: asking every worker to finish its step, save "
-                       f"a checkpoint and stop (exit {PREEMPTED_EXIT_CODE})")
                 ray.get(coordinator.request_stop.remote(sig.signum))
                 sent_at = time.monotonic()
             if sent_at is not None and time.monotonic() - sent_at > preemption_timeout + 60:
@@ -463,17 +490,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(parser.format_help())
         print("\nEvery finetune.py flag is accepted too (python finetune.py -h); --config YAML may hold both kinds.")
         return 0
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)  # replaced by _fit's own handlers during training
     try:
         return _drive(argv)
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
-        _print("interrupted before training started")
+        _print("interrupted before training started (SIGINT); nothing to save")
         return 130
+    except _Interrupted as e:
+        _print(f"interrupted before training started ({signal.Signals(e.signum).name}); nothing to save")
+        return 128 + e.signum
     except SFTError as e:
         if os.environ.get("SFT_DEBUG"):
             raise
         label = "preempted" if e.exit_code == PREEMPTED_EXIT_CODE else "error"
         _print(f"{label}: {e}")
         return e.exit_code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _drive(argv: list[str]) -> int:
@@ -499,10 +532,13 @@ def _drive(argv: list[str]) -> int:
     import ray
 
     _connect(ray_args.ray_address)
+    _SUMMARY.clear()
     try:
         return _train(ray_args, argv)
     finally:
         ray.shutdown()
+        for line in _SUMMARY:  # last, after everything Ray forwarded from the workers
+            _print(line)
 
 
 def _train(ray_args: RayArguments, argv: list[str]) -> int:
@@ -546,17 +582,18 @@ def _train(ray_args: RayArguments, argv: list[str]) -> int:
                              failure_config=FailureConfig(max_failures=0)),
     )
     result, error, signum = _fit(trainer, coordinator, training_args.preemption_timeout)
+    signal.signal(signal.SIGTERM, lambda *_: os.write(2, b"ray: training is over; shutting Ray down\n"))
     placement, outcomes = ray.get(coordinator.state.remote())
     _report_placement(placement, out_dir, ray_args.placement_strategy)
     if signum is not None and (error is not None or PREEMPTED_EXIT_CODE in outcomes.values() or result is None):
-        _print(f"preempted: stopped by {signal.Signals(signum).name}; the checkpoint is in {out_dir}; run the same "
+        _summary(f"preempted: stopped by {signal.Signals(signum).name}; the checkpoint is in {out_dir}; run the same "
                f"command again to resume (exit {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
     if error is not None:
         bad = sorted(c for c in outcomes.values() if c not in (0, PREEMPTED_EXIT_CODE))
-        _print(f"error: Ray Train stopped: {_worker_error(error)}")
+        _summary(f"error: Ray Train stopped: {_worker_error(error)}")
         return bad[0] if bad else 1
     if PREEMPTED_EXIT_CODE in outcomes.values():  # the workers were signalled directly (e.g. by a scheduler)
-        _print(f"preempted: the checkpoint is in {out_dir}; run the same command again to resume")
+        _summary(f"preempted: the checkpoint is in {out_dir}; run the same command again to resume")
         return PREEMPTED_EXIT_CODE
     return 0

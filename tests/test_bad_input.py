@@ -78,6 +78,16 @@ def test_case(files, tiny_model_dir, capsys, flags, fragment):
     assert "Traceback" not in err
 
 
+def test_cache_dir_env_that_is_a_file(files, tiny_model_dir, capsys, monkeypatch):
+    """SFT_CACHE_DIR pointing at a file: a clear error before loading (was a FileExistsError traceback)."""
+    monkeypatch.setenv("SFT_CACHE_DIR", f"{files}/afile")
+    rc = finetune.main(["--model_name_or_path", tiny_model_dir, "--data_path", f"{files}/good.jsonl",
+                        "--output_dir", f"{files}/out-env", "--max_steps", "1", "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"SFT_CACHE_DIR={files}/afile: is a file; point it at a folder" in err, err[-2000:]
+    assert "Traceback" not in err and not os.path.exists(f"{files}/out-env")
+
+
 @pytest.mark.parametrize("text,fragment", [
     ("lora_r: [1, 2]\n", "'lora_r' is a list; give a single value"),
     ("output_dir: {a: 1}\n", "'output_dir' is a mapping"),
