@@ -38,6 +38,7 @@ logger = logging.getLogger("sft")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _ACTIVE: Optional["PreemptionHandler"] = None  # the installed handler of the training running in this process
+_STEP_CHECKS: list = []  # callables run on every rank at every step end; a truthy result acts as SIGTERM
 
 
 class Preempted(SFTError):
@@ -56,6 +57,7 @@ class PreemptionHandler(TrainerCallback):
     def __init__(self, timeout_s: float = 300.0):
         self.timeout_s = float(timeout_s)
         self.signum: Optional[int] = None  # first signal received by this process
+        self.cause: Optional[str] = None  # what stopped it when not a signal (a step check's reason)
         self.stopped_at: Optional[int] = None  # global step at which all ranks agreed to stop
         self._previous = {}
         self._watchdog: Optional[threading.Timer] = None
@@ -116,6 +118,13 @@ class PreemptionHandler(TrainerCallback):
         return bool(flag.item())
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.stopped_at is None:
+            for check in _STEP_CHECKS:  # on every rank at every step, even once signalled: a check may be a collective
+                reason = check()
+                if reason and self.signum is None:
+                    logger.warning("preemption notice (rank %s): %s", os.environ.get("RANK", "0"), reason)
+                    self.cause = str(reason)
+                    self._on_signal(signal.SIGTERM, None)
         if self.stopped_at is None and self._agreed(args):
             self.stopped_at = state.global_step
             control.should_save = True
@@ -137,6 +146,13 @@ def request_stop(signum: int = signal.SIGTERM) -> bool:
         return False
     handler._on_signal(signum, None)
     return True
+
+
+def add_step_check(check) -> None:
+    """Run ``check()`` on every rank at the end of every optimizer step, before the ranks agree on stopping; a truthy
+    result (a text saying why) stops training as SIGTERM would. Every rank must register the same checks: a check may
+    be a collective (Ray Train's ``get_preemption_info`` is a barrier across workers)."""
+    _STEP_CHECKS.append(check)
 
 
 def report_exit_code(code: int) -> None:

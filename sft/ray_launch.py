@@ -255,6 +255,19 @@ def _poll_stop(coordinator, done: threading.Event, interval_s: float = 1.0) -> N
             return
 
 
+def _node_drain_notice() -> Optional[str]:
+    """Why this run should checkpoint and stop now because Ray is draining one of its nodes (a spot/preemptible
+    instance being reclaimed, a scale-down), or None. ``ray.train.get_preemption_info`` (Ray Train, alpha API
+    checked against ray 2.60) is a barrier across the workers: every worker calls it once per optimizer step."""
+    import ray.train
+
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return None
+    deadline = f", deadline in {max(0.0, info.deadline_ms / 1000 - time.time()):.0f} s" if info.deadline_ms else ""
+    return f"Ray is draining node(s) {', '.join(n[:12] for n in info.preempted_node_ids)} (ranks {info.preempted_ranks}{deadline})"
+
+
 def train_worker(config: dict) -> None:
     """Ray Train's training function (one call per worker): ``finetune.main(config["argv"])`` in
     ``config["cwd"]`` (the driver's working directory, so relative paths mean the same on every node).
@@ -286,7 +299,9 @@ def train_worker(config: dict) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import finetune  # imports transformers; before the poll thread starts (two threads importing it race)
 
-    from . import preemption  # noqa: F401 - imported here for the same reason
+    from . import preemption  # imported here for the same reason
+
+    preemption.add_step_check(_node_drain_notice)
 
     done = threading.Event()
     threading.Thread(target=_poll_stop, args=(coordinator, done), daemon=True, name="sft-stop-poll").start()

@@ -172,7 +172,7 @@ def run(model_args, data_args, training_args, lora_args) -> str:
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted and trainer.state.global_step < trainer.state.max_steps:
             where = os.path.join(os.path.abspath(training_args.output_dir), f"checkpoint-{preemption.stopped_at}")
-            raise Preempted(f"stopped by {signal_name(preemption.signum)} at step {preemption.stopped_at} of "
+            raise Preempted(f"stopped by {preemption.cause or signal_name(preemption.signum)} at step {preemption.stopped_at} of "
                             f"{trainer.state.max_steps}; checkpoint {where}; run the same command again to resume")
         save(trainer, tok, eot, training_args.output_dir)
     finally:

@@ -9,6 +9,7 @@ processes by name on the whole machine, not only this cluster's.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -61,6 +62,22 @@ class RayCluster:
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(argv[:3])} on {self.hosts.hostnames[i]} failed ({r.returncode}):\n"
                                f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+
+    def node_ids(self) -> dict[str, str]:
+        """``{node address: Ray node id}`` of the alive nodes, read from Ray by a driver on the head."""
+        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
+                "print(json.dumps({n['NodeManagerAddress']: n['NodeID'] for n in ray.nodes() if n['Alive']}))" % self.address)
+        r = subprocess.run(self.hosts.cmd(0, [sys.executable, "-c", code]), env=self.env(), capture_output=True,
+                           text=True, timeout=180)
+        if r.returncode != 0:
+            raise RuntimeError(f"listing the nodes failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def drain(self, i: int, deadline_s: int = 120) -> None:
+        """``ray drain-node`` for host i with reason PREEMPTION, as Ray's autoscaler does for a reclaimed spot node."""
+        self._run(0, [RAY, "drain-node", "--address", self.address, "--node-id", self.node_ids()[self.hosts.addrs[i]],
+                      "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot instance reclaimed (test)",
+                      "--deadline-remaining-seconds", str(deadline_s)])
 
     def processes(self) -> list[str]:
         """Command lines of live processes that belong to this cluster (Ray's daemons name its temp dir)."""

@@ -316,3 +316,25 @@ def test_unsatisfiable_strict_spread_fails_fast(cluster, tmp_path, tiny_model_di
     assert "node0 (10.213.0.1: CPU 2)" in text and "node1 (10.213.0.2: CPU 2)" in text
     assert "Traceback" not in text and "world size" not in text  # no worker started
     assert took < 90
+
+
+@pytest.mark.multinode
+@needs_namespaces
+def test_ray_node_drain_ends_in_a_checkpoint(cluster, tmp_path, tiny_model_dir, data):
+    """Ray draining a node of the run (what its autoscaler does when a spot instance is reclaimed) is a preemption:
+    the workers agree on a step, save a checkpoint and the launcher exits 75. Last in this module: node1 stays
+    draining."""
+    from sft.checkpoint import MARKER
+
+    out, steps = tmp_path / "out", 100
+    p, log = launch(cluster, tmp_path, tiny_model_dir, data, out, "--ray_address", cluster.address, "--num_workers", "2",
+                    "--placement_strategy", "STRICT_SPREAD", "--logging_steps", "1", steps=steps)
+    _wait_for(log, f"step 2/{steps}", p)
+    cluster.drain(1)
+    rc = finish(p, log)
+    text = log.read_text(errors="replace")
+    assert rc == 75, text[-4000:]
+    assert "preemption notice (rank 0): Ray is draining node(s)" in text
+    assert "stopped by Ray is draining node(s)" in text and "run the same command again to resume" in text
+    ckpts = [d for d in out.glob("checkpoint-*") if (d / MARKER).exists()]
+    assert len(ckpts) == 1 and 2 <= int(ckpts[0].name[11:]) < steps, text[-4000:]
