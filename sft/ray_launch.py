@@ -268,6 +268,15 @@ def _node_drain_notice() -> Optional[str]:
     return f"Ray is draining node(s) {', '.join(n[:12] for n in info.preempted_node_ids)} (ranks {info.preempted_ranks}{deadline})"
 
 
+def _deepspeed_on_cpu_quietly() -> None:
+    """DS_ACCELERATOR=cpu in a process without CUDA, as finetune/launch.sh does: DeepSpeed's choice anyway, without
+    its warning. Called in the driver and in every worker (each node decides for itself)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def train_worker(config: dict) -> None:
     """Ray Train's training function (one call per worker): ``finetune.main(config["argv"])`` in
     ``config["cwd"]`` (the driver's working directory, so relative paths mean the same on every node).
@@ -293,10 +302,7 @@ def train_worker(config: dict) -> None:
                            f"({e.strerror}); the code, data and --output_dir must be on a path shared by every node")
     if config["root"] not in sys.path:
         sys.path.insert(0, config["root"])
-    import torch
-
-    if not torch.cuda.is_available():  # as finetune/launch.sh: DeepSpeed's choice anyway, without its warning
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _deepspeed_on_cpu_quietly()
     import finetune  # imports transformers; before the poll thread starts (two threads importing it race)
 
     from . import preemption  # imported here for the same reason
@@ -530,12 +536,9 @@ def _drive(argv: list[str]) -> int:
     ray_args = parse_args(argv, (RayArguments,))[4]
     check_ray_args(ray_args)
     # The whole configuration and every data record, once, here (what each worker will also check).
-    import torch
-
     import finetune
 
-    if not torch.cuda.is_available():  # as finetune/launch.sh: DeepSpeed's choice anyway, without its warning
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _deepspeed_on_cpu_quietly()
 
     os.environ["SFT_CHECK_ONLY"] = "1"
     try:
