@@ -321,16 +321,20 @@ def test_unsatisfiable_strict_spread_fails_fast(cluster, tmp_path, tiny_model_di
 @pytest.mark.multinode
 @needs_namespaces
 def test_ray_node_drain_ends_in_a_checkpoint(cluster, tmp_path, tiny_model_dir, data):
-    """Ray draining a node of the run (what its autoscaler does when a spot instance is reclaimed) is a preemption:
-    the workers agree on a step, save a checkpoint and the launcher exits 75. Last in this module: node1 stays
-    draining."""
+    """PACK (the default strategy) puts both workers on one node; Ray draining that node (what its autoscaler does
+    when a spot instance is reclaimed) is a preemption: the workers agree on a step, save a checkpoint and the
+    launcher exits 75. Last in this module: the drained node stays draining."""
+    import re
+
     from sft.checkpoint import MARKER
 
     out, steps = tmp_path / "out", 100
     p, log = launch(cluster, tmp_path, tiny_model_dir, data, out, "--ray_address", cluster.address, "--num_workers", "2",
-                    "--placement_strategy", "STRICT_SPREAD", "--logging_steps", "1", steps=steps)
+                    "--logging_steps", "1", steps=steps)  # --placement_strategy left at its default, PACK
     _wait_for(log, f"step 2/{steps}", p)
-    cluster.drain(1)
+    ips = re.findall(r"\(ip=([0-9.]+), pid=\d+\) world_rank=\d", log.read_text(errors="replace"))  # Ray Train's report
+    assert len(ips) == 2 and len(set(ips)) == 1, ips
+    cluster.drain(cluster.hosts.addrs.index(ips[0]))
     rc = finish(p, log)
     text = log.read_text(errors="replace")
     assert rc == 75, text[-4000:]
@@ -338,3 +342,6 @@ def test_ray_node_drain_ends_in_a_checkpoint(cluster, tmp_path, tiny_model_dir, 
     assert "stopped by Ray is draining node(s)" in text and "run the same command again to resume" in text
     ckpts = [d for d in out.glob("checkpoint-*") if (d / MARKER).exists()]
     assert len(ckpts) == 1 and 2 <= int(ckpts[0].name[11:]) < steps, text[-4000:]
+    where = placement(out)
+    assert where["placement_strategy"] == "PACK" and where["nodes"] == 1
+    assert {w["node_ip"] for w in where["workers"]} == {ips[0]}
