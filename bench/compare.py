@@ -41,8 +41,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the example's .cache lives
 EXAMPLE = os.path.join(ROOT, ".cache", "example")
 SYSTEMS = ("ours", "ours-group", "ours-packing", "qwen-style", "trl")
 
@@ -115,10 +114,12 @@ def build_ours(a, system: str, out_dir: str):
     from transformers import DataCollatorForSeq2Seq
 
     from sft.arguments import parse_args, validate
+    from sft.distributed.process_group import setup_runtime
     from sft.training import build_trainer
 
     args = parse_args(common_flags(a, system) + ["--output_dir", out_dir])
     validate(*args)
+    setup_runtime(args[2])
     trainer, tok, _ = build_trainer(*args)
     if system == "qwen-style":  # every sample padded to model_max_length, as Qwen's preprocess() does
         trainer.data_collator = DataCollatorForSeq2Seq(tok, padding="max_length", max_length=a.max_length,
@@ -127,22 +128,18 @@ def build_ours(a, system: str, out_dir: str):
 
 
 def build_trl(a, out_dir: str):
-    from types import SimpleNamespace
-
     import datasets
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
     from sft.chat import IGNORE_INDEX, encode_conversations
     from sft.data import load_conversations
-    from sft.modeling import load_model, load_tokenizer
+    from sft.modeling import load_model, load_tokenizer, torch_dtype
 
-    margs = SimpleNamespace(model_name_or_path=a.model, trust_remote_code=False)
-    targs = SimpleNamespace(cache_dir=None, bf16=a.bf16, fp16=False)
-    tok, eot, grew = load_tokenizer(margs, targs)  # same pad token and template as ours
+    tok, eot, grew = load_tokenizer(a.model)  # same pad token and template as ours
     ours_tok_template = tok.chat_template
     tok.chat_template = marked_chatml_template(ours_tok_template)
-    model, _ = load_model(margs, targs, tok, grew)
+    model, _ = load_model(a.model, tok, grew, dtype=torch_dtype(bf16=a.bf16))
     convs = load_conversations(a.data, "error")
     ds = datasets.Dataset.from_list([{"messages": c.messages} for c in convs])
     cfg = SFTConfig(output_dir=out_dir, max_length=a.max_length, assistant_only_loss=True, packing=False,
@@ -246,14 +243,11 @@ def run_system(a, system: str, nproc: int = 1, threads: int | None = None, tag: 
 
 def mean_tokens_per_conversation(a) -> float:
     """Mean tokens per training sample after truncation (decides the packed micro batch)."""
-    from types import SimpleNamespace
-
     from sft.chat import encode_conversations
     from sft.data import load_conversations
     from sft.modeling import load_tokenizer
 
-    tok, eot, _ = load_tokenizer(SimpleNamespace(model_name_or_path=a.model, trust_remote_code=False),
-                                 SimpleNamespace(cache_dir=None))
+    tok, eot, _ = load_tokenizer(a.model)
     convs = load_conversations(a.data, "error")
     lengths = [min(len(i), a.max_length) for i, _ in encode_conversations(tok, [c.messages for c in convs], eot)]
     return sum(lengths) / len(lengths)
@@ -271,15 +265,12 @@ def matmul_peaks(device) -> dict:
 def preprocessing(a) -> list[tuple[str, float]]:
     """Conversations/s: our rendering + masking vs. rendering + one plain batched tokenizer() call; our full
     dataset preparation (datasets.map) with num_proc 1 and 2."""
-    from types import SimpleNamespace
-
     from sft.chat import encode_conversations
     from sft.data import load_conversations
     from sft.dataset import build_dataset
     from sft.modeling import load_tokenizer
 
-    tok, eot, _ = load_tokenizer(SimpleNamespace(model_name_or_path=a.model, trust_remote_code=False),
-                                 SimpleNamespace(cache_dir=None))
+    tok, eot, _ = load_tokenizer(a.model)
     convs = load_conversations(a.data, "error")
     msgs = [c.messages for c in convs]
     out = []
@@ -293,22 +284,13 @@ def preprocessing(a) -> list[tuple[str, float]]:
     t2 = time.perf_counter()
     out.append(("plain: render + batched tokenizer(), no labels", len(msgs) / (t2 - t0)))
     out.append(("plain: batched tokenizer() on rendered texts only", len(msgs) / (t2 - t1)))
-    targs = SimpleNamespace(main_process_first=lambda **k: _null(), process_index=0)
     for num_proc in (1, 2):
         with tempfile.TemporaryDirectory() as cache:
             t0 = time.perf_counter()
-            build_dataset(convs, a.data, tok, eot, a.max_length, None, targs, cache, num_proc if num_proc > 1 else None)
+            build_dataset(convs, a.data, tok, eot, a.max_length, None, cache, num_proc if num_proc > 1 else None)
             out.append((f"ours: full dataset preparation (datasets.map, num_proc {num_proc})",
                         len(msgs) / (time.perf_counter() - t0)))
     return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def print_table(a, results: dict, peaks: dict, device: str) -> None:

@@ -22,13 +22,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> int:
     from transformers import TrainerCallback
 
     from sft.arguments import parse_args, validate
+    from sft.distributed.process_group import setup_runtime
+    from sft.cli import report
     from sft.errors import SFTError
     from sft.logs import setup_logging
     from sft.training import build_trainer
@@ -41,11 +42,11 @@ def main() -> int:
     try:
         args = parse_args(argv)
         validate(*args)
+        setup_runtime(args[2])
         setup_logging()
         trainer, tok, _ = build_trainer(*args)
     except SFTError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return report(e)
 
     counts = {"real": 0, "total": 0, "supervised": 0}
     per_step, times = [], []

@@ -13,7 +13,8 @@
 #                  for --ddp_timeout seconds (600 here for several processes)
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  network interface (default for gloo: the route to MASTER_ADDR)
 #   SFT_PREFLIGHT=0 (or --no_preflight) skips the node rendezvous and the cross-node input comparison
-#   PYTHON       interpreter (default: the repository's .venv if present, else python3)
+#   PYTHON       interpreter with the sft package installed (default: the repository's .venv if present,
+#                else python3; scripts/setup_env.sh installs it)
 #   SFT_PROGRAM  Python file run in each process (default: finetune.py next to this folder; the tests
 #                use a worker that also reports what each rank computed)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits for workers after SIGTERM (default here 360)
@@ -46,17 +47,14 @@ done
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
+"$PYTHON" -c 'import sft' 2>/dev/null || die "PYTHON=$PYTHON cannot import the sft package; run bash $ROOT/scripts/setup_env.sh (it installs it into $ROOT/.venv) or: $PYTHON -m pip install -e $ROOT"
 
 NGPU=0
 if command -v nvidia-smi >/dev/null 2>&1; then NGPU="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"; fi
-# The env contract is parsed and checked in one place, sft/distributed.py (shared with the training
-# processes); it prints this node's start line on stderr and shell assignments on stdout:
+# The env contract is parsed and checked in one place, sft/distributed/contract.py (shared with the training
+# processes; stdlib only); it prints this node's start line on stderr and shell assignments on stdout:
 # NNODES NODE_RANK MASTER_ADDR MASTER_PORT NPROC DEVICE RDZV_TIMEOUT WORLD (+ export GLOO_SOCKET_IFNAME).
-sft_distributed() {  # python -m sft.distributed, with the repository first on sys.path whatever the caller's directory
-  "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); from sft.distributed import main; sys.exit(main(sys.argv[2:]))' \
-    "$ROOT" "$@"
-}
-PLAN="$(sft_distributed plan --gpus "$NGPU")" || exit $?
+PLAN="$("$PYTHON" -m sft.distributed plan --gpus "$NGPU")" || exit $?
 eval "$PLAN"
 PREC=()
 if [[ "$DEVICE" == cuda ]]; then PREC=(--bf16 True); fi
@@ -75,10 +73,10 @@ if (( NNODES == 1 && NPROC == 1 )); then
 fi
 # Several processes: check flags and data once, in one process, so a mistake is reported once and
 # cleanly instead of by every rank and then by torchrun.
-SFT_CHECK_ONLY=1 "$PYTHON" "$PROGRAM" "${ARGS[@]}" || exit $?
+"$PYTHON" -m sft check "${ARGS[@]}" || exit $?
 # Preflight: node rank 0 checks that MASTER_PORT is free and waits for every node to say hello on it;
 # the others wait (up to RDZV_TIMEOUT) for it to accept connections. Any problem ends every node here.
-if [[ "${SFT_PREFLIGHT:-1}" != 0 ]]; then sft_distributed rendezvous --gpus "$NGPU" || exit $?; fi
+if [[ "${SFT_PREFLIGHT:-1}" != 0 ]]; then "$PYTHON" -m sft.distributed rendezvous --gpus "$NGPU" || exit $?; fi
 
 # Preemption (README "Resume and preemption"): SIGTERM/SIGINT to this script is passed to torchrun, whose
 # agent passes it to every worker and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds before SIGKILL (torch's

@@ -181,7 +181,8 @@ class AtomicCheckpoints(TrainerCallback):
 
 
 def run_info(training_args) -> dict:
-    """What a checkpoint records about the run that wrote it (compared on resume)."""
+    """What a checkpoint records about the run that wrote it (compared on resume), read from the Trainer's
+    arguments: world size, micro batch, gradient accumulation, seed, LoRA or not."""
     return {"world_size": training_args.world_size,
             "per_device_train_batch_size": training_args.per_device_train_batch_size,
             "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
@@ -196,31 +197,33 @@ def install(training_args) -> AtomicCheckpoints:
     return cb
 
 
-def resolve_resume(training_args) -> Optional[str]:
+def resolve_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool) -> Optional[str]:
     """The checkpoint this run resumes from, or None for a fresh start.
 
     ``--resume_from_checkpoint PATH`` is used as given (checked by :func:`check_resume`). ``auto`` (also
     ``True``) takes :func:`latest_complete` of ``--output_dir`` (None when there is none). Unset means
     ``auto`` unless ``--overwrite_output_dir True``.
     """
-    value = training_args.resume_from_checkpoint
+    value = resume_from_checkpoint
     if value is None or str(value).strip().lower() in AUTO_VALUES:
-        if value is None and training_args.overwrite_output_dir:
+        if value is None and overwrite_output_dir:
             return None
-        return latest_complete(training_args.output_dir)
+        return latest_complete(output_dir)
     return value
 
 
-def check_resume(training_args) -> tuple[list[str], bool]:
-    """Problems with the resume setting, and whether the run may write into a non-empty ``--output_dir``.
+def check_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool,
+                 use_lora: bool) -> tuple[list[str], bool]:
+    """Problems with the resume setting (``--resume_from_checkpoint``: None, ``auto``/``true`` or a folder), and
+    whether the run may write into a non-empty ``output_dir``.
 
     Returns:
         ``(problems, output_dir_ok)``: ``output_dir_ok`` is True when the run resumes from a checkpoint
         inside ``--output_dir``, or when ``--output_dir`` holds nothing but checkpoint folders (incomplete
         leftovers of a killed first save: the run starts fresh and overwrites them).
     """
-    out = training_args.output_dir
-    value = training_args.resume_from_checkpoint
+    out = output_dir
+    value = resume_from_checkpoint
     explicit = value is not None and str(value).strip().lower() not in AUTO_VALUES
     problems = []
     if explicit:
@@ -229,8 +232,8 @@ def check_resume(training_args) -> tuple[list[str], bool]:
                             "give a checkpoint-N folder written by an earlier run, or 'auto' for the newest "
                             "complete one in --output_dir")
             return problems, False
-        problems += _compare_with_checkpoint(value, training_args)
-    resume = resolve_resume(training_args)
+        problems += _compare_with_checkpoint(value, use_lora)
+    resume = resolve_resume(output_dir, resume_from_checkpoint, overwrite_output_dir)
     if not os.path.isdir(out):
         return problems, True
     inside = resume is not None and os.path.commonpath([os.path.realpath(resume), os.path.realpath(out)]) == \
@@ -239,11 +242,10 @@ def check_resume(training_args) -> tuple[list[str], bool]:
     return problems, inside or (only_checkpoints and not explicit)
 
 
-def _compare_with_checkpoint(path: str, training_args) -> list[str]:
+def _compare_with_checkpoint(path: str, use_lora: bool) -> list[str]:
     """A checkpoint of a LoRA run cannot be resumed as full fine-tuning and vice versa."""
     lora_files = any(os.path.exists(os.path.join(path, n)) for n in ("adapter_model.safetensors", "adapter_model.bin"))
     full_files = any(n.startswith(("model.safetensors", "model-0", "pytorch_model")) for n in os.listdir(path))
-    use_lora = bool(getattr(training_args, "use_lora", False))
     if use_lora and full_files and not lora_files:
         return [f"--resume_from_checkpoint {path}: holds a full model, but this run has --use_lora True; resume "
                 "with the flags of the run that wrote it (no --use_lora), or start a new --output_dir"]
@@ -253,15 +255,15 @@ def _compare_with_checkpoint(path: str, training_args) -> list[str]:
     return []
 
 
-def warn_if_different(path: str, training_args) -> None:
-    """Log why a resume from ``path`` will not reproduce the uninterrupted run (missing marker, other batch shape)."""
+def warn_if_different(path: str, now: dict) -> None:
+    """Log why a resume from ``path`` will not reproduce the uninterrupted run (missing marker, other batch shape);
+    ``now``: this run's :func:`run_info`."""
     if not is_complete(path):
         logger.warning("%s has no completion marker (%s): it may be incomplete, or written by another tool; "
                        "resuming from it anyway because it was named explicitly", path, MARKER)
         return
     with open(os.path.join(path, MARKER), encoding="utf-8") as f:
         saved = json.load(f)
-    now = run_info(training_args)
     diff = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
     if diff:
         logger.warning("resuming from %s with a different run shape (%s): training continues, but the data order "

@@ -13,13 +13,14 @@ counted as samples are met, and a sample with no supervised token left is replac
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 from transformers import DataCollatorForSeq2Seq
@@ -147,9 +148,14 @@ def _load(path: str):
 
 
 def build_dataset(convs: list[Conversation], data_path: str, tokenizer, eot_id: int, max_len: int,
-                  system_message: Optional[str], training_args, cache_dir: Optional[str] = None,
-                  num_proc: Optional[int] = None, name: str = "train"):
+                  system_message: Optional[str] = None, cache_dir: Optional[str] = None,
+                  num_proc: Optional[int] = None, name: str = "train",
+                  main_process_first: Callable[..., ContextManager] = None, rank: int = 0):
     """Return ``(dataset, TruncationReport)`` for ``convs`` read from ``data_path``.
+
+    Rank coordination: ``main_process_first(desc=...)`` is a context manager under which global rank 0 runs
+    first and the others wait (the Trainer's ``TrainingArguments.main_process_first(local=False)``); ``rank`` is
+    this process's global rank. Defaults: a single process.
 
     The dataset has columns ``id`` (str), ``input_ids`` and ``labels`` (int lists, equal lengths,
     at most ``max_len``) and ``n_supervised`` (int). No ``length`` column: the Trainer drops columns the
@@ -164,11 +170,12 @@ def build_dataset(convs: list[Conversation], data_path: str, tokenizer, eot_id: 
     root = cache_dir or default_cache_dir()
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, key)
-    with training_args.main_process_first(local=False, desc=f"preparing {name} dataset"):
+    first = main_process_first or (lambda desc: contextlib.nullcontext())
+    with first(desc=f"preparing {name} dataset"):
         if not os.path.exists(path):
-            if training_args.process_index != 0:
+            if rank != 0:
                 logger.warning("rank %d: dataset cache %s is not visible here (cache folder not shared?); "
-                               "preparing a local copy", training_args.process_index, path)
+                               "preparing a local copy", rank, path)
             _prepare(convs, tokenizer, eot_id, max_len, system_message, num_proc, path, data_path)
         ds, report = _load(path)
     logger.info("%s dataset: %s (cache %s)", name, data_path, path)

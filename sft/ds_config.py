@@ -6,12 +6,14 @@ truth; here we only refuse what would silently change the run.
 """
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 from typing import Optional
 
 
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "finetune")
+# The shipped configs are package data (sft/configs/; finetune/ds_config_*.json link to them).
+SHIPPED = str(importlib.resources.files("sft") / "configs")
 EXAMPLE = os.path.join(SHIPPED, "ds_config_zero2.json")
 # blocks that transformers or DeepSpeed read as objects; any other type crashes inside them
 OBJECT_BLOCKS = ("fp16", "bf16", "zero_optimization", "optimizer", "scheduler", "checkpoint")

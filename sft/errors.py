@@ -1,7 +1,7 @@
-"""User-facing errors.
+"""User-facing errors and the exit codes (stdlib only).
 
 Every error a user can fix (bad flags, bad data, a missing file) is raised as a subclass of
-:class:`SFTError`. ``finetune.py`` prints its message to stderr without a traceback and exits
+:class:`SFTError`. :mod:`sft.cli` prints its message to stderr without a traceback and exits
 with :attr:`SFTError.exit_code`; set ``SFT_DEBUG=1`` to see the traceback as well.
 """
 from __future__ import annotations
@@ -24,6 +24,19 @@ class ConfigError(SFTError):
 
 class DataError(SFTError):
     """The data file(s) cannot be used as given. The message names file, record, id, turn and fix."""
+
+
+class ContractError(SFTError):
+    """The node/process environment (NNODES, NODE_RANK, MASTER_ADDR, ...) is invalid. Lists every problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n  ".join(problems) if len(problems) == 1 else
+                         f"invalid launch environment ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class PreflightError(SFTError):
+    """A multi-node preflight check failed (unreachable master, missing node, duplicate rank, different inputs)."""
 
 
 class TemplateError(SFTError):
@@ -53,3 +66,6 @@ def explain_load_errors(what: str, path: str, fix: str):
 # Exit code of a run stopped by SIGTERM/SIGINT after saving a checkpoint: sysexits.h EX_TEMPFAIL
 # ("temporary failure; retry"). Job scripts requeue on it; the same command then resumes.
 PREEMPTED_EXIT_CODE = 75
+# Exit code when another process of the job went away or a collective timed out (torchrun's own code for a
+# failed worker, so schedulers treat it as an ordinary failure).
+PEER_LOST_EXIT_CODE = 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 import transformers
@@ -16,8 +17,9 @@ logger = logging.getLogger(__name__)
 UNTRAINED_ROW_ABS_MAX = 1e-8
 
 
-def load_tokenizer(model_args, training_args):
-    """Load the tokenizer, give it a chat template (ChatML fallback) and a pad token.
+def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Optional[str] = None):
+    """Load the tokenizer of the model folder (or cached hub id) ``path``, give it a chat template (ChatML
+    fallback) and a pad token. ``cache_dir``: transformers' ``cache_dir`` for ``from_pretrained``.
 
     Returns:
         ``(tokenizer, eot_id, added_tokens)``; ``added_tokens`` is True when the vocabulary grew.
@@ -25,14 +27,13 @@ def load_tokenizer(model_args, training_args):
     Raises:
         SFTError: the tokenizer is not a fast (``tokenizers``) tokenizer, which offsets require.
     """
-    path = model_args.model_name_or_path
     with explain_load_errors("tokenizer", path, "the folder needs tokenizer.json (a fast tokenizer) and "
                              "tokenizer_config.json, as save_pretrained writes them"):
         tok = transformers.AutoTokenizer.from_pretrained(
-            path, trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir,
+            path, trust_remote_code=trust_remote_code, cache_dir=cache_dir,
         )  # no model_max_length here: truncation is ours (counted and reported), not the tokenizer's
     if not getattr(tok, "is_fast", False):
-        raise SFTError(f"{model_args.model_name_or_path}: the tokenizer is not a fast (tokenizers) tokenizer; "
+        raise SFTError(f"{path}: the tokenizer is not a fast (tokenizers) tokenizer; "
                        "labels need token offsets: save the tokenizer with tokenizer.json")
     tok.padding_side = "right"
     with explain_load_errors("tokenizer", path, "the tokenizer does not behave like a transformers tokenizer"):
@@ -65,10 +66,11 @@ def choose_pad_token(tok, eot_id: int) -> bool:
     return True
 
 
-def torch_dtype(training_args) -> torch.dtype:
-    if training_args.bf16:
+def torch_dtype(bf16: bool = False, fp16: bool = False) -> torch.dtype:
+    """The training dtype of the precision flags: bfloat16, float16 or float32."""
+    if bf16:
         return torch.bfloat16
-    if training_args.fp16:
+    if fp16:
         return torch.float16
     return torch.float32
 
@@ -111,69 +113,45 @@ def chat_tokens_are_new(model, tok, vocab_grew: bool) -> tuple[bool, str]:
     return False, f"chat tokens {tok.convert_ids_to_tokens(ids)} have trained embeddings"
 
 
-def init_deepspeed_comm(training_args) -> None:
-    """Under DeepSpeed, start ``deepspeed.comm`` on the process group before the model is built.
-
-    ZeRO-3 builds the model inside ``deepspeed.zero.Init`` (transformers does this in ``from_pretrained``
-    when the config has stage 3), which partitions each parameter as it is created and reads the world
-    size from ``deepspeed.comm``; before ``deepspeed.init_distributed`` it sees a world of 1 and rejects the
-    batch sizes. ``training_args.device`` creates the torch process group first (gloo on CPU, nccl on
-    GPU, with ``--ddp_timeout``); ``init_distributed`` then reuses it. A single process started without
-    torchrun gets a one-process world on loopback (DeepSpeed would otherwise look for MPI).
-    """
-    if not getattr(training_args, "deepspeed", None):  # also plain namespaces (bench/compare.py's TRL path)
-        return
-    import datetime
-    import os
-    import socket
-
-    import deepspeed
-
-    _ = training_args.device  # initializes torch.distributed when torchrun started us (accelerate PartialState)
-    if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    backend = (torch.distributed.get_backend() if torch.distributed.is_initialized()
-               else "nccl" if torch.cuda.is_available() else "gloo")
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(seconds=training_args.ddp_timeout))
-
-
-def quantization_kwargs(training_args, lora_args=None) -> dict:
+def quantization_kwargs(compute_dtype: torch.dtype, device: torch.device) -> dict:
     """``from_pretrained`` kwargs for Q-LoRA: bitsandbytes 4-bit NF4 with double quantization.
 
-    Compute dtype follows the precision flags (bf16 / fp16 / fp32; fp32 on CPU, where bitsandbytes' bf16
-    kernels are far slower). ``device_map`` puts the whole model on this process's own device: under
+    ``compute_dtype`` follows the precision flags (bf16 / fp16 / fp32; fp32 on CPU, where bitsandbytes' bf16
+    kernels are far slower). ``device_map`` puts the whole model on this process's own ``device``: under
     torchrun each rank loads its own replica (``{"": local_rank}`` on GPU), never ``"auto"`` sharding.
     """
     q = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch_dtype(training_args),
+        bnb_4bit_compute_dtype=compute_dtype,
     )
-    device = training_args.device
     return {"quantization_config": q, "device_map": {"": device.index if device.type == "cuda" else str(device)}}
 
 
-def load_model(model_args, training_args, tok, vocab_grew: bool, lora_args=None):
-    """Load ``AutoModelForCausalLM`` in the dtype of the precision flags (4-bit NF4 base with ``--q_lora``);
-    resize embeddings if the vocab grew."""
-    init_deepspeed_comm(training_args)
-    extra = quantization_kwargs(training_args, lora_args) if lora_args is not None and lora_args.q_lora else {}
-    with explain_load_errors("model", model_args.model_name_or_path, "the folder needs a valid config.json of a "
+def load_model(path: str, tok, vocab_grew: bool, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+               cache_dir: Optional[str] = None, quantize_4bit: bool = False, device: Optional[torch.device] = None,
+               activation_checkpointing: bool = False, activation_checkpointing_kwargs: Optional[dict] = None):
+    """Load ``AutoModelForCausalLM`` from ``path`` in ``dtype`` (a 4-bit NF4 base on ``device`` with
+    ``quantize_4bit``, prepared for k-bit training); resize the embeddings if the vocabulary grew.
+
+    Under DeepSpeed, :func:`sft.distributed.process_group.setup_runtime` must have run first (ZeRO-3 builds the
+    model partitioned). Returns ``(model, vocab_grew)``.
+
+    Raises:
+        SFTError: the folder cannot be loaded (the library's one-line reason is quoted).
+    """
+    extra = quantization_kwargs(dtype, device or torch.device("cpu")) if quantize_4bit else {}
+    with explain_load_errors("model", path, "the folder needs a valid config.json of a "
                              "causal LM and its weights (model.safetensors), as save_pretrained writes them"):
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_args.model_name_or_path, dtype=torch_dtype(training_args),
-            trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir, **extra,
+            path, dtype=dtype, trust_remote_code=trust_remote_code, cache_dir=cache_dir, **extra,
         )
     if extra:
         from peft import prepare_model_for_kbit_training
 
         # fp32 layer norms and lm_head, frozen base, input grads for checkpointing (peft's Q-LoRA recipe)
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=bool(training_args.activation_checkpointing),
-            gradient_checkpointing_kwargs=training_args.activation_checkpointing_kwargs)
+            model, use_gradient_checkpointing=bool(activation_checkpointing),
+            gradient_checkpointing_kwargs=activation_checkpointing_kwargs)
     if len(tok) > embedding_rows(model):
         model.resize_token_embeddings(len(tok), mean_resizing=True)
         vocab_grew = True
@@ -191,12 +169,19 @@ def _module_name(model, module) -> str:
     raise SFTError("cannot find the embedding module by name")
 
 
-def apply_lora(model, tok, model_args, lora_args, training_args, vocab_grew: bool):
-    """Wrap ``model`` in a peft LoRA model. Base weights are frozen; only adapters (and, when the chat
-    tokens are new or ``--train_embeddings true``, the embeddings and lm_head) are trained."""
+def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dropout: float = 0.05,
+               target_modules: Optional[list[str]] = None, bias: str = "none", train_embeddings: str = "auto",
+               activation_checkpointing: bool = False):
+    """Wrap ``model`` in a peft LoRA model (rank ``r``, scale ``alpha / r``, ``target_modules`` default: every
+    linear projection, peft's ``all-linear``). Base weights are frozen; only adapters (and, when the chat tokens
+    are new or ``train_embeddings == "true"``, the embeddings and lm_head) are trained.
+
+    Raises:
+        SFTError: a target module name the model lacks (its linear module names are listed).
+    """
     from peft import LoraConfig, get_peft_model
 
-    mode = model_args.train_embeddings
+    mode = train_embeddings
     if mode == "auto":
         train_emb, reason = chat_tokens_are_new(model, tok, vocab_grew)
         logger.info("train embeddings: %s (auto: %s)", train_emb, reason)
@@ -211,22 +196,21 @@ def apply_lora(model, tok, model_args, lora_args, training_args, vocab_grew: boo
         if out is not None:
             modules_to_save.append(_module_name(model, out))
     config = LoraConfig(
-        r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
-        target_modules=lora_args.lora_target_modules or "all-linear", bias=lora_args.lora_bias,
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules or "all-linear", bias=bias,
         task_type="CAUSAL_LM", modules_to_save=modules_to_save,
         ensure_weight_tying=bool(train_emb and tied),
     )
-    if training_args.activation_checkpointing:
+    if activation_checkpointing:
         model.enable_input_require_grads()
     try:
         model = get_peft_model(model, config)
     except ValueError as e:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise SFTError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules or ['all-linear'])}: "
+        raise SFTError(f"--lora_target_modules {' '.join(target_modules or ['all-linear'])}: "
                        f"{str(e).splitlines()[0][:200]}; linear modules of this model: {', '.join(names)}") from None
     trainable, total = model.get_nb_trainable_parameters()
     logger.info("LoRA r=%d alpha=%d dropout=%.3g targets=%s: %d trainable of %d parameters (%.3f%%)",
-                lora_args.lora_r, lora_args.lora_alpha, lora_args.lora_dropout,
+                r, alpha, dropout,
                 sorted({n.rsplit(".", 1)[-1] for n in config.target_modules}) if isinstance(config.target_modules, (set, list)) else config.target_modules,
                 trainable, total, 100.0 * trainable / total)
     return model

@@ -28,7 +28,7 @@ import logging
 import os
 import signal
 import threading
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from transformers import TrainerCallback
 
@@ -37,8 +37,9 @@ from .errors import PREEMPTED_EXIT_CODE, SFTError
 logger = logging.getLogger("sft")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_ACTIVE: Optional["PreemptionHandler"] = None  # the installed handler of the training running in this process
-_STEP_CHECKS: list = []  # callables run on every rank at every step end; a truthy result acts as SIGTERM
+# The installed handler of the training running in this process: signals are process-wide, and request_stop()
+# (called from another thread, e.g. the Ray stop poller) must reach the one training of the process.
+_ACTIVE: Optional["PreemptionHandler"] = None
 
 
 class Preempted(SFTError):
@@ -52,10 +53,14 @@ class PreemptionHandler(TrainerCallback):
 
     Args:
         timeout_s: seconds from the first signal to a forced exit with :data:`PREEMPTED_EXIT_CODE`.
+        step_checks: callables run on every rank at the end of every optimizer step, before the ranks agree on
+            stopping; a truthy result (a text saying why) stops training as SIGTERM would. Every rank must get the
+            same checks: a check may be a collective (Ray Train's ``get_preemption_info`` is a barrier).
     """
 
-    def __init__(self, timeout_s: float = 300.0):
+    def __init__(self, timeout_s: float = 300.0, step_checks: Sequence[Callable[[], Optional[str]]] = ()):
         self.timeout_s = float(timeout_s)
+        self.step_checks = tuple(step_checks)
         self.signum: Optional[int] = None  # first signal received by this process
         self.cause: Optional[str] = None  # what stopped it when not a signal (a step check's reason)
         self.stopped_at: Optional[int] = None  # global step at which all ranks agreed to stop
@@ -119,7 +124,7 @@ class PreemptionHandler(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.stopped_at is None:
-            for check in _STEP_CHECKS:  # on every rank at every step, even once signalled: a check may be a collective
+            for check in self.step_checks:  # on every rank at every step, even once signalled: a check may be a collective
                 reason = check()
                 if reason and self.signum is None:
                     logger.warning("preemption notice (rank %s): %s", os.environ.get("RANK", "0"), reason)
@@ -146,13 +151,6 @@ def request_stop(signum: int = signal.SIGTERM) -> bool:
         return False
     handler._on_signal(signum, None)
     return True
-
-
-def add_step_check(check) -> None:
-    """Run ``check()`` on every rank at the end of every optimizer step, before the ranks agree on stopping; a truthy
-    result (a text saying why) stops training as SIGTERM would. Every rank must register the same checks: a check may
-    be a collective (Ray Train's ``get_preemption_info`` is a barrier across workers)."""
-    _STEP_CHECKS.append(check)
 
 
 def report_exit_code(code: int) -> None:

@@ -1,67 +1,92 @@
 """One training run: data -> tokenizer -> datasets -> model (LoRA) -> transformers.Trainer -> save."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from typing import Callable, Optional, Sequence
 
 import transformers
 
 from .callbacks import install as install_throughput_callback
 from .chat import chat_control_tokens, visualize
+from .checkpoint import run_info
 from .data import load_conversations, reject_control_tokens
-from .errors import ConfigError
 from .dataset import LazySupervisedDataset, build_dataset, make_collator
-from .distributed import check_same_inputs, preflight_enabled
+from .distributed.failures import raise_if_peer_lost
+from .distributed.fingerprints import check_same_inputs
+from .distributed.rendezvous import preflight_enabled
+from .errors import ConfigError
 from .logs import setup_logging
-from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer
+from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer, torch_dtype
 from .packing import PackedCollator, check_packing_support, pack_dataset
 
 logger = logging.getLogger("sft")
 
 
-def log_run_shape(training_args, n_train: int) -> None:
-    """Derived quantities, computed once and logged at start (global batch = micro x accumulation x world)."""
-    world = training_args.world_size
-    micro = training_args.per_device_train_batch_size
-    accum = training_args.gradient_accumulation_steps
-    global_batch = micro * accum * world
+def log_run_shape(world_size: int, micro_batch: int, grad_accum: int, n_train: int, max_steps: int,
+                  num_epochs: float, device: str = "cpu", backend: Optional[str] = None) -> dict:
+    """Derived quantities, computed once and logged at start: global batch = micro batch x gradient accumulation x
+    world size (samples; rows with --packing); optimizer steps = ``max_steps`` if > 0, else epochs x
+    ``n_train // global batch`` (at least 1 per epoch). Returns them as a dict."""
+    global_batch = micro_batch * grad_accum * world_size
     steps_per_epoch = max(1, n_train // global_batch)
-    total = training_args.max_steps if training_args.max_steps > 0 else int(steps_per_epoch * training_args.num_train_epochs)
+    total = max_steps if max_steps > 0 else int(steps_per_epoch * num_epochs)
     logger.info("world size %d (device %s, backend %s); micro batch %d x gradient accumulation %d x world size %d = "
                 "global batch %d samples; %d training samples; %d optimizer steps",
-                world, training_args.device, training_args.ddp_backend or "-", micro, accum, world, global_batch,
-                n_train, total)
+                world_size, device, backend or "-", micro_batch, grad_accum, world_size, global_batch, n_train, total)
+    return {"global_batch": global_batch, "optimizer_steps": total}
 
 
-def load_data(model_args, data_args, training_args):
-    """Validated conversations (train, eval or None) and the tokenizer. Returns ``(train, eval, tok, eot, grew)``."""
-    convs = {name: load_conversations(path, data_args.on_bad_record) if path else None
-             for name, path in (("train", data_args.data_path), ("eval", data_args.eval_data_path))}
-    tok, eot, grew = load_tokenizer(model_args, training_args)
+def load_records(data_files: dict[str, Optional[str]], on_bad_record: str, tok,
+                 system_message: Optional[str] = None) -> dict[str, Optional[list]]:
+    """Validated conversations of each named file (``{"train": path, "eval": path or None}``), with the chat
+    template's control tokens refused in every text (``tok``'s template decides which).
+
+    Raises:
+        ConfigError: ``system_message`` holds a control token.
+        DataError: a file or record problem (``on_bad_record`` "error"), or no record left.
+    """
     control = chat_control_tokens(tok)
-    found = [t for t in control if t in (data_args.system_message or "")]
+    found = [t for t in control if t in (system_message or "")]
     if found:
         raise ConfigError([f"--system_message contains the control token(s) {', '.join(found)}; remove them (they "
                            "would become real chat-template tokens in every sample)"])
-    for name, path in (("train", data_args.data_path), ("eval", data_args.eval_data_path)):
-        if convs[name] is not None:
-            convs[name] = reject_control_tokens(convs[name], control, path, data_args.on_bad_record)
-    return convs["train"], convs["eval"], tok, eot, grew
+    out = {}
+    for name, path in data_files.items():
+        convs = load_conversations(path, on_bad_record) if path else None
+        out[name] = reject_control_tokens(convs, control, path, on_bad_record) if convs is not None else None
+    return out
 
 
-def make_dataset(name, convs, path, tok, eot, data_args, training_args):
-    """The tokenized dataset for ``convs`` (lazy or cached), with its report logged."""
-    max_len = training_args.model_max_length
-    if data_args.lazy_preprocess:
+def check_data(model_args, data_args, training_args) -> list[str]:
+    """What ``sft-check`` and the launchers check before starting several processes: the tokenizer loads and every
+    record of ``--data_path`` / ``--eval_data_path`` is valid. Returns one summary line per file.
+
+    Raises:
+        SFTError: as :func:`load_records` and :func:`sft.modeling.load_tokenizer`.
+    """
+    tok, _, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir)
+    files = {"train": data_args.data_path, "eval": data_args.eval_data_path}
+    convs = load_records(files, data_args.on_bad_record, tok, data_args.system_message)
+    return [f"{files[name]}: {len(c)} valid conversations" for name, c in convs.items() if c is not None]
+
+
+def make_dataset(name: str, convs, path: str, tok, eot: int, *, max_len: int, system_message: Optional[str] = None,
+                 lazy: bool = False, cache_dir: Optional[str] = None, num_proc: Optional[int] = None,
+                 main_process_first=None, rank: int = 0):
+    """The tokenized dataset for ``convs`` (lazy, or cached: see :func:`sft.dataset.build_dataset` for the rank
+    coordination), with its report logged."""
+    if lazy:
         logger.info("%s: %d conversations, tokenized on access (--lazy_preprocess)", name, len(convs))
-        return LazySupervisedDataset(convs, tok, eot, max_len, data_args.system_message, path)
-    ds, report = build_dataset(convs, path, tok, eot, max_len, data_args.system_message, training_args,
-                               data_args.data_cache_dir, data_args.preprocessing_num_workers, name)
+        return LazySupervisedDataset(convs, tok, eot, max_len, system_message, path)
+    ds, report = build_dataset(convs, path, tok, eot, max_len, system_message, cache_dir, num_proc, name,
+                               main_process_first, rank)
     for line in report.lines(name, max_len):
         logger.info("%s", line)
     if name == "train":
         shown = visualize(tok, ds[0]["input_ids"], ds[0]["labels"])
-        more = f"\n... ({len(shown) - 1200} more characters; scripts/show_sample.py prints it all)" if len(shown) > 1200 else ""
+        more = f"\n... ({len(shown) - 1200} more characters; sft-show-sample prints it all)" if len(shown) > 1200 else ""
         logger.info("first training sample (supervised tokens in «»):\n%s%s", shown[:1200], more)
     return ds
 
@@ -101,25 +126,40 @@ def check_optimizer_and_scheduler(training_args, model) -> None:
 
 
 def build_trainer(model_args, data_args, training_args, lora_args, callbacks=None):
-    """Everything up to a ready ``transformers.Trainer``. Returns ``(trainer, tokenizer, eot_id)``."""
-    if preflight_enabled():  # several processes: same data, model config, tokenizer and version everywhere
-        check_same_inputs(model_args.model_name_or_path, {"--data_path": data_args.data_path,
-                                                          "--eval_data_path": data_args.eval_data_path})
-    train_convs, eval_convs, tok, eot, grew = load_data(model_args, data_args, training_args)
-    train_ds = make_dataset("train", train_convs, data_args.data_path, tok, eot, data_args, training_args)
-    eval_ds = (make_dataset("eval", eval_convs, data_args.eval_data_path, tok, eot, data_args, training_args)
-               if eval_convs is not None else None)
+    """Everything up to a ready ``transformers.Trainer`` (the orchestrator: it unpacks the argument objects into
+    the values each step takes). Needs :func:`sft.distributed.process_group.setup_runtime` first.
+    Returns ``(trainer, tokenizer, eot_id)``."""
+    tok, eot, grew = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code,
+                                    training_args.cache_dir)
+    files = {"train": data_args.data_path, "eval": data_args.eval_data_path}
+    convs = load_records(files, data_args.on_bad_record, tok, data_args.system_message)
+    ranks = {"main_process_first": functools.partial(training_args.main_process_first, local=False),
+             "rank": training_args.process_index}
+    datasets = {name: make_dataset(name, convs[name], files[name], tok, eot, max_len=training_args.model_max_length,
+                                   system_message=data_args.system_message, lazy=data_args.lazy_preprocess,
+                                   cache_dir=data_args.data_cache_dir, num_proc=data_args.preprocessing_num_workers,
+                                   **ranks) if convs[name] is not None else None
+                for name in ("train", "eval")}
+    train_ds, eval_ds = datasets["train"], datasets["eval"]
     collator = make_collator(tok)
-    if getattr(data_args, "packing", False):
+    if data_args.packing:
         train_ds, eval_ds, collator = pack_datasets(train_ds, eval_ds, training_args.model_max_length)
     # Seed before the model exists (Trainer seeds only later, in its __init__): LoRA's A matrices (and any new
     # embedding rows) are drawn from the global RNG, and how much of it data preparation consumed differs
     # between a cache miss and a cache hit; the same --seed then gives the same adapter on any number of nodes.
     (transformers.enable_full_determinism if training_args.full_determinism else transformers.set_seed)(training_args.seed)
-    model, grew = load_model(model_args, training_args, tok, grew, lora_args)
+    model, grew = load_model(
+        model_args.model_name_or_path, tok, grew, dtype=torch_dtype(training_args.bf16, training_args.fp16),
+        trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir,
+        quantize_4bit=lora_args.q_lora, device=training_args.device,
+        activation_checkpointing=bool(training_args.activation_checkpointing),
+        activation_checkpointing_kwargs=training_args.activation_checkpointing_kwargs)
     if training_args.use_lora:
-        model = apply_lora(model, tok, model_args, lora_args, training_args, grew)
-    if getattr(data_args, "packing", False):
+        model = apply_lora(model, tok, grew, r=lora_args.lora_r, alpha=lora_args.lora_alpha,
+                           dropout=lora_args.lora_dropout, target_modules=lora_args.lora_target_modules,
+                           bias=lora_args.lora_bias, train_embeddings=model_args.train_embeddings,
+                           activation_checkpointing=bool(training_args.activation_checkpointing))
+    if data_args.packing:
         logger.info("packing: attention implementation '%s' (block-diagonal causal mask from restarting position ids)",
                     check_packing_support(model))
     check_optimizer_and_scheduler(training_args, model)
@@ -129,8 +169,10 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=collator, processing_class=tok, callbacks=callbacks,
     )
-    install_throughput_callback(trainer, getattr(training_args, "peak_tflops", None))
-    log_run_shape(training_args, len(train_ds))
+    install_throughput_callback(trainer, training_args.peak_tflops)
+    log_run_shape(training_args.world_size, training_args.per_device_train_batch_size,
+                  training_args.gradient_accumulation_steps, len(train_ds), training_args.max_steps,
+                  training_args.num_train_epochs, str(training_args.device), training_args.ddp_backend)
     return trainer, tok, eot
 
 
@@ -146,14 +188,17 @@ def save(trainer, tok, eot_id: int, output_dir: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-def run(model_args, data_args, training_args, lora_args) -> str:
-    """Train and save. Returns the output folder.
+def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[Callable] = ()) -> str:
+    """Train and save (after :func:`sft.distributed.process_group.setup_runtime`). Returns the output folder.
 
-    Resumes from :func:`sft.checkpoint.resolve_resume` (``auto`` by default), writes checkpoints with a
-    completion marker (:mod:`sft.checkpoint`), and stops cleanly on SIGTERM/SIGINT (:mod:`sft.preemption`).
+    Compares the inputs of every rank first (:func:`sft.distributed.fingerprints.check_same_inputs`, unless
+    ``SFT_PREFLIGHT=0``), resumes from :func:`sft.checkpoint.resolve_resume` (``auto`` by default), writes
+    checkpoints with a completion marker (:mod:`sft.checkpoint`), and stops cleanly on SIGTERM/SIGINT or when
+    one of ``step_checks`` (run on every rank at every optimizer step end) gives a reason (:mod:`sft.preemption`).
 
     Raises:
         Preempted: a signal stopped training after a checkpoint was saved (exit code 75).
+        PeerLost: another process of the job went away or a collective timed out (exit code 1).
     """
     from .checkpoint import install, resolve_resume, warn_if_different
     from .preemption import Preempted, PreemptionHandler
@@ -161,20 +206,28 @@ def run(model_args, data_args, training_args, lora_args) -> str:
     setup_logging()
     # Installed before loading (a signal then still ends in a checkpoint after the first step) and kept
     # through the final save (a signal there only starts the watchdog that bounds the time to exit).
-    preemption = PreemptionHandler(training_args.preemption_timeout).install()
+    preemption = PreemptionHandler(training_args.preemption_timeout, step_checks).install()
+    peers: dict = {}
     try:
-        resume = resolve_resume(training_args)
+        if preflight_enabled():  # several processes: same data, model config, tokenizer and version everywhere
+            peers = check_same_inputs(model_args.model_name_or_path, {"--data_path": data_args.data_path,
+                                                                      "--eval_data_path": data_args.eval_data_path})
+        resume = resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint,
+                                training_args.overwrite_output_dir)
         callbacks = [install(training_args), preemption]
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)
         if resume:
             logger.info("resuming from %s", os.path.abspath(resume))
-            warn_if_different(resume, training_args)
+            warn_if_different(resume, run_info(training_args))
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted and trainer.state.global_step < trainer.state.max_steps:
             where = os.path.join(os.path.abspath(training_args.output_dir), f"checkpoint-{preemption.stopped_at}")
             raise Preempted(f"stopped by {preemption.cause or signal_name(preemption.signum)} at step {preemption.stopped_at} of "
                             f"{trainer.state.max_steps}; checkpoint {where}; run the same command again to resume")
         save(trainer, tok, eot, training_args.output_dir)
+    except Exception as e:  # a lost node or a timed-out collective: say which node, not a 100-line traceback
+        raise_if_peer_lost(e, training_args.ddp_timeout, peers)
+        raise
     finally:
         preemption.uninstall()
     if trainer.is_world_process_zero():

@@ -1,0 +1,215 @@
+"""The one CLI policy, and the user-facing commands built on it.
+
+Policy (:func:`run_cli`), the same for every entry point (``finetune.py``, the ``sft-*`` console scripts,
+``python -m sft COMMAND``, ``python -m sft.distributed``, the Ray launcher):
+
+* an :class:`~sft.errors.SFTError` becomes one paragraph on stderr, ``error: <message>`` (``preempted: ...``
+  for exit code 75), prefixed ``[rank N] `` on global ranks other than 0, and its exit code: 2 a problem the
+  user can fix, 75 preempted (checkpoint saved; the same command resumes), 1 a lost peer
+  (:class:`sft.distributed.failures.PeerLost`);
+* ``SFT_DEBUG=1`` (any value but empty/0) re-raises instead, so the full traceback shows;
+* anything else is a bug or a library failure and keeps its traceback.
+
+Commands: ``train`` (``finetune.py``, ``sft-train``), ``check`` (``sft-check``: the configuration and every data
+record, exit 0 when all is well; the launcher runs it once before starting several processes), ``merge``
+(``sft-merge``), ``generate`` (``sft-generate``), ``show-sample`` (``sft-show-sample``); the Ray launcher is
+:func:`sft.ray.driver.main` (``sft-ray``).
+
+This module imports only the standard library at import time (``python -m sft.distributed`` uses it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+from .errors import PREEMPTED_EXIT_CODE, SFTError
+
+
+def debug_enabled() -> bool:
+    """``SFT_DEBUG`` set to anything but empty or 0: show tracebacks instead of one-paragraph messages."""
+    return os.environ.get("SFT_DEBUG", "").strip() not in ("", "0")
+
+
+def rank_prefix() -> str:
+    """``"[rank N] "`` on global ranks other than 0 (``RANK`` from torchrun / Ray Train), else ``""``."""
+    rank = os.environ.get("RANK")
+    return f"[rank {rank}] " if rank not in (None, "0") else ""
+
+
+def user_message(err: BaseException) -> str:
+    """The message of an SFTError; for one re-raised by a DataLoader worker, the worker's original message."""
+    text = str(err)
+    marker = f"{type(err).__name__}: "
+    if "\nOriginal Traceback" in text and marker in text:
+        return text[text.rindex(marker) + len(marker):].strip()
+    return text
+
+
+def report(err: SFTError) -> int:
+    """Print ``err`` the policy's way and return its exit code (writes 75 to ``SFT_EXIT_CODE_FILE`` too)."""
+    if err.exit_code == PREEMPTED_EXIT_CODE:
+        from .preemption import report_exit_code
+
+        report_exit_code(err.exit_code)
+    label = "preempted" if err.exit_code == PREEMPTED_EXIT_CODE else "error"
+    print(f"{rank_prefix()}{label}: {user_message(err)}", file=sys.stderr, flush=True)
+    return err.exit_code
+
+
+def run_cli(body: Callable[[], Optional[int]]) -> int:
+    """Run ``body()`` under the policy (module docstring). Returns the exit code: ``body``'s when it returns an int, else 0.
+
+    Raises:
+        Whatever ``body`` raises that is not an SFTError, and an SFTError too when ``SFT_DEBUG`` is set.
+    """
+    try:
+        code = body()
+        return code if isinstance(code, int) else 0
+    except SFTError as e:
+        if debug_enabled():
+            raise
+        return report(e)
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+def train(argv: Optional[Sequence[str]] = None, extra: tuple = (), step_checks: Sequence[Callable] = ()) -> str:
+    """Parse -> validate -> runtime setup -> :func:`sft.training.run`. Returns the output folder.
+
+    ``extra``: a launcher's own flag dataclasses (parsed and ignored here, so one command line / YAML serves both).
+    ``step_checks``: callables run on every rank at every optimizer step end (:class:`sft.preemption.PreemptionHandler`).
+
+    Raises:
+        SFTError: any problem the user can fix (exit code 2), ``Preempted`` (75), ``PeerLost`` (1).
+    """
+    from .arguments import parse_args, validate
+    from .distributed.process_group import setup_runtime
+    from .training import run
+
+    model_args, data_args, training_args, lora_args = parse_args(argv, extra)[:4]
+    validate(model_args, data_args, training_args, lora_args)
+    setup_runtime(training_args)
+    return run(model_args, data_args, training_args, lora_args, step_checks=step_checks)
+
+
+def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
+    """Check the configuration and every data record without training. Returns the summary lines.
+
+    Raises:
+        SFTError: the first kind of problem found (every problem of that kind is listed).
+    """
+    from .arguments import parse_args, validate
+    from .training import check_data
+
+    model_args, data_args, training_args, lora_args = parse_args(argv, extra)[:4]
+    validate(model_args, data_args, training_args, lora_args)
+    return check_data(model_args, data_args, training_args) + ["configuration and data OK"]
+
+
+def train_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``finetune.py`` / ``sft-train``: see :func:`train`. Returns the exit code."""
+    return run_cli(lambda: train(sys.argv[1:] if argv is None else argv))
+
+
+def check_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``sft-check`` / ``python -m sft check``: the flags of ``train``; prints ``check: ...`` lines, exit 0 when OK."""
+    def body():
+        for line in check(sys.argv[1:] if argv is None else argv):
+            print(f"check: {line}", file=sys.stderr, flush=True)
+    return run_cli(body)
+
+
+def merge_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``sft-merge ADAPTER_DIR OUT_DIR [--base BASE_DIR] [--overwrite]``: merge a LoRA adapter into its base model;
+    the result loads offline with plain ``from_pretrained``."""
+    ap = argparse.ArgumentParser(prog="sft-merge", description=merge_main.__doc__.split(":", 1)[1].strip())
+    ap.add_argument("adapter_dir")
+    ap.add_argument("out_dir")
+    ap.add_argument("--base", default=None, help="base model folder (default: from adapter_config.json)")
+    ap.add_argument("--overwrite", action="store_true", help="allow a non-empty OUT_DIR (a model folder only)")
+    a = ap.parse_args(argv)
+
+    def body():
+        from .export import merge_adapter
+
+        print(f"merged model written to {merge_adapter(a.adapter_dir, a.out_dir, a.base, a.overwrite)}")
+    return run_cli(body)
+
+
+def generate_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``sft-generate MODEL_DIR "message" [--max_new_tokens 48]``: a model folder's greedy reply to one user
+    message, rendered with its chat template."""
+    ap = argparse.ArgumentParser(prog="sft-generate", description=generate_main.__doc__.split(":", 1)[1].strip())
+    ap.add_argument("model_dir")
+    ap.add_argument("prompt")
+    ap.add_argument("--max_new_tokens", type=int, default=48)
+    a = ap.parse_args(argv)
+
+    def body():
+        if a.max_new_tokens < 1:
+            raise SFTError(f"--max_new_tokens {a.max_new_tokens}: must be at least 1")
+        if not os.path.isdir(a.model_dir):
+            raise SFTError(f"{a.model_dir}: no such folder; give a model folder")
+        from .export import generate_reply
+
+        print(generate_reply(a.model_dir, a.prompt, a.max_new_tokens))
+    return run_cli(body)
+
+
+def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``sft-show-sample MODEL_DIR DATA_FILE [--index 0] [--model_max_length N] [--system_message S]``: print one
+    rendered training sample with its supervised tokens marked «like this»."""
+    ap = argparse.ArgumentParser(prog="sft-show-sample", description=show_sample_main.__doc__.split(":", 1)[1].strip())
+    ap.add_argument("model_dir")
+    ap.add_argument("data_file")
+    ap.add_argument("--index", type=int, default=0, help="0-based index among the valid records")
+    ap.add_argument("--model_max_length", type=int, default=8192)
+    ap.add_argument("--system_message", default=None)
+    a = ap.parse_args(argv)
+
+    def body():
+        from .chat import visualize
+        from .data import load_conversations
+        from .dataset import encode_truncated
+        from .modeling import load_tokenizer
+
+        if not os.path.isfile(os.path.join(a.model_dir, "config.json")) and not os.path.isfile(
+                os.path.join(a.model_dir, "tokenizer.json")):
+            raise SFTError(f"{a.model_dir}: not a model folder (no config.json or tokenizer.json)")
+        if a.model_max_length < 8:
+            raise SFTError(f"--model_max_length {a.model_max_length}: must be at least 8")
+        convs = load_conversations(a.data_file, "skip")
+        if not 0 <= a.index < len(convs):
+            raise SFTError(f"--index {a.index}: the file has {len(convs)} valid records")
+        tok, eot, _ = load_tokenizer(a.model_dir)
+        c = convs[a.index]
+        ex = encode_truncated(tok, c.messages, eot, a.model_max_length, a.system_message)
+        print(f"record {c.index} id={c.id}: {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"
+              + (f", truncated ({ex['n_lost']} supervised tokens lost)" if ex["truncated"] else ""))
+        print(visualize(tok, ex["input_ids"], ex["labels"], color=sys.stdout.isatty()))
+    return run_cli(body)
+
+
+def ray_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``sft-ray``: the Ray launcher (:func:`sft.ray.driver.main`)."""
+    from .ray.driver import main
+
+    return main(argv)
+
+
+COMMANDS = {"train": train_main, "check": check_main, "merge": merge_main, "generate": generate_main,
+            "show-sample": show_sample_main, "ray": ray_main}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m sft COMMAND [ARGS...]`` with COMMAND one of :data:`COMMANDS`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        names = " | ".join(COMMANDS)
+        print(f"usage: python -m sft {{{names}}} [ARGS...]\n  train: the flags of finetune.py (-h lists them); "
+              "check: the same flags, checks the configuration and every record without training",
+              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])

@@ -1,0 +1,54 @@
+"""The launcher's CLI (stdlib only, so ``finetune/launch.sh`` does not pay for importing torch)::
+
+    python -m sft.distributed plan --gpus N   # validate, print the node's start line (stderr) and shell assignments (stdout)
+    python -m sft.distributed rendezvous      # the preflight node rendezvous, from the (validated) environment
+
+Both exit 2 with ``error: ...`` on stderr when the user has something to fix (the policy of :mod:`sft.cli`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Optional
+
+from ..cli import run_cli
+from .contract import choose_interface, read_contract, start_line
+from .rendezvous import node_rendezvous
+
+
+def _cli_plan(args) -> int:
+    c = read_contract(os.environ, args.gpus)
+    iface, exports = choose_interface(c, os.environ)
+    print(start_line(c, iface), file=sys.stderr, flush=True)
+    values = {"NNODES": c.nnodes, "NODE_RANK": c.node_rank, "MASTER_ADDR": c.master_addr,
+              "MASTER_PORT": c.master_port, "NPROC": c.nproc_per_node, "DEVICE": c.device,
+              "RDZV_TIMEOUT": c.rdzv_timeout, "WORLD": c.world_size}
+    for k, v in values.items():
+        print(f"{k}={shlex.quote(str(v))}")
+    for k, v in exports.items():
+        print(f"export {k}={shlex.quote(v)}")
+    return 0
+
+
+def _cli_rendezvous(args) -> int:
+    c = read_contract(os.environ, args.gpus)
+    node_rendezvous(c)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sft.distributed", description="The launcher's environment contract and preflight rendezvous (finetune/launch.sh).")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name, fn, text in (("plan", _cli_plan, "validate the environment, print the start line and shell assignments"),
+                           ("rendezvous", _cli_rendezvous, "the preflight node rendezvous before torchrun")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--gpus", type=int, default=0, help="GPUs visible on this node")
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    return run_cli(lambda: args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

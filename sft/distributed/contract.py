@@ -1,0 +1,200 @@
+"""The launcher's environment contract: one node's view of the job, validated in one place (stdlib only).
+
+:func:`read_contract` reads ``NNODES`` (1), ``NODE_RANK`` (0), ``MASTER_ADDR`` (localhost),
+``MASTER_PORT`` (6001), ``GPUS_PER_NODE`` (every visible GPU) or, without GPUs, ``NPROC_PER_NODE`` (1),
+``RDZV_TIMEOUT`` (600 s) and reports every broken rule at once. :func:`choose_interface` picks the network
+interface gloo should use. ``finetune/launch.sh`` evaluates both through ``python -m sft.distributed plan``
+(see :mod:`sft.distributed.__main__`); nothing here imports torch, so the launcher does not pay for it.
+"""
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import re
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from ..errors import ContractError
+
+DEFAULT_MASTER_PORT = 6001
+DEFAULT_RDZV_TIMEOUT_S = 600  # torch's static rendezvous default is 600 s too
+
+_UINT = re.compile(r"^(0|[1-9][0-9]{0,8})$")  # decimal, no leading zeros, no overflow
+
+
+@dataclass(frozen=True)
+class Contract:
+    """One node's view of the job. ``world_size = nnodes * nproc_per_node`` processes in all."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    nproc_per_node: int
+    device: str  # "cuda" or "cpu"
+    rdzv_timeout: int  # seconds
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+
+def _uint(env: Mapping[str, str], name: str, default: int, problems: list[str], lo: int = 0,
+          hi: Optional[int] = None, rule: str = "") -> int:
+    raw = env.get(name, "")
+    raw = raw if raw != "" else str(default)
+    if not _UINT.match(raw) or int(raw) < lo or (hi is not None and int(raw) > hi):
+        problems.append(f"{name}={raw}: {rule or f'must be a whole number >= {lo}'}")
+        return default
+    return int(raw)
+
+
+def resolve(host: str) -> list[str]:
+    """Addresses ``host`` resolves to on this node (IPv4 first). Raises OSError when it does not resolve."""
+    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    addrs = [i[4][0] for i in infos]
+    return sorted(set(addrs), key=lambda a: (":" in a, addrs.index(a)))
+
+
+def is_local_address(addr: str) -> bool:
+    """True when ``addr`` is assigned to an interface of this host (binding to it succeeds)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, 0))
+            return True
+        except OSError:
+            return False
+
+
+def read_contract(env: Mapping[str, str], gpus: int = 0) -> Contract:
+    """Validate the launch environment of one node.
+
+    Args:
+        env: the environment (``os.environ``).
+        gpus: GPUs visible on this node (the launcher counts them with ``nvidia-smi -L``).
+
+    Raises:
+        ContractError: listing every problem: NODE_RANK outside [0, NNODES), a port outside 1-65535,
+            NNODES > 1 with a MASTER_ADDR that is loopback (or resolves to it) or does not resolve,
+            node rank 0 on a host that does not own MASTER_ADDR, another rank on the host that does.
+    """
+    p: list[str] = []
+    nnodes = _uint(env, "NNODES", 1, p, lo=1)
+    node_rank = _uint(env, "NODE_RANK", 0, p)
+    if node_rank >= nnodes and not any(x.startswith("NODE_RANK=") for x in p):
+        p.append(f"NODE_RANK={node_rank}: must be in [0, NNODES={nnodes}); give each node its own rank 0..{nnodes - 1}")
+    port = _uint(env, "MASTER_PORT", DEFAULT_MASTER_PORT, p, lo=1, hi=65535, rule="must be in 1-65535")
+    timeout = _uint(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT_S, p, lo=1, rule="must be a whole number of seconds >= 1")
+    if gpus > 0:
+        nproc = _uint(env, "GPUS_PER_NODE", gpus, p, lo=1, rule="processes per node: must be a whole number >= 1")
+        if nproc > gpus:
+            p.append(f"GPUS_PER_NODE={nproc}: only {gpus} GPU(s) are visible on this node")
+    else:
+        nproc = _uint(env, "NPROC_PER_NODE", 1, p, lo=1, rule="processes per node: must be a whole number >= 1")
+    master = env.get("MASTER_ADDR") or "localhost"
+    if nnodes > 1:
+        p += _check_master(master, node_rank, nnodes)
+    if p:
+        raise ContractError(p)
+    return Contract(nnodes, node_rank, master, port, nproc, "cuda" if gpus > 0 else "cpu", timeout)
+
+
+def _check_master(master: str, node_rank: int, nnodes: int) -> list[str]:
+    try:
+        addrs = resolve(master)
+    except OSError as e:
+        return [f"MASTER_ADDR={master}: does not resolve on this node ({e.strerror or e}); give node rank 0's IP "
+                "address or a host name every node can resolve"]
+    loop = [a for a in addrs if ipaddress.ip_address(a.split("%")[0]).is_loopback]
+    if loop:
+        shown = "" if master == loop[0] else f" (it resolves to {loop[0]} here)"
+        return [f"MASTER_ADDR={master}: a loopback address{shown} with NNODES={nnodes}; other nodes cannot reach it. "
+                "Give node rank 0's address on the network the nodes share (e.g. the first host of the job)"]
+    local = any(is_local_address(a) for a in addrs)
+    if node_rank == 0 and not local:
+        return [f"NODE_RANK=0 on {socket.gethostname()}, but MASTER_ADDR={master} is not an address of this host: "
+                "node rank 0 must run on MASTER_ADDR. Start this node with another NODE_RANK, or point MASTER_ADDR here"]
+    if node_rank != 0 and local:
+        return [f"NODE_RANK={node_rank}, but MASTER_ADDR={master} is this host ({socket.gethostname()}): the host "
+                "of MASTER_ADDR must be node rank 0. Give this node NODE_RANK=0, or MASTER_ADDR the master's address"]
+    return []
+
+
+# ----------------------------------------------------------------------------------------------------- interfaces
+
+def _iface_ipv4(name: str) -> Optional[str]:
+    SIOCGIFADDR = 0x8915  # Linux <linux/sockios.h>
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(raw[20:24])
+
+
+def route_source(master_addr: str, port: int) -> Optional[str]:
+    """The local IPv4 address the kernel would use to reach ``master_addr`` (a UDP ``connect`` sends nothing)."""
+    try:
+        addr = next(a for a in resolve(master_addr) if ":" not in a)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))
+            return s.getsockname()[0]
+    except (OSError, StopIteration):
+        return None
+
+
+def interface_for(master_addr: str, port: int) -> tuple[Optional[str], Optional[str]]:
+    """``(interface name, local address)`` of the route to the master, or ``(None, None)`` when unknown."""
+    src = route_source(master_addr, port)
+    if src is None:
+        return None, None
+    for _, name in socket.if_nameindex():
+        if _iface_ipv4(name) == src:
+            return name, src
+    return None, src
+
+
+def choose_interface(c: Contract, env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """Describe (and for gloo, choose) the network interface. Returns ``(description, variables to export)``.
+
+    ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set by the user are honoured as given. For gloo with
+    NNODES > 1 and no ``GLOO_SOCKET_IFNAME``, the interface of the route to MASTER_ADDR is exported:
+    gloo's default (the address the host name resolves to) is often loopback or a container bridge.
+
+    Raises:
+        ContractError: ``GLOO_SOCKET_IFNAME`` names an interface this node does not have.
+    """
+    var = "NCCL_SOCKET_IFNAME" if c.backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    given = env.get(var)
+    if c.backend == "gloo" and given:
+        missing = [n for n in given.split(",") if n not in {name for _, name in socket.if_nameindex()}]
+        if missing:
+            have = ", ".join(name for _, name in socket.if_nameindex())
+            raise ContractError([f"GLOO_SOCKET_IFNAME={given}: no interface {', '.join(missing)} on this node "
+                                 f"(it has {have})"])
+    if given:
+        return f"{given} ({var})", {}
+    if c.nnodes == 1:
+        return "local", {}
+    name, src = interface_for(c.master_addr, c.master_port)
+    if name is None:
+        return f"unknown (no route to {c.master_addr} found; set {var})", {}
+    if c.backend == "gloo":
+        return f"{name} {src} (route to master; GLOO_SOCKET_IFNAME={name})", {"GLOO_SOCKET_IFNAME": name}
+    return f"{name} {src} (route to master; NCCL chooses its own unless NCCL_SOCKET_IFNAME is set)", {}
+
+
+def start_line(c: Contract, iface: str) -> str:
+    """The one line each node prints at start."""
+    return (f"launch: node rank {c.node_rank} of {c.nnodes} nodes, {c.nproc_per_node} process(es) per node, "
+            f"world size {c.world_size}, master {c.master_addr}:{c.master_port}, interface {iface}, "
+            f"backend {c.backend} (device {c.device})")
+
+

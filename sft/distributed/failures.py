@@ -1,0 +1,60 @@
+"""A lost peer or a timed-out collective, explained by node rank and host instead of a 100-line traceback."""
+from __future__ import annotations
+
+import re
+import sys
+from typing import Optional
+
+from ..errors import PEER_LOST_EXIT_CODE, SFTError
+
+# gloo names the peer as "[ip]:port" ("Connection closed by peer [10.0.0.3]:4123", "Read error [10.0.0.3]:4123:
+# Connection reset by peer"); the first bracketed address is the peer (source paths in brackets start with "/").
+_PEER_ADDR = re.compile(r"\[(\d{1,3}(?:\.\d{1,3}){3}|[0-9a-fA-F:]*:[0-9a-fA-F:]+)\]:(\d+)")
+
+
+def explain_collective_failure(err: BaseException, timeout_s: Optional[float] = None,
+                               peers: Optional[dict[str, dict]] = None) -> Optional[str]:
+    """A user message for a torch.distributed failure during training, or None when ``err`` is not one.
+
+    Recognises torch's gloo/NCCL messages that a peer closed its connection (the address is mapped to the
+    node rank and host through ``peers``, the value returned by
+    :func:`sft.distributed.fingerprints.check_same_inputs`) or that a collective timed out.
+    ``timeout_s``: the ``--ddp_timeout`` in force, named in the message of a timeout.
+    """
+    torch = sys.modules.get("torch")  # not imported: then it cannot be a torch.distributed failure
+    if torch is None:
+        return None
+    text = str(err)
+    first = text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
+    lowered = text.lower()
+    dist_types = tuple(t for t in (getattr(getattr(torch, "distributed", None), "DistError", None),) if t)
+    if not (isinstance(err, dist_types) or "gloo" in lowered or "nccl" in lowered or "connection closed" in lowered):
+        return None
+    m = _PEER_ADDR.search(text)
+    who = ""
+    if m:
+        peer = (peers or {}).get(m.group(1))
+        who = (f"the peer at {m.group(1)} is node rank {peer['node_rank']} ({peer['host']}, global rank(s) "
+               f"{', '.join(map(str, peer['ranks']))}); " if peer else f"the peer was {m.group(1)}; ")
+    if "timed out" in lowered or "timeout" in lowered:
+        cause = f"a collective got no answer within --ddp_timeout {timeout_s:g} s" if timeout_s else "a collective timed out"
+    else:
+        cause = "another process of the job went away"
+    return (f"training stopped: {cause}; {who}torch reports: {first}\nLook at the other nodes' logs for the first "
+            "error (a crash, out of memory, a killed or preempted node); --ddp_timeout sets how long a lost node "
+            "is waited for")
+
+
+
+
+class PeerLost(SFTError):
+    """Another process of the job went away, or a collective got no answer within ``--ddp_timeout``."""
+
+    exit_code = PEER_LOST_EXIT_CODE
+
+
+def raise_if_peer_lost(err: BaseException, timeout_s: Optional[float], peers: Optional[dict[str, dict]]) -> None:
+    """Raise :class:`PeerLost` (from ``err``) when ``err`` is a lost peer or a timed-out collective; else return."""
+    message = explain_collective_failure(err, timeout_s, peers)
+    if message is not None:
+        raise PeerLost(message) from err

@@ -1,0 +1,110 @@
+"""The one owner of the distributed runtime inside a training process.
+
+Order in a run (:mod:`sft.cli`): parse -> validate -> :func:`setup_runtime` -> train.
+
+* :func:`prepare_training_args` -- the CPU/gloo choice and a process group with ``--ddp_timeout``. It has
+  to run inside ``TrainingArguments.__post_init__``: transformers 5.24's ``__post_init__`` evaluates
+  ``self.device`` (its step "8. Device Init"), which starts the process group through accelerate 1.15's
+  ``PartialState``, and on CPU it does so without a timeout (torch's default: 30 minutes). A single
+  process (no ``WORLD_SIZE`` > 1) starts nothing, so parsing in a test or a notebook has no side effect.
+* :func:`setup_runtime` -- under ``--deepspeed``: ``deepspeed.comm`` on that process group, before the
+  model is built (ZeRO-3 partitions parameters as they are created), with DeepSpeed's CPU shm-op build
+  skipped (:func:`sft.ds_compat.skip_shm_comm_op_build`).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+
+def init_process_group(backend: str | None, timeout_s: float) -> bool:
+    """Initialise torch.distributed from torchrun's environment with a bounded timeout, on CPU only.
+
+    transformers 5.24 ``TrainingArguments._setup_devices`` passes ``timeout=ddp_timeout`` to accelerate for
+    GPUs but not for ``use_cpu`` runs, and accelerate 1.15 ``PartialState`` (MULTI_CPU branch) then calls
+    ``init_process_group`` without it: a lost peer would block gloo for torch's 30-minute default. Calling
+    this first makes accelerate reuse our group. Returns True when it initialised the group.
+    """
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.cuda.is_available():
+        return False
+    if not all(k in os.environ for k in ("RANK", "MASTER_ADDR", "MASTER_PORT")):
+        return False  # not torchrun's env:// (e.g. an MPI launch): leave it to accelerate
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    dist.init_process_group(backend=backend or "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def prepare_training_args(args) -> None:
+    """Device and backend choice, then the bounded process group (see the module docstring for why here).
+
+    On a machine without CUDA: ``use_cpu = True`` and ``ddp_backend`` defaults to ``gloo`` when several
+    processes run (otherwise ``torchrun --nproc_per_node 2`` would start two independent trainings);
+    ``--fp16`` is switched off and remembered in ``args.fp16_requested_without_cuda`` so that
+    :func:`sft.arguments.validate` reports it with every other problem.
+    """
+    import torch
+
+    args.fp16_requested_without_cuda = False
+    if not torch.cuda.is_available():
+        args.use_cpu = True
+        if args.ddp_backend is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            args.ddp_backend = "gloo"
+        if args.fp16:
+            args.fp16, args.fp16_requested_without_cuda = False, True
+    init_process_group(args.ddp_backend, args.ddp_timeout)
+
+
+def deepspeed_cpu_default() -> None:
+    """``DS_ACCELERATOR=cpu`` in a process without CUDA (as ``finetune/launch.sh`` exports it): DeepSpeed's own
+    choice there anyway, without its warning about choosing it. Each node decides for itself."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def init_deepspeed_comm(training_args) -> None:
+    """Under DeepSpeed, start ``deepspeed.comm`` on the process group before the model is built.
+
+    ZeRO-3 builds the model inside ``deepspeed.zero.Init`` (transformers does this in ``from_pretrained``
+    when the config has stage 3), which partitions each parameter as it is created and reads the world
+    size from ``deepspeed.comm``; before ``deepspeed.init_distributed`` it sees a world of 1 and rejects the
+    batch sizes. ``training_args.device`` creates the torch process group first (gloo on CPU, nccl on
+    GPU, with ``--ddp_timeout``); ``init_distributed`` then reuses it. A single process started without
+    torchrun gets a one-process world on loopback (DeepSpeed would otherwise look for MPI).
+    """
+    if not getattr(training_args, "deepspeed", None):
+        return
+    import torch
+
+    from ..ds_compat import skip_shm_comm_op_build
+
+    deepspeed_cpu_default()
+    skip_shm_comm_op_build()
+    import deepspeed
+
+    _ = training_args.device  # initializes torch.distributed when torchrun started us (accelerate PartialState)
+    if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    backend = (torch.distributed.get_backend() if torch.distributed.is_initialized()
+               else "nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(seconds=training_args.ddp_timeout))
+
+
+def setup_runtime(training_args) -> None:
+    """The explicit runtime-setup step between validation and training (idempotent).
+
+    The process group already exists when several processes run (see :func:`prepare_training_args`); this
+    adds what a run needs beyond it: DeepSpeed's communication under ``--deepspeed``.
+    """
+    init_deepspeed_comm(training_args)
