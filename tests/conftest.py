@@ -25,12 +25,9 @@ def tiny_model_dir():
 
 @pytest.fixture(scope="session")
 def qwen_tok(tiny_model_dir):
-    from types import SimpleNamespace
-
     from sft.modeling import load_tokenizer
 
-    tok, eot, _ = load_tokenizer(SimpleNamespace(model_name_or_path=tiny_model_dir, trust_remote_code=False),
-                                 SimpleNamespace(cache_dir=None))
+    tok, eot, _ = load_tokenizer(tiny_model_dir)
     return tok, eot
 
 
@@ -44,12 +41,9 @@ def smol_dir():
 
 @pytest.fixture(scope="session")
 def smol_tok(smol_dir):
-    from types import SimpleNamespace
-
     from sft.modeling import load_tokenizer
 
-    tok, eot, _ = load_tokenizer(SimpleNamespace(model_name_or_path=smol_dir, trust_remote_code=False),
-                                 SimpleNamespace(cache_dir=None))
+    tok, eot, _ = load_tokenizer(smol_dir)
     return tok, eot
 
 

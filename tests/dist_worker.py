@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import finetune  # noqa: E402
 from sft.arguments import parse_args, validate  # noqa: E402
+from sft.distributed.process_group import setup_runtime  # noqa: E402
 from sft.logs import setup_logging  # noqa: E402
 from sft.training import build_trainer, save  # noqa: E402
 
@@ -24,11 +24,10 @@ PROBE = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is
 
 
 def main():
-    if os.environ.get("SFT_CHECK_ONLY") == "1":
-        return finetune.main(sys.argv[1:])
     report_dir, argv = os.environ["SFT_TEST_REPORT_DIR"], sys.argv[1:]
     args = parse_args(argv)
     validate(*args)
+    setup_runtime(args[2])
     setup_logging()
     trainer, tok, eot = build_trainer(*args)
     seen = []

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import finetune
+from sft.cli import train_main
 from conftest import ROOT, TOY, write_jsonl
 
 LONG = [{"id": f"long{i}", "messages": [{"role": "user", "content": "word " * 300},
@@ -71,7 +71,7 @@ def test_case(files, tiny_model_dir, capsys, flags, fragment):
             "--output_dir", f"{files}/out", "--max_steps", "1", "--report_to", "none", "--save_strategy", "no",
             "--disable_tqdm", "True"]
     flags = [f.replace("{d}", str(files)).replace("{m}", tiny_model_dir) for f in flags]
-    rc = finetune.main(base + flags)
+    rc = train_main(base + flags)
     err = capsys.readouterr().err
     assert rc == 2, err[-2000:]
     assert fragment.replace("{d}", str(files)) in err, err[-2000:]
@@ -81,7 +81,7 @@ def test_case(files, tiny_model_dir, capsys, flags, fragment):
 def test_cache_dir_env_that_is_a_file(files, tiny_model_dir, capsys, monkeypatch):
     """SFT_CACHE_DIR pointing at a file: a clear error before loading (was a FileExistsError traceback)."""
     monkeypatch.setenv("SFT_CACHE_DIR", f"{files}/afile")
-    rc = finetune.main(["--model_name_or_path", tiny_model_dir, "--data_path", f"{files}/good.jsonl",
+    rc = train_main(["--model_name_or_path", tiny_model_dir, "--data_path", f"{files}/good.jsonl",
                         "--output_dir", f"{files}/out-env", "--max_steps", "1", "--report_to", "none"])
     err = capsys.readouterr().err
     assert rc == 2 and f"SFT_CACHE_DIR={files}/afile: is a file; point it at a folder" in err, err[-2000:]
@@ -96,7 +96,7 @@ def test_cache_dir_env_that_is_a_file(files, tiny_model_dir, capsys, monkeypatch
 def test_yaml_value_types(tmp_path, capsys, text, fragment):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
-    assert finetune.main(["--config", str(cfg)]) == 2
+    assert train_main(["--config", str(cfg)]) == 2
     assert fragment in capsys.readouterr().err
 
 
@@ -116,7 +116,7 @@ def test_resume_from_another_folder_does_not_overwrite(files, tiny_model_dir, ca
     (out / "model.safetensors").write_text("the user's model")
     ckpt = files / "elsewhere" / "checkpoint-1"
     ckpt.mkdir(parents=True)
-    rc = finetune.main(["--model_name_or_path", tiny_model_dir, "--data_path", f"{files}/good.jsonl",
+    rc = train_main(["--model_name_or_path", tiny_model_dir, "--data_path", f"{files}/good.jsonl",
                         "--output_dir", str(out), "--resume_from_checkpoint", str(ckpt)])
     assert rc == 2 and "the folder is not empty" in capsys.readouterr().err
     assert (out / "model.safetensors").read_text() == "the user's model"
@@ -201,7 +201,7 @@ ROUND2 = [
 def test_round2_case(tmp_path, tiny_model_dir, capsys, record, flags, fragment):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(record) + "\n")  # ASCII escapes: a lone surrogate stays an escape in the file
-    rc = finetune.main(["--model_name_or_path", tiny_model_dir, "--data_path", str(data), "--output_dir", str(tmp_path / "o"),
+    rc = train_main(["--model_name_or_path", tiny_model_dir, "--data_path", str(data), "--output_dir", str(tmp_path / "o"),
                         "--max_steps", "1", "--report_to", "none", "--save_strategy", "no", *flags])
     err = capsys.readouterr().err
     assert rc == 2 and fragment in err and "Traceback" not in err, err[-2000:]
@@ -210,12 +210,12 @@ def test_round2_case(tmp_path, tiny_model_dir, capsys, record, flags, fragment):
 def test_output_and_resume_folders(tmp_path, tiny_model_dir, toy_data, capsys):
     base = ["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--max_steps", "1"]
     os.symlink(tmp_path / "missing", tmp_path / "dangling")
-    assert finetune.main(base + ["--output_dir", str(tmp_path / "dangling")]) == 2
+    assert train_main(base + ["--output_dir", str(tmp_path / "dangling")]) == 2
     assert "symlink to a missing target" in capsys.readouterr().err
     out = tmp_path / "o"
     (out / "notckpt").mkdir(parents=True)
     (out / "mine.txt").write_text("keep")
-    assert finetune.main(base + ["--output_dir", str(out), "--resume_from_checkpoint", str(out / "notckpt")]) == 2
+    assert train_main(base + ["--output_dir", str(out), "--resume_from_checkpoint", str(out / "notckpt")]) == 2
     err = capsys.readouterr().err
     assert "not a checkpoint folder" in err and "the folder is not empty" in err
 
@@ -231,7 +231,7 @@ def test_first_jsonl_line_bad_can_be_skipped(tmp_path):
 def test_yaml_boolean_for_a_text_flag(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("system_message: no\n")
-    assert finetune.main(["--config", str(cfg)]) == 2
+    assert train_main(["--config", str(cfg)]) == 2
     assert "'system_message' is the YAML boolean False; quote it" in capsys.readouterr().err
 
 
@@ -339,7 +339,7 @@ def run_corpus_case(files, model_dir, capsys, flags, code, fragment, out=None):
     flags = [f.replace("{d}", str(files)).replace("{m}", model_dir) for f in flags]
     before = snapshot(files, model_dir)
     try:
-        rc = finetune.main(base + flags)
+        rc = train_main(base + flags)
     except SystemExit as e:  # argparse's own exit for an unknown flag
         rc = e.code
     err = capsys.readouterr().err

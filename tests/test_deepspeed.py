@@ -226,14 +226,13 @@ def forget_ds_config():
 @pytest.mark.parametrize("text,flags,fragment", [c[1:] for c in BAD_DS], ids=[c[0] for c in BAD_DS])
 def test_bad_deepspeed_and_qlora_settings_stop_before_loading(text, flags, fragment, tiny_model_dir, tmp_path,
                                                              capsys, forget_ds_config):
-    import finetune
-
+    from sft.cli import train_main
     cfg = tmp_path / "ds.json"
     if text is not None:
         cfg.write_text(text)
     data = write_jsonl(tmp_path / "toy.jsonl", TOY)
     flags = [f.replace("{c}", str(cfg)).replace("{d}", str(tmp_path)) for f in flags]
-    rc = finetune.main(["--model_name_or_path", tiny_model_dir, "--data_path", data, "--output_dir",
+    rc = train_main(["--model_name_or_path", tiny_model_dir, "--data_path", data, "--output_dir",
                         str(tmp_path / "out"), "--report_to", "none", *flags])
     err = capsys.readouterr().err
     assert rc == 2 and fragment in err and "Traceback" not in err, err[-2000:]
@@ -298,13 +297,12 @@ def test_presets_pass_bash_n_and_print_help():
 
 def test_deepspeed_config_as_a_yaml_mapping(tiny_model_dir, tmp_path, capsys, forget_ds_config):
     """A YAML `deepspeed:` mapping becomes inline JSON and is checked like a file (here: ZeRO-3 + Q-LoRA)."""
-    import finetune
-
+    from sft.cli import train_main
     cfg = tmp_path / "train.yaml"
     cfg.write_text("deepspeed:\n  zero_optimization: {stage: 3}\n  train_micro_batch_size_per_gpu: auto\n"
                    "use_lora: true\nq_lora: true\n")
     data = write_jsonl(tmp_path / "toy.jsonl", TOY)
-    rc = finetune.main(["--config", str(cfg), "--model_name_or_path", tiny_model_dir, "--data_path", data,
+    rc = train_main(["--config", str(cfg), "--model_name_or_path", tiny_model_dir, "--data_path", data,
                         "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
     err = capsys.readouterr().err
     assert rc == 2 and "--deepspeed (inline JSON)" not in err and "(ZeRO-3): ZeRO-3 partitions" in err, err

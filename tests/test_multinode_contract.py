@@ -16,7 +16,11 @@ import pytest
 
 from cluster_fakes import fake_slurm, fake_ssh, write_tool
 from conftest import ROOT
-from sft import distributed as D
+from sft.distributed.contract import Contract, choose_interface, read_contract, route_source
+from sft.distributed.failures import explain_collective_failure
+from sft.distributed.fingerprints import compare_fingerprints, input_fingerprint
+from sft.distributed.rendezvous import node_rendezvous
+from sft.errors import ContractError, PreflightError
 
 
 def free_port():
@@ -28,10 +32,10 @@ def free_port():
 # ------------------------------------------------------------------------------------------------ the contract
 
 def test_defaults():
-    c = D.read_contract({})
+    c = read_contract({})
     assert (c.nnodes, c.node_rank, c.master_addr, c.master_port, c.nproc_per_node, c.world_size, c.backend,
             c.rdzv_timeout) == (1, 0, "localhost", 6001, 1, 1, "gloo", 600)
-    g = D.read_contract({}, gpus=4)
+    g = read_contract({}, gpus=4)
     assert (g.nproc_per_node, g.world_size, g.backend, g.device) == (4, 4, "nccl", "cuda")
 
 
@@ -50,29 +54,29 @@ def test_defaults():
     ({"NNODES": "2", "MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR=no-such-host.invalid: does not resolve"),
 ])
 def test_contract_errors(env, fragment):
-    with pytest.raises(D.ContractError) as e:
-        D.read_contract(env)
+    with pytest.raises(ContractError) as e:
+        read_contract(env)
     assert fragment in str(e.value)
 
 
 def test_every_problem_is_reported_at_once():
-    with pytest.raises(D.ContractError) as e:
-        D.read_contract({"NNODES": "x", "MASTER_PORT": "99999", "NPROC_PER_NODE": "-1"})
+    with pytest.raises(ContractError) as e:
+        read_contract({"NNODES": "x", "MASTER_PORT": "99999", "NPROC_PER_NODE": "-1"})
     assert len(e.value.problems) == 3 and "3 problems" in str(e.value)
 
 
 def test_more_gpus_than_visible():
-    with pytest.raises(D.ContractError, match="GPUS_PER_NODE=8: only 2 GPU"):
-        D.read_contract({"GPUS_PER_NODE": "8"}, gpus=2)
+    with pytest.raises(ContractError, match="GPUS_PER_NODE=8: only 2 GPU"):
+        read_contract({"GPUS_PER_NODE": "8"}, gpus=2)
 
 
 def test_non_master_on_the_masters_host():
-    own = D.route_source("192.0.2.7", 9)  # the address this host would use on its default route (no packet sent)
+    own = route_source("192.0.2.7", 9)  # the address this host would use on its default route (no packet sent)
     if own is None or own.startswith("127."):
         pytest.skip("this machine has no non-loopback IPv4 address")
-    with pytest.raises(D.ContractError, match=f"NODE_RANK=1, but MASTER_ADDR={own} is this host"):
-        D.read_contract({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": own})
-    assert D.read_contract({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": own}).node_rank == 0
+    with pytest.raises(ContractError, match=f"NODE_RANK=1, but MASTER_ADDR={own} is this host"):
+        read_contract({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": own})
+    assert read_contract({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": own}).node_rank == 0
 
 
 def test_launcher_rejects_a_loopback_master_for_several_nodes():
@@ -83,10 +87,10 @@ def test_launcher_rejects_a_loopback_master_for_several_nodes():
 
 
 def test_gloo_interface_must_exist():
-    c = D.read_contract({})
-    with pytest.raises(D.ContractError, match="GLOO_SOCKET_IFNAME=nosuch0: no interface nosuch0"):
-        D.choose_interface(c, {"GLOO_SOCKET_IFNAME": "nosuch0"})
-    assert D.choose_interface(c, {"GLOO_SOCKET_IFNAME": "lo"})[0] == "lo (GLOO_SOCKET_IFNAME)"
+    c = read_contract({})
+    with pytest.raises(ContractError, match="GLOO_SOCKET_IFNAME=nosuch0: no interface nosuch0"):
+        choose_interface(c, {"GLOO_SOCKET_IFNAME": "nosuch0"})
+    assert choose_interface(c, {"GLOO_SOCKET_IFNAME": "lo"})[0] == "lo (GLOO_SOCKET_IFNAME)"
 
 
 # ------------------------------------------------------------------------------------ the node rendezvous (loopback)
@@ -95,7 +99,7 @@ def contract(rank, n, port, timeout=5, **kw):
     fields = dict(nnodes=n, node_rank=rank, master_addr="127.0.0.1", master_port=port, nproc_per_node=1,
                   device="cpu", rdzv_timeout=timeout)
     fields.update(kw)
-    return D.Contract(**fields)
+    return Contract(**fields)
 
 
 def run_nodes(contracts):
@@ -104,8 +108,8 @@ def run_nodes(contracts):
 
     def one(i):
         try:
-            D.node_rendezvous(contracts[i], log=lambda m: None)
-        except D.PreflightError as e:
+            node_rendezvous(contracts[i], log=lambda m: None)
+        except PreflightError as e:
             errors[i] = str(e)
 
     t0 = time.monotonic()
@@ -183,46 +187,46 @@ def info(rank, node, host, **fp):
 
 def test_fingerprints_name_the_differing_nodes():
     same = [info(0, 0, "a"), info(1, 0, "a"), info(2, 1, "b")]
-    assert D.compare_fingerprints(same) == []
+    assert compare_fingerprints(same) == []
     bad = same + [info(3, 2, "c", **{"--data_path file": "f" * 64}), info(4, 3, "d", **{"sft version": "0.2.0"})]
-    problems = D.compare_fingerprints(bad)
+    problems = compare_fingerprints(bad)
     assert len(problems) == 2
     assert problems[0] == ("--data_path file differs between nodes: node rank 0 (a), node rank 1 (b), "
                            "node rank 3 (d): aaaaaaaaaaaa...; node rank 2 (c): ffffffffffff...")
     bad[3]["where"] = {"--data_path file": "/other/d.jsonl"}
-    assert "node rank 2 (c): ffffffffffff... (/other/d.jsonl)" in D.compare_fingerprints(bad)[0]
+    assert "node rank 2 (c): ffffffffffff... (/other/d.jsonl)" in compare_fingerprints(bad)[0]
     assert "sft version differs between nodes" in problems[1] and "node rank 3 (d): 0.2.0" in problems[1]
 
 
 def test_input_fingerprint_covers_data_config_and_tokenizer(tiny_model_dir, toy_data, tmp_path):
     import shutil
 
-    fp = D.input_fingerprint(tiny_model_dir, {"--data_path": toy_data})
+    fp = input_fingerprint(tiny_model_dir, {"--data_path": toy_data})
     assert set(fp) == {"--data_path file", "model config (config.json)", "tokenizer files", "sft version",
                        "world view"}
     copy = tmp_path / "model"
     shutil.copytree(tiny_model_dir, copy)
-    assert D.input_fingerprint(str(copy), {"--data_path": toy_data})["tokenizer files"] == fp["tokenizer files"]
+    assert input_fingerprint(str(copy), {"--data_path": toy_data})["tokenizer files"] == fp["tokenizer files"]
     with open(copy / "tokenizer_config.json", "a") as f:
         f.write("\n")
-    assert D.input_fingerprint(str(copy), {"--data_path": toy_data})["tokenizer files"] != fp["tokenizer files"]
+    assert input_fingerprint(str(copy), {"--data_path": toy_data})["tokenizer files"] != fp["tokenizer files"]
 
 
 def test_lost_peer_is_named(monkeypatch):
     import torch.distributed as dist
 
-    monkeypatch.setitem(D._PEERS, "10.213.0.3", {"node_rank": 2, "host": "node2", "ranks": [2]})
+    peers = {"10.213.0.3": {"node_rank": 2, "host": "node2", "ranks": [2]}}
     err = dist.DistBackendError("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer "
                                 "[10.213.0.3]:41234")
-    msg = D.explain_collective_failure(err, 600)
+    msg = explain_collective_failure(err, 600, peers)
     assert msg.startswith("training stopped: another process of the job went away; the peer at 10.213.0.3 is node "
                           "rank 2 (node2, global rank(s) 2)")
-    reset = D.explain_collective_failure(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
-                                                      "error [10.213.0.3]:49827: Connection reset by peer."), 600)
+    reset = explain_collective_failure(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                                                      "error [10.213.0.3]:49827: Connection reset by peer."), 600, peers)
     assert "the peer at 10.213.0.3 is node rank 2 (node2, global rank(s) 2)" in reset
-    timeout = D.explain_collective_failure(RuntimeError("[gloo] Timed out waiting 3000ms for recv operation"), 3)
+    timeout = explain_collective_failure(RuntimeError("[gloo] Timed out waiting 3000ms for recv operation"), 3)
     assert "no answer within --ddp_timeout 3 s" in timeout
-    assert D.explain_collective_failure(ValueError("unrelated")) is None
+    assert explain_collective_failure(ValueError("unrelated")) is None
 
 
 DDP_TIMEOUT_WORKER = r"""

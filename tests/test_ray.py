@@ -45,7 +45,7 @@ def test_bad_placement_strategy_is_refused_before_ray_starts(tiny_model_dir, toy
 
 def test_ray_flags_check_and_normalise():
     from sft.errors import ConfigError
-    from sft.ray_launch import RayArguments, check_ray_args
+    from sft.ray.flags import RayArguments, check_ray_args
 
     r = RayArguments(placement_strategy="strict-pack")
     check_ray_args(r)
@@ -69,7 +69,7 @@ def _node(host, addr, cpus, gpus=0, alive=True):
 
 
 def test_placement_rules_follow_ray_strategies():
-    from sft.ray_launch import placement_problem
+    from sft.ray.placement import placement_problem
 
     two = [_node("node0", "10.0.0.1", 2), _node("node1", "10.0.0.2", 2), _node("gone", "10.0.0.3", 8, alive=False)]
     cpu = {"CPU": 1.0}
@@ -91,7 +91,8 @@ def test_placement_rules_follow_ray_strategies():
 
 def test_gpu_workers_on_a_cluster_without_gpus_suggest_use_gpu_false():
     from sft.errors import ConfigError
-    from sft.ray_launch import RayArguments, check_ray_args, placement_problem
+    from sft.ray.flags import RayArguments, check_ray_args
+    from sft.ray.placement import placement_problem
 
     two = [_node("node0", "10.0.0.1", 2), _node("node1", "10.0.0.2", 2)]
     msg = placement_problem(two, "PACK", 1, {"CPU": 1.0, "GPU": 1.0})
@@ -110,7 +111,7 @@ def test_gpu_workers_on_a_cluster_without_gpus_suggest_use_gpu_false():
 def test_yaml_config_holds_ray_and_training_flags(tmp_path, tiny_model_dir, toy_data):
     from sft.arguments import parse_args
     from sft.errors import ConfigError
-    from sft.ray_launch import RayArguments
+    from sft.ray.flags import RayArguments
 
     cfg = tmp_path / "ray.yaml"
     cfg.write_text(f"model_name_or_path: {tiny_model_dir}\ndata_path: {toy_data}\noutput_dir: {tmp_path / 'o'}\n"
@@ -125,7 +126,7 @@ def test_unreachable_ray_address_fails_at_once(tiny_model_dir, toy_data, tmp_pat
     """ray.init retries an address nobody listens on for minutes (a warning every few seconds): refused at once."""
     import socket
 
-    from sft.ray_launch import _gcs_unreachable
+    from sft.ray.driver import _gcs_unreachable
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     s = socket.socket()

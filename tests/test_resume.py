@@ -31,8 +31,8 @@ def fake_checkpoint(out, step, complete=True, payload=b"w" * 100):
 
 
 def targs(out, resume=None, overwrite=False, use_lora=True):
-    return SimpleNamespace(output_dir=str(out), resume_from_checkpoint=resume, overwrite_output_dir=overwrite,
-                           use_lora=use_lora)
+    """The values check_resume takes: (output_dir, resume_from_checkpoint, overwrite_output_dir, use_lora)."""
+    return str(out), resume, overwrite, use_lora
 
 
 def test_auto_takes_newest_complete_checkpoint_only(tmp_path):
@@ -45,13 +45,13 @@ def test_auto_takes_newest_complete_checkpoint_only(tmp_path):
     (out / "checkpoint-11").write_text("not a folder")
     assert ck.is_complete(two) and not ck.is_complete(three)
     assert ck.latest_complete(str(out)) == two
-    assert ck.resolve_resume(targs(out)) == two  # unset = auto
-    assert ck.resolve_resume(targs(out, "auto")) == two
-    assert ck.resolve_resume(targs(out, "True")) == two  # Qwen-era scripts
-    assert ck.resolve_resume(targs(out, overwrite=True)) is None  # fresh start asked for
-    assert ck.resolve_resume(targs(out, "auto", overwrite=True)) == two  # explicit auto wins
-    assert ck.resolve_resume(targs(out, three)) == three  # an explicit path is used as given
-    assert ck.resolve_resume(targs(tmp_path / "missing")) is None
+    assert ck.resolve_resume(*targs(out)[:3]) == two  # unset = auto
+    assert ck.resolve_resume(*targs(out, "auto")[:3]) == two
+    assert ck.resolve_resume(*targs(out, "True")[:3]) == two  # Qwen-era scripts
+    assert ck.resolve_resume(*targs(out, overwrite=True)[:3]) is None  # fresh start asked for
+    assert ck.resolve_resume(*targs(out, "auto", overwrite=True)[:3]) == two  # explicit auto wins
+    assert ck.resolve_resume(*targs(out, three)[:3]) == three  # an explicit path is used as given
+    assert ck.resolve_resume(*targs(tmp_path / "missing")[:3]) is None
     # a marker that is not JSON / lists a missing file
     (out / "checkpoint-2" / ck.MARKER).write_text("{")
     assert ck.latest_complete(str(out)) is None
@@ -89,21 +89,21 @@ def test_removed_checkpoint_loses_its_marker_first(tmp_path, monkeypatch):
 def test_output_dir_rules_for_resume(tmp_path):
     out = tmp_path / "out"
     fake_checkpoint(out, 2, complete=False)  # a first save that was killed: start fresh, no complaint
-    assert ck.check_resume(targs(out)) == ([], True)
+    assert ck.check_resume(*targs(out)) == ([], True)
     fake_checkpoint(out, 1)
-    assert ck.check_resume(targs(out)) == ([], True)
+    assert ck.check_resume(*targs(out)) == ([], True)
     (out / "notes.txt").write_text("mine")  # complete checkpoint inside: resuming here is fine
-    assert ck.check_resume(targs(out)) == ([], True)
-    assert ck.check_resume(targs(out, overwrite=True))[1] is False  # fresh start into a non-empty folder
-    problems, _ = ck.check_resume(targs(out, str(out / "checkpoint-1"), use_lora=False))
+    assert ck.check_resume(*targs(out)) == ([], True)
+    assert ck.check_resume(*targs(out, overwrite=True))[1] is False  # fresh start into a non-empty folder
+    problems, _ = ck.check_resume(*targs(out, str(out / "checkpoint-1"), use_lora=False))
     assert len(problems) == 1 and "holds a LoRA adapter, but this run trains the full model" in problems[0]
     full = tmp_path / "full" / "checkpoint-3"
     full.mkdir(parents=True)
     (full / "trainer_state.json").write_text("{}")
     (full / "model.safetensors").write_bytes(b"x")
-    problems, _ = ck.check_resume(targs(tmp_path / "new", str(full), use_lora=True))
+    problems, _ = ck.check_resume(*targs(tmp_path / "new", str(full), use_lora=True))
     assert "holds a full model, but this run has --use_lora True" in problems[0]
-    problems, ok = ck.check_resume(targs(out, str(tmp_path / "nope")))
+    problems, ok = ck.check_resume(*targs(out, str(tmp_path / "nope")))
     assert "not a checkpoint folder (no trainer_state.json)" in problems[0] and not ok
 
 

@@ -21,12 +21,9 @@ import dataclasses
 import glob
 import os
 import re
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -55,10 +52,8 @@ def _train_flags() -> set[str]:
 
 
 def _ray_flags() -> set[str]:
-    try:
-        from sft.ray.flags import RayArguments
-    except ImportError:  # before the sft/ray/ package existed
-        from sft.ray_launch import RayArguments
+    from sft.ray.flags import RayArguments
+
     return _flags_of(RayArguments) | {"preset"}
 
 
