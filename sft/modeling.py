@@ -127,6 +127,9 @@ def init_deepspeed_comm(training_args) -> None:
     import os
     import socket
 
+    from .logs import release_import_notices
+
+    release_import_notices("deepspeed")
     import deepspeed
 
     _ = training_args.device  # initializes torch.distributed when torchrun started us (accelerate PartialState)
@@ -148,6 +151,9 @@ def quantization_kwargs(training_args, lora_args=None) -> dict:
     kernels are far slower). ``device_map`` puts the whole model on this process's own device: under
     torchrun each rank loads its own replica (``{"": local_rank}`` on GPU), never ``"auto"`` sharding.
     """
+    from .logs import release_import_notices
+
+    release_import_notices("bitsandbytes")
     q = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch_dtype(training_args),
