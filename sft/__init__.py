@@ -3,3 +3,7 @@
 Data flows one way: file -> records -> rendered conversation -> (input_ids, labels) -> batch -> Trainer.
 """
 __version__ = "0.1.0"
+
+from .logs import hold_import_notices  # noqa: E402  (stdlib only; before any submodule imports transformers/peft)
+
+hold_import_notices()

@@ -120,6 +120,9 @@ def quantization_kwargs(compute_dtype: torch.dtype, device: torch.device) -> dic
     kernels are far slower). ``device_map`` puts the whole model on this process's own ``device``: under
     torchrun each rank loads its own replica (``{"": local_rank}`` on GPU), never ``"auto"`` sharding.
     """
+    from .logs import release_import_notices
+
+    release_import_notices("bitsandbytes")
     q = transformers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype,

@@ -84,7 +84,9 @@ def init_deepspeed_comm(training_args) -> None:
     import torch
 
     from ..ds_compat import skip_shm_comm_op_build
+    from ..logs import release_import_notices
 
+    release_import_notices("deepspeed")  # this run uses DeepSpeed: its import-time notices concern it
     deepspeed_cpu_default()
     skip_shm_comm_op_build()
     import deepspeed
