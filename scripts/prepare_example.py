@@ -39,6 +39,7 @@ def convert_model(out: str) -> str:
     if os.path.isfile(os.path.join(out, "config.json")):
         print(f"model: {out} (cached)")
         return out
+    import sft  # noqa: F401  (before transformers: holds DeepSpeed's import-time notice, see sft.logs)
     import torch
     import transformers
 

@@ -22,6 +22,7 @@ pip_install() {
 pip_install --upgrade pip
 pip_install -r "$ROOT/requirements.txt"
 pip_install --no-deps -r "$ROOT/requirements-assets.txt"
-# the package itself; its dependencies are the pinned ones above (--no-deps: no second resolution)
-pip_install --no-deps -e "$ROOT"
+# the package itself; its dependencies are the pinned ones above (--no-deps: no second resolution);
+# PYTHONWARNINGS: setuptools' build backend warns about editable installs in general (a banner, not a problem)
+PYTHONWARNINGS=ignore pip_install --no-deps -e "$ROOT"
 echo "$want" > "$STAMP"
