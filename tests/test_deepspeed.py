@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TOY, write_jsonl
+from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.paths import ROOT, pythonpath_env
 
 FT = os.path.join(ROOT, "finetune")
 ZERO2, ZERO3 = os.path.join(FT, "ds_config_zero2.json"), os.path.join(FT, "ds_config_zero3.json")
@@ -64,7 +65,7 @@ def data(tmp_path_factory):
 
 
 def model_dir(cell):
-    import assets
+    from tests.helpers import assets
 
     return assets.tiny_qwen2_dir(zero_chat_rows=cell.endswith("new-chat-tokens"))
 
@@ -80,9 +81,10 @@ def runs(data, tmp_path_factory):
             tmp = tmp_path_factory.mktemp(cell)
             report, out = tmp / "report", tmp / "out"
             report.mkdir()
-            env = {**os.environ, "NPROC_PER_NODE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-                   "SFT_PROGRAM": os.path.join(ROOT, "tests", "dist_worker.py"), "SFT_TEST_REPORT_DIR": str(report)}
+            env = pythonpath_env({**os.environ, "NPROC_PER_NODE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+                                  "SFT_PROGRAM": os.path.join(ROOT, "tests", "helpers", "dist_worker.py"),
+                                  "SFT_TEST_REPORT_DIR": str(report)})
             env.pop("GPUS_PER_NODE", None)
             cmd = ["bash", os.path.join(FT, script), "-m", model_dir(cell), "-d", data, "--output_dir", str(out),
                    *COMMON, *flags]
@@ -130,7 +132,7 @@ def test_cell_trains_follows_cosine_saves_and_reloads_equal(cell, runs, qwen_tok
     assert r0["learning_rates"] == pytest.approx(want, rel=1e-6)
     # the saved output reloads and gives the trained model's logits
     tok, _ = qwen_tok
-    from dist_worker import PROBE
+    from tests.helpers.dist_worker import PROBE
 
     model = reload(cell, res["out"], model_dir(cell)).eval()
     with torch.no_grad():

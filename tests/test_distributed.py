@@ -5,7 +5,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import ROOT
+from tests.helpers.paths import ROOT, pythonpath_env
 
 
 def free_port():
@@ -18,13 +18,13 @@ def test_two_processes_train_one_model_on_disjoint_samples(tiny_model_dir, toy_d
     report = tmp_path / "report"
     report.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), os.path.join(ROOT, "tests", "dist_worker.py"),
+           "--master_port", str(free_port()), os.path.join(ROOT, "tests", "helpers", "dist_worker.py"),
            "--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir", str(tmp_path / "out"),
            "--use_lora", "True", "--lora_r", "4", "--per_device_train_batch_size", "2", "--num_train_epochs", "1",
            "--learning_rate", "1e-2", "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1",
            "--disable_tqdm", "True"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                                              "SFT_TEST_REPORT_DIR": str(report)})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1", "SFT_TEST_REPORT_DIR": str(report)}))
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [json.load(open(report / f"rank{i}.json")) for i in range(2)]
     assert [x["world_size"] for x in ranks] == [2, 2]

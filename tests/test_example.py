@@ -6,8 +6,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import prepare_example
-from conftest import ROOT, write_jsonl
+from scripts import prepare_example
+from tests.helpers.data import write_jsonl
+from tests.helpers.paths import ROOT
 
 
 def test_converted_model_loads_plainly_and_generates(smol_dir):

@@ -19,9 +19,10 @@ import time
 
 import pytest
 
-import netns
-from cluster_fakes import fake_slurm, fake_ssh
-from conftest import ROOT, TOY, write_jsonl
+from tests.helpers import netns
+from tests.helpers.cluster_fakes import fake_slurm, fake_ssh
+from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.paths import ROOT
 
 _WHY = netns.unavailable()
 pytestmark = [pytest.mark.multinode, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from cluster_fakes import fake_slurm, fake_ssh, write_tool
-from conftest import ROOT
 from sft import distributed as D
+from tests.helpers.cluster_fakes import fake_slurm, fake_ssh, write_tool
+from tests.helpers.paths import ROOT, pythonpath_env
 
 
 def free_port():
@@ -227,10 +227,9 @@ def test_lost_peer_is_named(monkeypatch):
 
 DDP_TIMEOUT_WORKER = r"""
 import os, sys, time
-sys.path.insert(0, sys.argv[1])
 from sft.arguments import parse_args
 import torch, torch.distributed as dist
-parse_args(["--output_dir", sys.argv[2], "--ddp_timeout", "3", "--report_to", "none"])
+parse_args(["--output_dir", sys.argv[1], "--ddp_timeout", "3", "--report_to", "none"])
 assert dist.is_initialized() and dist.get_backend() == "gloo"
 if dist.get_rank() == 1:
     time.sleep(60)  # never joins the all-reduce
@@ -248,9 +247,9 @@ def test_ddp_timeout_bounds_gloo_collectives_on_cpu(tmp_path):
     """transformers/accelerate would start gloo with torch's 30-minute default; our process group has --ddp_timeout."""
     worker = tmp_path / "w.py"
     worker.write_text(DDP_TIMEOUT_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                             "127.0.0.1", "--master_port", str(free_port()), str(worker), ROOT, str(tmp_path / "o")],
+                             "127.0.0.1", "--master_port", str(free_port()), str(worker), str(tmp_path / "o")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=120)

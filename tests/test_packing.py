@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from conftest import TOY, write_jsonl
 from sft.arguments import parse_args, validate
 from sft.chat import IGNORE_INDEX, encode_conversations
 from sft.data import load_conversations
@@ -13,12 +12,13 @@ from sft.dataset import make_collator
 from sft.errors import ConfigError
 from sft.packing import PackedCollator, best_fit_decreasing, check_packing_support, pack_dataset, split_row
 from sft.training import build_trainer
+from tests.helpers.data import TOY, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def chitchat(tmp_path_factory):
     """40 real chitchat conversations, written from the chitchat-dataset package (no prepared example needed)."""
-    import prepare_example
+    from scripts import prepare_example
 
     return write_jsonl(tmp_path_factory.mktemp("chitchat") / "chitchat40.jsonl", prepare_example.chitchat_records(40))
 

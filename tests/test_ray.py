@@ -2,7 +2,7 @@
 
 Fast tests check the Ray flags, the placement rules and the stop request without Ray. The cluster tests start
 a real two-node Ray cluster (``ray start --head`` and ``ray start --address`` in two network namespaces, each
-node with its own address and host name, see tests/ray_cluster.py) and launch from the head as the README
+node with its own address and host name, see tests/helpers/ray_cluster.py) and launch from the head as the README
 says: losses and adapter equal the torchrun path's (the same 2-process reference as tests/test_multinode.py),
 where each rank ran is read from Ray (node ids from ``ray.get_runtime_context()``), a SIGTERM to the driver
 ends in a checkpoint and exit 75 and the same command resumes, and an unsatisfiable STRICT_SPREAD fails at once.
@@ -20,10 +20,10 @@ import time
 
 import pytest
 
-import netns
-import test_multinode as mn
-from conftest import ROOT
-from test_multinode import data, make_hosts  # noqa: F401 - fixtures shared with the torchrun reference
+from tests import test_multinode as mn
+from tests.helpers import netns
+from tests.helpers.paths import ROOT
+from tests.test_multinode import data, make_hosts  # noqa: F401 - fixtures shared with the torchrun reference
 
 RAY_SH = os.path.join(ROOT, "finetune", "finetune_ray.sh")
 RAY_PY = os.path.join(ROOT, "scripts", "ray_train.py")
@@ -189,7 +189,7 @@ needs_namespaces = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray_cluster import RayCluster
+    from tests.helpers.ray_cluster import RayCluster
 
     hosts = netns.Hosts(2, tag="ray")
     c = RayCluster(hosts, cpus=[2, 2])  # closes the hosts itself if a node fails to start

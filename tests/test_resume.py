@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
 from sft import checkpoint as ck
 from sft.errors import PREEMPTED_EXIT_CODE
+from tests.helpers.paths import ROOT, pythonpath_env
 
 
 def fake_checkpoint(out, step, complete=True, payload=b"w" * 100):
@@ -133,14 +133,14 @@ def test_signal_sets_flag_and_all_ranks_stop_at_step_end(monkeypatch):
 
 def test_watchdog_exits_75_when_the_stop_takes_too_long(tmp_path):
     code_file = tmp_path / "codes"
-    prog = ("import os, signal, time, sys; sys.path.insert(0, %r)\n"
+    prog = ("import os, signal, time\n"
             "from sft.preemption import PreemptionHandler\n"
             "PreemptionHandler(timeout_s=1).install()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
-            "time.sleep(60)  # a hung collective or save\n" % ROOT)
+            "time.sleep(60)  # a hung collective or save\n")
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "SFT_EXIT_CODE_FILE": str(code_file)})
+                       env=pythonpath_env({**os.environ, "SFT_EXIT_CODE_FILE": str(code_file)}))
     assert r.returncode == PREEMPTED_EXIT_CODE, r.stderr[-2000:]
     assert time.monotonic() - t0 < 50
     assert "no clean stop within 1 s" in r.stderr and code_file.read_text() == "75\n"
@@ -148,7 +148,7 @@ def test_watchdog_exits_75_when_the_stop_takes_too_long(tmp_path):
 
 def loop(*args):
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kill_resume_loop.py"), *args],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=pythonpath_env())
 
 
 def test_sigkill_at_random_steps_then_resume_is_bit_exact(tmp_path):
