@@ -7,7 +7,6 @@ trained model's logits. Full fine-tuning with one seed gives one loss curve unde
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import torch
 
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT, pythonpath_env
+from tests.helpers.ports import free_port
 
 FT = os.path.join(ROOT, "finetune")
 ZERO2, ZERO3 = os.path.join(FT, "ds_config_zero2.json"), os.path.join(FT, "ds_config_zero3.json")
@@ -41,12 +41,6 @@ CELLS = {
     "qlora-ddp": ("finetune_qlora_single_gpu.sh", 2, LORA),
     "qlora-zero2": ("finetune_qlora_ds.sh", 2, LORA),
 }
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,11 @@
 """CPU is a real distributed run: torchrun --nproc_per_node 2 trains ONE model (gloo) on disjoint data."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
 from tests.helpers.paths import ROOT, pythonpath_env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.ports import free_port
 
 
 def test_two_processes_train_one_model_on_disjoint_samples(tiny_model_dir, toy_data, tmp_path):

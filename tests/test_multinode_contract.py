@@ -17,12 +17,7 @@ import pytest
 from sft import distributed as D
 from tests.helpers.cluster_fakes import fake_slurm, fake_ssh, write_tool
 from tests.helpers.paths import ROOT, pythonpath_env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.ports import free_port
 
 
 # ------------------------------------------------------------------------------------------------ the contract
