@@ -148,7 +148,7 @@ def test_merge_and_generate_bad_folders(tmp_path):
 
 
 def test_merge_never_touches_a_sibling_tmp_folder(tmp_path, tiny_model_dir, toy_data):
-    from tests.test_train import train
+    from tests.integration.test_train import train
 
     train(tiny_model_dir, toy_data, tmp_path / "lora", "--use_lora", "True", "--lora_r", "4", "--max_steps", "1")
     keep = tmp_path / "merged.tmp"
@@ -239,7 +239,7 @@ def test_yaml_boolean_for_a_text_flag(tmp_path, capsys):
 def test_merge_overwrite_only_replaces_model_folders(tmp_path, tiny_model_dir, toy_data, monkeypatch):
     from sft.errors import SFTError
     from sft.export import merge_adapter
-    from tests.test_train import train
+    from tests.integration.test_train import train
 
     train(tiny_model_dir, toy_data, tmp_path / "lora", "--use_lora", "True", "--lora_r", "4", "--max_steps", "1")
     proj = tmp_path / "proj"

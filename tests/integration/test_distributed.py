@@ -30,4 +30,4 @@ def test_two_processes_train_one_model_on_disjoint_samples(tiny_model_dir, toy_d
     assert "world size 2" in r.stderr and "global batch 4" in r.stderr
     assert os.path.isfile(tmp_path / "out" / "adapter_model.safetensors")
 
-# The launcher and every preset under torchrun: tests/test_deepspeed.py (the support matrix).
+# The launcher and every preset under torchrun: tests/integration/test_deepspeed.py (the support matrix).

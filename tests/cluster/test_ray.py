@@ -20,10 +20,10 @@ import time
 
 import pytest
 
-from tests import test_multinode as mn
+from tests.cluster import test_multinode as mn
 from tests.helpers import netns
 from tests.helpers.paths import ROOT
-from tests.test_multinode import data, make_hosts  # noqa: F401 - fixtures shared with the torchrun reference
+from tests.cluster.test_multinode import data, make_hosts  # noqa: F401 - fixtures shared with the torchrun reference
 
 RAY_SH = os.path.join(ROOT, "finetune", "finetune_ray.sh")
 RAY_PY = os.path.join(ROOT, "scripts", "ray_train.py")
