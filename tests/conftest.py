@@ -1,11 +1,43 @@
-"""Fixtures shared by every tier. Helpers live in tests/helpers (``from tests.helpers.data import TOY, write_jsonl``)."""
+"""Fixtures shared by every tier, and the tiers themselves: each test is marked with its folder's tier and the
+run goes unit, integration, cluster. Helpers live in tests/helpers (``from tests.helpers.data import TOY, write_jsonl``)."""
 import os
+import pathlib
 
 import pytest
 
 from tests.helpers import assets
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
+
+TIERS = ("unit", "integration", "cluster")  # also the run order: the cheap tier fails first
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def tier_of(item) -> str | None:
+    """The tier folder under tests/ holding ``item``; None for a test outside tests/."""
+    try:
+        parts = pathlib.Path(item.path).resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    if len(parts) < 2 or parts[0] not in TIERS:
+        raise pytest.UsageError(f"{item.nodeid}: a test belongs in a tier folder, tests/{{{','.join(TIERS)}}}/")
+    return parts[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark each test ``unit``, ``integration`` or ``cluster`` by its folder (cluster tests also ``multinode``, the
+    older name: -m "not multinode" still leaves the namespace runs out) and order the run by tier, whatever the
+    order of the paths given; within a tier pytest's order is kept (the sort is stable)."""
+    rank = {}
+    for item in items:
+        tier = tier_of(item)
+        rank[item.nodeid] = TIERS.index(tier) if tier else len(TIERS)
+        if tier:
+            item.add_marker(tier)
+        if tier == "cluster":
+            item.add_marker("multinode")
+    items.sort(key=lambda item: rank[item.nodeid])
 
 
 @pytest.fixture(autouse=True, scope="session")
