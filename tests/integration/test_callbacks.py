@@ -1,0 +1,60 @@
+"""Throughput callback in a training run: tokens, padding, MFU, memory and ETA on the console and in TensorBoard
+agree with an independent count, and the loss-curve PNG is written. The FLOP convention, the matmul peak and
+the checks are in tests/unit/test_callbacks.py."""
+import glob
+
+import pytest
+
+from sft.arguments import parse_args, validate
+from sft.callbacks import ThroughputCallback, model_flops_per_token
+from sft.training import build_trainer
+
+
+def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data, tmp_path, capsys, monkeypatch):
+    out, logdir = tmp_path / "out", tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))  # transformers 5: where TensorBoard writes
+    args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir", str(out),
+                       "--report_to", "tensorboard", "--save_strategy", "no",
+                       "--logging_steps", "2", "--seed", "0", "--disable_tqdm", "True", "--use_lora", "True",
+                       "--lora_r", "4", "--max_steps", "4", "--per_device_train_batch_size", "3",
+                       "--peak_tflops", "0.002"])
+    validate(*args)
+    trainer, tok, _ = build_trainer(*args)
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))
+    batches = []
+    collate = trainer.data_collator
+
+    def counting(features):  # independent count: what the collator hands the model
+        b = collate(features)
+        batches.append((int(b["attention_mask"].sum()), b["attention_mask"].numel()))
+        return b
+
+    trainer.data_collator = counting
+    trainer.train()
+    wins = cb.windows
+    assert len(wins) == 2 and [w["steps"] for w in wins] == [2, 2]
+    used = batches[:4]  # 4 steps of one micro batch; the data loader may have prefetched one more
+    assert sum(w["real"] for w in wins) == sum(r for r, _ in used)
+    assert sum(w["total"] for w in wins) == sum(t for _, t in used)
+    assert sum(r for r, _ in used) < sum(t for _, t in used)  # the toy batches are padded
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    for w, h in zip(wins, logged):
+        assert h["real_tokens_per_s"] == pytest.approx(w["real"] / w["seconds"])
+        assert h["padding_ratio"] == pytest.approx(1 - w["real"] / w["total"])
+        assert h["mfu"] == pytest.approx(model_flops_per_token(trainer.model) * h["real_tokens_per_s"] / 2e9)
+        assert 0.01 < h["peak_mem_gib"] < 64
+    assert logged[-1]["eta_s"] == 0 and logged[0]["eta_s"] > 0
+    assert "real_tokens_per_s" in capsys.readouterr().out  # the console log line carries the figures
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(glob.glob(str(logdir / "**" / "events.out.tfevents.*"), recursive=True)[0])
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/real_tokens_per_s", "train/padding_ratio", "train/mfu", "train/peak_mem_gib", "train/eta_s"} <= tags
+    assert [round(e.value, 3) for e in acc.Scalars("train/padding_ratio")] == [
+        round(h["padding_ratio"], 3) for h in logged]
+    png = out / "loss_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(png)).shape[:2] == (400, 700)
