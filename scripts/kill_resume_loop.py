@@ -32,27 +32,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-TOY = [
-    {"id": "add", "conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "2+2 is 4."}]},
-    {"id": "color", "conversations": [
-        {"from": "system", "value": "You are terse."}, {"from": "user", "value": "Name a color."},
-        {"from": "assistant", "value": "Blue."}, {"from": "user", "value": "Another one?"},
-        {"from": "assistant", "value": "Red."}]},
-    {"id": "hi", "messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi!"}]},
-    {"id": "count", "messages": [{"role": "user", "content": "Count to three"},
-                                 {"role": "assistant", "content": "One, two, three."}]},
-    {"id": "cap", "messages": [{"role": "user", "content": "Capital of France?"},
-                               {"role": "assistant", "content": "Paris is the capital of France."}]},
-    {"id": "sky", "messages": [{"role": "user", "content": "Why is the sky blue?"},
-                               {"role": "assistant", "content": "Rayleigh scattering of sunlight."}]},
-    {"id": "dog", "messages": [{"role": "user", "content": "What sound does a dog make?"},
-                               {"role": "assistant", "content": "Woof."}]},
-    {"id": "sum", "messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]},
-]
-
 
 PREEMPTED = 75  # sft.errors.PREEMPTED_EXIT_CODE
 
@@ -176,10 +155,12 @@ def main(argv=None) -> int:
     work = a.workdir or tempfile.mkdtemp(prefix="kill-resume-")
     os.makedirs(work, exist_ok=True)
     if not a.model:
-        import assets
+        from tests.helpers import assets
 
         a.model = assets.tiny_qwen2_dir()
     if not a.data:
+        from tests.helpers.data import TOY
+
         a.data = os.path.join(work, "toy.jsonl")
         with open(a.data, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in TOY)
@@ -221,5 +202,15 @@ def main(argv=None) -> int:
     return 0 if exact == a.iterations else 1
 
 
+def with_repository_on_pythonpath() -> None:
+    """sft and tests.helpers (the tiny test model) are imported from the repository, so it must be on PYTHONPATH
+    (tests/integration/test_resume.py passes it). Started without it (as in the README), run again with it."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if ROOT not in map(os.path.abspath, paths):
+        os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *paths])
+        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
+
+
 if __name__ == "__main__":
+    with_repository_on_pythonpath()
     sys.exit(main())

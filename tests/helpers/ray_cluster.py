@@ -1,5 +1,5 @@
 """A real Ray cluster for tests: ``ray start --head`` on namespace host 0 and ``ray start --address`` on the
-others (see :mod:`netns`), each node with its own address, host name and ``--temp-dir``.
+others (see :mod:`tests.helpers.netns`), each node with its own address, host name and ``--temp-dir``.
 
 Ray's processes live in the hosts' network namespaces, so :meth:`netns.Hosts.close` (which kills every process
 left in them) stops them all; :meth:`RayCluster.close` does that through the hosts it was given, removes its temp
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-import netns
+from tests.helpers import netns
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 GCS_PORT = 6379

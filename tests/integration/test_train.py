@@ -4,14 +4,14 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-import assets
-from conftest import ROOT, TOY, write_jsonl
 from sft.arguments import parse_args, validate
 from sft.training import build_trainer, save
+from tests.helpers import assets
+from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.paths import ROOT
 
 
 def train(model_dir, data, out, *extra):

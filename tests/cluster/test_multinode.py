@@ -19,9 +19,10 @@ import time
 
 import pytest
 
-import netns
-from cluster_fakes import fake_slurm, fake_ssh
-from conftest import ROOT, TOY, write_jsonl
+from tests.helpers import netns
+from tests.helpers.cluster_fakes import fake_slurm, fake_ssh
+from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.paths import ROOT
 
 _WHY = netns.unavailable()
 pytestmark = [pytest.mark.multinode, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
@@ -171,7 +172,7 @@ def data(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------------------ launch paths
 
-@pytest.mark.parametrize("n", [3])  # 2 nodes: tests/test_ray.py compares Ray's 2-node run with reference(2)
+@pytest.mark.parametrize("n", [3])  # 2 nodes: tests/cluster/test_ray.py compares Ray's 2-node run with reference(2)
 def test_by_hand_equals_one_host(n, make_hosts, job, tmp_path, tmp_path_factory, tiny_model_dir, data):
     ref = reference(n, make_hosts, tmp_path_factory, tiny_model_dir, data)
     hosts = make_hosts(n)

@@ -3,10 +3,10 @@ import os
 
 import torch
 
-from conftest import TOY, write_jsonl
 from sft.chat import IGNORE_INDEX
 from sft.data import load_conversations
 from sft.dataset import LazySupervisedDataset, build_dataset, make_collator
+from tests.helpers.data import TOY, write_jsonl
 
 
 

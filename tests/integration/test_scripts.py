@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT
+from tests.helpers.paths import ROOT
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "finetune", "*.sh")) + glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
                  + [os.path.join(ROOT, ".ci", "run")])

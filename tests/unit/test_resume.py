@@ -1,21 +1,14 @@
-"""Resume, atomic checkpoints and preemption (README "Resume and preemption").
-
-Fast rules first (completion marker, rotation, auto resume, signal handling), then real runs through
-scripts/kill_resume_loop.py: SIGKILL at random moments in one process, and SIGTERM to finetune/launch.sh
-with two torchrun processes; each resumed run must end with the uninterrupted run's weights, bit for bit.
+"""Resume, atomic checkpoints and preemption (README "Resume and preemption"): the rules, in process
+(completion marker, rotation, auto resume, signal handling, the seeded length-grouped order). The real runs
+(the watchdog's exit, the kill-and-resume loops) are in tests/integration/test_resume.py.
 """
 import os
 import signal
-import subprocess
-import sys
-import time
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
 from sft import checkpoint as ck
-from sft.errors import PREEMPTED_EXIT_CODE
 
 
 def fake_checkpoint(out, step, complete=True, payload=b"w" * 100):
@@ -129,44 +122,6 @@ def test_signal_sets_flag_and_all_ranks_stop_at_step_end(monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is before
     h._watchdog.join(5)
     assert not h._watchdog.is_alive()
-
-
-def test_watchdog_exits_75_when_the_stop_takes_too_long(tmp_path):
-    code_file = tmp_path / "codes"
-    prog = ("import os, signal, time, sys; sys.path.insert(0, %r)\n"
-            "from sft.preemption import PreemptionHandler\n"
-            "PreemptionHandler(timeout_s=1).install()\n"
-            "os.kill(os.getpid(), signal.SIGTERM)\n"
-            "time.sleep(60)  # a hung collective or save\n" % ROOT)
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "SFT_EXIT_CODE_FILE": str(code_file)})
-    assert r.returncode == PREEMPTED_EXIT_CODE, r.stderr[-2000:]
-    assert time.monotonic() - t0 < 50
-    assert "no clean stop within 1 s" in r.stderr and code_file.read_text() == "75\n"
-
-
-def loop(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kill_resume_loop.py"), *args],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-
-
-def test_sigkill_at_random_steps_then_resume_is_bit_exact(tmp_path):
-    r = loop("--iterations", "2", "--steps", "6", "--kill_seed", "5", "--workdir", str(tmp_path))
-    assert r.returncode == 0 and "exact: 2/2" in r.stdout, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count("] killed ") == 2  # really killed, not finished before the kill
-    logs = "".join(open(tmp_path / f"run{i}.log").read() for i in range(2))
-    assert "resuming from" in logs and "Traceback" not in logs
-
-
-def test_sigterm_to_launcher_with_two_processes_exits_75_and_resumes_exactly(tmp_path):
-    r = loop("--iterations", "1", "--steps", "6", "--save_steps", "2", "--nproc", "2", "--launcher",
-             "--signal", "TERM", "--kill_seed", "2", "--workdir", str(tmp_path))
-    assert r.returncode == 0 and "exact: 1/1" in r.stdout, r.stdout + r.stderr[-3000:]
-    assert f"SIGTERM -> exit {PREEMPTED_EXIT_CODE}" in r.stdout
-    log = open(tmp_path / "run0.log").read()
-    assert "preempted: stopped by SIGTERM at step" in log and "[rank 1] preempted" in log
-    assert "resuming from" in log
 
 
 def test_group_by_length_order_depends_on_seed_and_epoch_only(tiny_model_dir, toy_data, tmp_path):

@@ -1,6 +1,6 @@
 """Stand-ins for cluster tools, written as executables into a folder the test puts first on PATH.
 
-Every call is appended to $FAKE_LOG. With ``hosts`` (a tests/netns.Hosts), each node runs in its own
+Every call is appended to $FAKE_LOG. With ``hosts`` (a tests/helpers/netns.Hosts), each node runs in its own
 network namespace; without, on this machine.
 """
 import stat

@@ -1,6 +1,4 @@
 """Rendering and label masks on the real Qwen vocabulary (ChatML fallback) and the real SmolLM2 tokenizer."""
-import json
-import os
 
 import pytest
 
@@ -114,7 +112,7 @@ def test_template_without_special_end_token_is_refused(qwen_tok):
 
 def test_chitchat_supervised_tokens_are_exactly_the_replies(smol_tok):
     """Real data: every two-speaker chitchat conversation, SmolLM2 tokenizer."""
-    import prepare_example
+    from scripts import prepare_example
 
     tok, eot = smol_tok
     for rec in prepare_example.chitchat_records():

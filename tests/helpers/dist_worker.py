@@ -1,5 +1,6 @@
-"""Test worker run in place of finetune.py (``SFT_PROGRAM=tests/dist_worker.py`` for finetune/launch.sh and
-the presets, or directly under torchrun): trains through sft.training exactly like finetune.py, then
+"""Test worker run in place of finetune.py (``SFT_PROGRAM=tests/helpers/dist_worker.py`` for finetune/launch.sh
+and the presets, or directly under torchrun; the repository root on PYTHONPATH, see
+tests.helpers.paths.pythonpath_env): trains through sft.training exactly like finetune.py, then
 records, per rank, which samples it saw, its losses and learning rates, what kind of run it was, and
 (rank 0) the trained model's logits on a probe prompt, computed on every rank (ZeRO-3 gathers weights
 layer by layer during the forward).
@@ -11,14 +12,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from sft.arguments import parse_args, validate  # noqa: E402
-from sft.distributed.process_group import setup_runtime  # noqa: E402
-from sft.logs import setup_logging  # noqa: E402
-from sft.training import build_trainer, save  # noqa: E402
+from sft.arguments import parse_args, validate
+from sft.distributed.process_group import setup_runtime
+from sft.logs import setup_logging
+from sft.training import build_trainer, save
 
 PROBE = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
 

@@ -1,0 +1,50 @@
+"""Layering rules that need a fresh interpreter: importing the env contract (what finetune/launch.sh evaluates)
+pulls in no torch, and parsing a command line in one process starts nothing (no process group, no DeepSpeed patch)."""
+import os
+import subprocess
+import sys
+
+from tests.helpers.paths import ROOT
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env}, cwd=ROOT)
+
+
+def test_contract_and_rendezvous_import_no_torch():
+    p = _run("import sys, sft.distributed.contract, sft.distributed.rendezvous, sft.distributed.__main__, sft.cli, "
+             "sft.ray, sft.ray.flags, sft.ray.placement\n"
+             "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'ray', 'numpy') if m in sys.modules]\n"
+             "print(heavy)")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]", p.stdout
+
+
+def test_launcher_cli_plan_without_torch():
+    """python -m sft.distributed plan (what finetune/launch.sh evaluates) runs without importing torch."""
+    p = _run("import runpy, sys; sys.argv = ['x', 'plan']\n"
+             "try:\n    runpy.run_module('sft.distributed', run_name='__main__')\n"
+             "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+             "print('torch' in sys.modules, file=sys.stderr)", NNODES="1")
+    assert p.returncode == 0, p.stderr
+    assert "NNODES=1" in p.stdout and "WORLD=1" in p.stdout
+    assert p.stderr.strip().endswith("False"), p.stderr
+
+
+def test_parse_has_no_side_effects_in_one_process(tmp_path):
+    """parse_args with --deepspeed leaves DeepSpeed unpatched and starts no process group."""
+    code = f"""
+import importlib, sys
+from sft.arguments import parse_args
+args = parse_args(["--output_dir", {str(tmp_path / 'o')!r}, "--deepspeed", "finetune/ds_config_zero2.json",
+                   "--report_to", "none"])
+assert args[2].zero_stage == 2 and args[2].use_cpu
+import torch.distributed as dist
+assert not dist.is_initialized(), "a process group was started while parsing"
+comm = importlib.import_module("deepspeed.comm.torch")
+assert comm.build_shm_op.__module__ == "deepspeed.comm.torch", "DeepSpeed was patched while parsing"
+print("ok")
+"""
+    p = _run(code, WORLD_SIZE="1")
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr

@@ -1,0 +1,93 @@
+"""--packing with real models: the real SmolLM2 on real chitchat conversations (per-conversation losses of a
+packed row equal one forward per conversation), and the trainer's packed rows give the unpacked loss, then
+train. The packing itself (bins, rows, position ids, attention kept inside each conversation on the tiny model,
+conflicts) is checked in process in tests/unit/test_packing.py."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from sft.chat import IGNORE_INDEX, encode_conversations
+from sft.data import load_conversations
+from sft.dataset import make_collator
+from sft.packing import PackedCollator, check_packing_support, pack_dataset, split_row
+from sft.training import build_trainer
+from tests.helpers.data import TOY, write_jsonl
+from tests.unit.test_packing import train_args
+
+
+@pytest.fixture(scope="module")
+def chitchat(tmp_path_factory):
+    """40 real chitchat conversations, written from the chitchat-dataset package (no prepared example needed)."""
+    from scripts import prepare_example
+
+    return write_jsonl(tmp_path_factory.mktemp("chitchat") / "chitchat40.jsonl", prepare_example.chitchat_records(40))
+
+
+def conv_losses(model, ids, labels, position_ids=None):
+    """Summed cross-entropy and supervised-token count per conversation of one packed row."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits[0]
+    tok_loss = F.cross_entropy(logits[:-1], labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="none")
+    return tok_loss, logits
+
+
+@pytest.fixture(scope="module")
+def smol_model(smol_dir):
+    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+def test_per_conversation_losses_equal_unpacked_run(smol_model, smol_tok, chitchat):
+    """Real SmolLM2 (sdpa) on real chitchat conversations: packed vs. one forward per conversation."""
+    tok, eot = smol_tok
+    convs = load_conversations(chitchat, "error")[:40]
+    encoded = [(i[:72], l[:72]) for i, l in encode_conversations(tok, [c.messages for c in convs], eot)]
+    encoded = [e for e in encoded if any(x != IGNORE_INDEX for x in e[1])][:4]
+    assert check_packing_support(smol_model) == "sdpa"
+    ds, report = pack_dataset([{"input_ids": i, "labels": l} for i, l in encoded], 1024)
+    assert report.rows == 1
+    batch = PackedCollator()(list(ds))
+    tok_loss, _ = conv_losses(smol_model, batch["input_ids"], batch["labels"], batch["position_ids"])
+    pos = batch["position_ids"][0].tolist()
+    starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+    packed, plain_concat = {}, {}
+    naive_loss, _ = conv_losses(smol_model, batch["input_ids"], batch["labels"])  # positions 0..T-1, one causal mask
+    for s, e in zip(starts, starts[1:]):
+        ids = tuple(batch["input_ids"][0, s:e].tolist())
+        sup = (batch["labels"][0, s + 1:e] != IGNORE_INDEX).sum().item()
+        # token t predicts label t+1: the slice [s, e-1) of tok_loss covers this conversation's targets
+        packed[ids] = tok_loss[s:e - 1].sum().item() / sup
+        plain_concat[ids] = naive_loss[s:e - 1].sum().item() / sup
+    assert len(packed) == 4
+    diffs = []
+    for ids, labels in encoded:
+        t_ids, t_lab = torch.tensor([ids]), torch.tensor([labels])
+        alone, _ = conv_losses(smol_model, t_ids, t_lab)
+        ref = alone.sum().item() / (t_lab[0, 1:] != IGNORE_INDEX).sum().item()
+        assert packed[tuple(ids)] == pytest.approx(ref, rel=1e-4, abs=1e-4)
+        diffs.append(abs(plain_concat[tuple(ids)] - ref))
+    # control: plain concatenation (no restart, attention crossing) gives different losses, so the check can fail
+    assert max(diffs) > 1e-2, diffs
+
+
+def test_trainer_with_packing_matches_unpacked_loss(tiny_model_dir, toy_data, tmp_path):
+    args = train_args(tiny_model_dir, toy_data, tmp_path / "p", "--packing", "True", "--model_max_length", "64",
+                      "--per_device_train_batch_size", "2", "--max_steps", "2")
+    trainer, tok, _ = build_trainer(*args)
+    ds = trainer.train_dataset
+    assert len(ds) < len(TOY) and sum(len(r["input_ids"]) for r in ds) == sum(
+        len(c["input_ids"]) for r in ds for c in split_row(r))
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    convs = [c for r in [ds[i] for i in range(len(ds))] for c in split_row(r)]
+    model = trainer.model.eval()
+    with torch.no_grad():
+        packed = model(**PackedCollator()(list(ds))).loss  # every row at once: all conversations, no padding
+        padded = make_collator(tok)(convs)
+        unpacked = model(**padded, use_cache=False).loss
+    assert padded["attention_mask"].sum() < padded["attention_mask"].numel()  # the unpacked batch has padding
+    torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-5)
+    model.train()
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(0 < x < 100 for x in losses)

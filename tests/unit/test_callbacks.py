@@ -1,0 +1,44 @@
+"""Throughput callback (tokens, padding, MFU, memory, ETA; console + TensorBoard) and the loss-curve PNG: the FLOP
+convention, the matmul peak, the checks. The figures of a training run are in tests/integration/test_callbacks.py."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sft.arguments import parse_args, validate
+from sft.callbacks import format_eta, linear_weight_counts, measure_matmul_peak, model_flops_per_token, plot_loss_curve
+from sft.errors import ConfigError
+
+# tests/helpers/assets.py tiny Qwen2: hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 151646, tied
+PER_LAYER = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate/up/down
+LINEAR = 2 * PER_LAYER + 64 * 151646  # + lm_head (a Linear, tied to the embeddings)
+
+
+def test_flop_convention_full_and_lora(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert linear_weight_counts(model) == (0, LINEAR)
+    assert model_flops_per_token(model) == 6 * LINEAR
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    # LoRA adds A (r x in) and B (out x r) per adapted linear: r * (in + out)
+    adapters = 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + 3 * (64 + 128))
+    assert linear_weight_counts(lora) == (LINEAR, adapters)
+    assert model_flops_per_token(lora) == 4 * LINEAR + 6 * adapters
+
+
+def test_matmul_peak_and_eta_format():
+    peak = measure_matmul_peak(torch.float32, n=256, seconds=0.05)
+    assert 1e8 < peak < 1e15  # FLOP/s of a CPU core or more, and not absurd
+    assert format_eta(3725.4) == "1:02:05" and format_eta(-3) == "0:00:00"
+
+
+def test_loss_curve_needs_a_loss(tmp_path):
+    assert plot_loss_curve([{"step": 1, "learning_rate": 0.1}], str(tmp_path)) is None
+    assert plot_loss_curve([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 2, "eval_loss": 1.7}],
+                           str(tmp_path)) == str(tmp_path / "loss_curve.png")
+
+
+def test_bad_peak_tflops_is_reported(tiny_model_dir, toy_data, tmp_path):
+    with pytest.raises(ConfigError, match="--peak_tflops"):
+        validate(*parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
+                              str(tmp_path / "o"), "--peak_tflops", "-1"]))
