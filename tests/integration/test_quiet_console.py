@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT
+from tests.helpers.paths import ROOT
 
 NOISE = ("gemm_4bit_forward", "kernels-community", "Setting accelerator to CPU", "real_accelerator.py")
 
