@@ -85,12 +85,17 @@ def train(argv: Optional[Sequence[str]] = None, extra: tuple = (), step_checks: 
         SFTError: any problem the user can fix (exit code 2), ``Preempted`` (75), ``PeerLost`` (1).
     """
     from .arguments import parse_args, validate
+    from .distributed.failures import raise_if_peer_lost
     from .distributed.process_group import setup_runtime
     from .training import run
 
-    model_args, data_args, training_args, lora_args = parse_args(argv, extra)[:4]
-    validate(model_args, data_args, training_args, lora_args)
-    setup_runtime(training_args)
+    try:  # parsing starts the process group under torchrun, setup_runtime DeepSpeed's communication on it
+        model_args, data_args, training_args, lora_args = parse_args(argv, extra)[:4]
+        validate(model_args, data_args, training_args, lora_args)
+        setup_runtime(training_args)
+    except Exception as e:  # a peer lost before training: named like one lost during it (run() does that)
+        raise_if_peer_lost(e, None, {})
+        raise
     return run(model_args, data_args, training_args, lora_args, step_checks=step_checks)
 
 

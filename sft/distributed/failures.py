@@ -54,7 +54,10 @@ class PeerLost(SFTError):
 
 
 def raise_if_peer_lost(err: BaseException, timeout_s: Optional[float], peers: Optional[dict[str, dict]]) -> None:
-    """Raise :class:`PeerLost` (from ``err``) when ``err`` is a lost peer or a timed-out collective; else return."""
+    """Raise :class:`PeerLost` (from ``err``) when ``err`` is a lost peer or a timed-out collective; else return.
+    An :class:`SFTError` is already a message for the user and is left as it is."""
+    if isinstance(err, SFTError):
+        return
     message = explain_collective_failure(err, timeout_s, peers)
     if message is not None:
         raise PeerLost(message) from err

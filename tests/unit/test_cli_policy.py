@@ -52,3 +52,15 @@ def test_check_command(tiny_model_dir, toy_data, tmp_path, capsys):
     assert check_main(base + ["--data_path", str(bad)]) == 2
     assert "no assistant turn" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # a check writes nothing
+
+
+def test_only_torch_distributed_failures_become_peer_lost():
+    """A user error that mentions gloo stays a user error (exit 2); a gloo connection loss becomes PeerLost."""
+    import torch.distributed as dist
+
+    from sft.distributed.failures import raise_if_peer_lost
+
+    raise_if_peer_lost(ConfigError(["--ddp_backend gloo: not with --fp16"]), 60, {})  # returns, nothing raised
+    raise_if_peer_lost(ValueError("unrelated"), 60, {})
+    with pytest.raises(PeerLost, match="another process of the job went away; the peer was 10.0.0.7"):
+        raise_if_peer_lost(dist.DistBackendError("Connection closed by peer [10.0.0.7]:4000"), 60, {})
