@@ -47,7 +47,7 @@ def _poll_stop(coordinator, done: threading.Event, interval_s: float = 1.0) -> N
     """Worker thread: when the driver asks to stop, act as if this process had received the signal."""
     import ray
 
-    from .preemption import request_stop
+    from ..preemption import request_stop
 
     signum = None
     while not done.wait(interval_s):
@@ -99,7 +99,7 @@ def train_worker(config: dict) -> None:
                            f"({e.strerror}); the code, data and --output_dir must be on a path shared by every node")
     deepspeed_cpu_default()
     # imports transformers (through sft.training) before the poll thread starts: two threads importing it race
-    from .. import training  # noqa: F401
+    from .. import preemption, training  # noqa: F401
     from ..cli import run_cli, train
 
     done = threading.Event()
