@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 
+import sft  # noqa: F401  (first: holds library import notices that do not concern the run, see sft.logs)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the example's .cache lives
 EXAMPLE = os.path.join(ROOT, ".cache", "example")
 SYSTEMS = ("ours", "ours-group", "ours-packing", "qwen-style", "trl")

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+import sft  # noqa: F401  (first: holds library import notices that do not concern the run, see sft.logs)
 import torch
 
 
