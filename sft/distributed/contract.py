@@ -56,8 +56,13 @@ def _uint(env: Mapping[str, str], name: str, default: int, problems: list[str], 
 
 
 def resolve(host: str) -> list[str]:
-    """Addresses ``host`` resolves to on this node (IPv4 first). Raises OSError when it does not resolve."""
-    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    """Addresses ``host`` resolves to on this node (IPv4 first). Raises OSError when it does not resolve, also for
+    a text that is no host name at all (an empty label as in ``a..b``, or one over 63 characters)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except UnicodeError:  # the IDNA encoding of the name failed: socket raises this instead of an OSError
+        raise socket.gaierror(socket.EAI_NONAME, "not a valid host name: a dot-separated part is empty or longer "
+                              "than 63 characters") from None
     addrs = [i[4][0] for i in infos]
     return sorted(set(addrs), key=lambda a: (":" in a, addrs.index(a)))
 

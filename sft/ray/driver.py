@@ -35,6 +35,7 @@ import time
 from typing import Optional
 
 from ..cli import run_cli
+from ..distributed.contract import resolve
 from ..distributed.process_group import deepspeed_cpu_default
 from ..errors import PREEMPTED_EXIT_CODE, SFTError
 from .flags import RayArguments, check_ray_args
@@ -118,6 +119,7 @@ def _gcs_unreachable(address: Optional[str], timeout_s: float = GCS_CONNECT_TIME
         return (f"{flag} {address}: not a Ray address; give HOST:PORT of the head node's GCS (e.g. 10.0.0.1:6379, "
                 "the port of `ray start --head --port`), 'auto' or 'local'")
     try:
+        resolve(host)  # an OSError also for a text that is no host name (socket itself raises UnicodeError then)
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
         why = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e) or type(e).__name__)

@@ -1,0 +1,40 @@
+"""Inputs and faults found by breaking the CLI layer (sft.cli policy, sft.distributed, launch.sh, the wrappers):
+each gives one paragraph naming what and the fix, a non-zero exit, no traceback, and leaves the user's files alone."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TOY, write_jsonl
+from sft.cli import debug_enabled, generate_main, main, run_cli, train_main
+from sft.errors import ConfigError, ContractError, SFTError
+
+NO_HOST = ["..", "a" * 70 + ".com"]  # an empty label / one over 63 characters: socket raises UnicodeError
+
+
+# ------------------------------------------------------------------------------------------ host names / contract
+
+@pytest.mark.parametrize("name", NO_HOST)
+def test_master_addr_that_is_no_host_name(name):
+    from sft.distributed.contract import read_contract
+
+    with pytest.raises(ContractError, match=f"MASTER_ADDR={name}: does not resolve on this node \\(not a valid host name"):
+        read_contract({"NNODES": "2", "MASTER_ADDR": name})
+
+
+@pytest.mark.parametrize("name", NO_HOST)
+def test_ray_address_that_is_no_host_name(name):
+    from sft.ray.driver import _gcs_unreachable
+
+    assert "not a valid host name" in _gcs_unreachable(f"{name}:6379")
+
+
+def test_plan_cli_reports_no_host_name_without_traceback():
+    env = {**os.environ, "NNODES": "2", "MASTER_ADDR": ".."}
+    r = subprocess.run([sys.executable, "-m", "sft.distributed", "plan"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 2 and "error: MASTER_ADDR=..: does not resolve" in r.stderr and "Traceback" not in r.stderr
