@@ -38,3 +38,15 @@ def test_plan_cli_reports_no_host_name_without_traceback():
     r = subprocess.run([sys.executable, "-m", "sft.distributed", "plan"], capture_output=True, text=True, env=env,
                        timeout=60)
     assert r.returncode == 2 and "error: MASTER_ADDR=..: does not resolve" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_one_node_several_processes_need_master_addr_on_this_host():
+    # torchrun's processes would retry MASTER_ADDR for RDZV_TIMEOUT (600 s) with C++ stack traces
+    from sft.distributed.contract import read_contract
+
+    with pytest.raises(ContractError, match="MASTER_ADDR=192.0.2.7: not an address of this host"):
+        read_contract({"NPROC_PER_NODE": "2", "MASTER_ADDR": "192.0.2.7"})
+    with pytest.raises(ContractError, match="MASTER_ADDR=..: does not resolve.*leave MASTER_ADDR unset"):
+        read_contract({"NPROC_PER_NODE": "2", "MASTER_ADDR": ".."})
+    assert read_contract({"NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1"}).world_size == 2
+    assert read_contract({"NPROC_PER_NODE": "1", "MASTER_ADDR": "192.0.2.7"}).world_size == 1  # unused by one process
