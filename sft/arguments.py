@@ -220,8 +220,10 @@ def _split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
 def _read_yaml(path: str, extra: tuple = ()) -> dict:
     import yaml
 
-    if not path or not os.path.isfile(path):
+    if not path or not os.path.exists(path):
         raise ConfigError([f"--config {path}: no such file; give the path of a YAML file of flag: value pairs"])
+    if not os.path.isfile(path):
+        raise ConfigError([f"--config {path}: not a file (a directory?); give the path of a YAML file of flag: value pairs"])
     try:
         with open(path, encoding="utf-8-sig") as f:
             data = yaml.safe_load(f)
@@ -232,6 +234,8 @@ def _read_yaml(path: str, extra: tuple = ()) -> dict:
                            "fix the syntax (flag: value, one per line)"]) from None
     except UnicodeDecodeError as e:
         raise ConfigError([f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8"]) from None
+    except OSError as e:  # unreadable: permissions, an I/O error
+        raise ConfigError([f"--config {path}: cannot be read ({e.strerror or e}); check the path and permissions"]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

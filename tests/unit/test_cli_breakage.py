@@ -50,3 +50,14 @@ def test_one_node_several_processes_need_master_addr_on_this_host():
         read_contract({"NPROC_PER_NODE": "2", "MASTER_ADDR": ".."})
     assert read_contract({"NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1"}).world_size == 2
     assert read_contract({"NPROC_PER_NODE": "1", "MASTER_ADDR": "192.0.2.7"}).world_size == 1  # unused by one process
+
+
+# ------------------------------------------------------------------------------------------ flags and files
+
+def test_config_that_cannot_be_read(tmp_path):
+    from sft.arguments import parse_args
+
+    with pytest.raises(ConfigError, match=r"--config /proc/self/mem: cannot be read \(Input/output error\)"):
+        parse_args(["--config", "/proc/self/mem"])  # a regular file whose read fails, also for root
+    with pytest.raises(ConfigError, match="not a file"):
+        parse_args(["--config", str(tmp_path)])
