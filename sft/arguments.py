@@ -299,13 +299,19 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
     their names are then also valid YAML keys).
 
     Raises:
-        ConfigError: bad ``--config`` file, unknown YAML keys, or a value transformers rejects.
-        SystemExit: argparse's own exit (code 2) for unknown flags or unparsable values; ``-h`` exits 0.
+        ConfigError: bad ``--config`` file, unknown YAML keys, a value argparse cannot convert (or a missing one),
+            or a value transformers rejects.
+        SystemExit: ``-h`` (exit 0).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path, argv = _split_config(argv)
     parser = transformers.HfArgumentParser((*ALL_DATACLASSES, *extra))
     parser.add_argument("--config", help="YAML file of flag: value defaults; the command line wins.")
+
+    def error(message: str):  # argparse's own: the whole usage (over 100 lines) above one line; ours: that line
+        raise ConfigError([f"{message}; see finetune.py -h (sft-train -h) for the flags"])
+
+    parser.error = error
     if config_path is not None:
         argv = _yaml_to_argv(config_path, _read_yaml(config_path, extra), parser) + argv
     try:

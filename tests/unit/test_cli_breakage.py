@@ -61,3 +61,10 @@ def test_config_that_cannot_be_read(tmp_path):
         parse_args(["--config", "/proc/self/mem"])  # a regular file whose read fails, also for root
     with pytest.raises(ConfigError, match="not a file"):
         parse_args(["--config", str(tmp_path)])
+
+
+def test_unconvertible_value_is_one_paragraph_not_the_whole_usage(capsys):
+    rc = train_main(["--max_steps", "abc"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--max_steps/--max-steps: invalid int value: 'abc'" in err
+    assert "usage:" not in err and len(err.splitlines()) <= 3, err
