@@ -69,18 +69,6 @@ def _print(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class _Interrupted(Exception):
-    """SIGTERM before training started (nothing to save)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_interrupted(signum, frame):
-    raise _Interrupted(signum)
-
-
 def _job_env() -> dict:
     """Environment for every process of this Ray job (set once in ``ray.init``, so the coordinator, Ray Train's
     controller and the workers share it): this project's SFT_* switches and the Hugging Face offline switches.
@@ -247,17 +235,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(parser.format_help())
         print("\nEvery finetune.py flag is accepted too (python finetune.py -h); --config YAML may hold both kinds.")
         return 0
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)  # replaced by _fit's own handlers during training
-    try:
-        return run_cli(lambda: _drive(argv))
-    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
-        _print("interrupted before training started (SIGINT); nothing to save")
-        return 130
-    except _Interrupted as e:
-        _print(f"interrupted before training started ({signal.Signals(e.signum).name}); nothing to save")
-        return 128 + e.signum
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    # SIGINT / SIGTERM before training started (nothing to save): the policy's one line and exit 130 / 143;
+    # _fit's own handlers take over while the workers train.
+    return run_cli(lambda: _drive(argv))
 
 
 def _drive(argv: list[str]) -> int:

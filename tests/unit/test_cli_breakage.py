@@ -68,3 +68,78 @@ def test_unconvertible_value_is_one_paragraph_not_the_whole_usage(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--max_steps/--max-steps: invalid int value: 'abc'" in err
     assert "usage:" not in err and len(err.splitlines()) <= 3, err
+
+
+# ------------------------------------------------------------------------------------------ the policy
+
+def test_sigint_and_sigterm_are_one_line_and_run_finally(capsys):
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        pytest.skip("SIGTERM already has a handler in this test process")
+    cleaned = []
+
+    def body(sig):
+        try:
+            if sig == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), sig)
+            time.sleep(5)
+        finally:
+            cleaned.append(sig)
+
+    assert run_cli(lambda: body(signal.SIGINT)) == 130
+    assert run_cli(lambda: body(signal.SIGTERM)) == 143
+    err = capsys.readouterr().err
+    assert "interrupted by SIGINT" in err and "interrupted by SIGTERM" in err and "Traceback" not in err
+    assert cleaned == [signal.SIGINT, signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_sft_debug_shows_the_interrupt(monkeypatch):
+    monkeypatch.setenv("SFT_DEBUG", "1")
+    with pytest.raises(KeyboardInterrupt):
+        run_cli(lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+
+
+def test_missing_dependency_is_named_but_a_missing_sft_module_is_a_bug(capsys):
+    def needs(name):
+        raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+
+    assert run_cli(lambda: needs("transformers")) == 2
+    err = capsys.readouterr().err
+    assert f"this Python ({sys.executable}) has no package 'transformers'" in err and "requirements.txt" in err
+    with pytest.raises(ModuleNotFoundError):
+        run_cli(lambda: needs("sft.nope"))
+
+
+def _python_without_transformers():
+    for exe in ("/usr/bin/python3", shutil.which("python3")):
+        if exe and os.path.realpath(exe) != os.path.realpath(sys.executable) and subprocess.run(
+                [exe, "-c", "import sys; assert sys.version_info >= (3, 10); import transformers"],
+                capture_output=True, timeout=60).returncode == 1:
+            return exe
+    return None
+
+
+@pytest.mark.parametrize("script", ["finetune.py", "scripts/merge_adapter.py", "scripts/generate.py",
+                                    "scripts/show_sample.py", "scripts/ray_train.py"])
+def test_entry_points_with_a_python_without_the_requirements(script, tmp_path):
+    exe = _python_without_transformers()
+    if exe is None:
+        pytest.skip("no Python >= 3.10 without transformers on this machine")
+    r = subprocess.run([exe, os.path.join(ROOT, script), ".", "b"], capture_output=True, text=True, cwd=str(tmp_path),
+                       timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "has no package '" in r.stderr and "setup_env.sh" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ folders
+
+def test_toy_data_still_checks(tiny_model_dir, tmp_path, capsys):
+    # the policy's SIGTERM handler is installed and removed around a full check without changing its result
+    from sft.cli import check_main
+
+    data = write_jsonl(tmp_path / "d.jsonl", TOY)
+    assert check_main(["--model_name_or_path", tiny_model_dir, "--data_path", data, "--output_dir",
+                       str(tmp_path / "o"), "--report_to", "none"]) == 0
+    assert "configuration and data OK" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
