@@ -80,14 +80,21 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".merge-", dir=parent)  # a fresh name: never another folder of the user's
+    old = None
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)  # only reached with overwrite=True or an empty folder
+        if os.path.isdir(out_dir):  # only reached with overwrite=True or an empty folder
+            old = tmp + ".old"  # moved aside (not deleted) until the new model is in place
+            os.rename(out_dir, old)
         os.replace(tmp, out_dir)
     finally:
+        # interrupted (a signal, a full disk) between the two renames: put the user's folder back
+        if old is not None and os.path.isdir(old) and not os.path.exists(out_dir):
+            os.rename(old, out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

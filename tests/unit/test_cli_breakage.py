@@ -134,6 +134,64 @@ def test_entry_points_with_a_python_without_the_requirements(script, tmp_path):
 
 # ------------------------------------------------------------------------------------------ folders
 
+@pytest.fixture
+def adapter(tiny_model_dir, tmp_path):
+    import peft
+    import transformers
+
+    from sft.modeling import load_tokenizer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    out = str(tmp_path / "adapter")
+    model.save_pretrained(out)
+    load_tokenizer(tiny_model_dir)[0].save_pretrained(out)
+    return out
+
+
+def _files(d):
+    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+
+
+def test_merge_overwrite_interrupted_keeps_the_old_model(adapter, tiny_model_dir, tmp_path, monkeypatch):
+    from sft import export
+
+    out = str(tmp_path / "merged")
+    shutil.copytree(tiny_model_dir, out)  # the user's previous model in OUT_DIR
+    before = _files(out)
+    real_replace = os.replace
+
+    def interrupted(src, dst, *a, **k):  # a signal right before the new model is moved in
+        if os.path.basename(str(src)).startswith(".merge-") and os.path.realpath(dst) == os.path.realpath(out):
+            raise KeyboardInterrupt
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(export.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export.merge_adapter(adapter, out, overwrite=True)
+    assert _files(out) == before
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".merge-")]
+    monkeypatch.setattr(export.os, "replace", real_replace)
+    export.merge_adapter(adapter, out, overwrite=True)
+    assert _files(out) != before and "model.safetensors" in os.listdir(out)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".merge-")]
+
+
+def test_sigterm_during_merge_leaves_no_partial_folder(adapter, tmp_path):
+    # default SIGTERM would kill the process inside save_pretrained and leave .merge-XXXX behind
+    out = tmp_path / "m"
+    code = ("import os, signal, sys, transformers\n"
+            "real = transformers.PreTrainedModel.save_pretrained\n"
+            "def save(self, d, *a, **k):\n"
+            "    real(self, d, *a, **k); os.kill(os.getpid(), signal.SIGTERM)\n"
+            "transformers.PreTrainedModel.save_pretrained = save\n"
+            "from sft.cli import merge_main\n"
+            f"sys.exit(merge_main([{adapter!r}, {str(out)!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 143 and "interrupted by SIGTERM" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists() and not [f for f in os.listdir(tmp_path) if f.startswith(".merge-")]
+
+
 def test_toy_data_still_checks(tiny_model_dir, tmp_path, capsys):
     # the policy's SIGTERM handler is installed and removed around a full check without changing its result
     from sft.cli import check_main
