@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from .errors import SFTError, explain_load_errors
+from .modeling import require_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
                            f"{', '.join(foreign[:5])}; choose another folder")
     with explain_load_errors("tokenizer", adapter_dir, "the adapter folder should hold the tokenizer finetune.py saved"):
         tok = transformers.AutoTokenizer.from_pretrained(adapter_dir)
+    require_vocabulary(tok, adapter_dir, "the adapter folder should hold the tokenizer finetune.py saved")
     with explain_load_errors("base model", base, "give the base model's folder with --base"):
         model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if len(tok) > model.get_input_embeddings().weight.shape[0]:
@@ -106,6 +108,7 @@ def generate_reply(model_dir: str, prompt: str, max_new_tokens: int = 48, system
     fix = "give a model folder written by finetune.py or scripts/merge_adapter.py"
     with explain_load_errors("tokenizer", model_dir, fix):
         tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    require_vocabulary(tok, model_dir, fix)
     with explain_load_errors("model", model_dir, fix):
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if not tok.chat_template:

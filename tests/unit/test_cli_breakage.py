@@ -134,6 +134,25 @@ def test_entry_points_with_a_python_without_the_requirements(script, tmp_path):
 
 # ------------------------------------------------------------------------------------------ folders
 
+def _model_without_tokenizer(src, dst):
+    os.makedirs(dst)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(src, f), dst)
+    return str(dst)
+
+
+def test_model_folder_without_tokenizer_files(tiny_model_dir, tmp_path, capsys):
+    # transformers 5 loads such a folder as a tokenizer of one special token, without an error
+    from sft.modeling import load_tokenizer
+
+    bare = _model_without_tokenizer(tiny_model_dir, tmp_path / "bare")
+    with pytest.raises(SFTError, match="cannot load the tokenizer: the folder has no tokenizer files"):
+        load_tokenizer(bare)
+    assert generate_main([bare, "hi", "--max_new_tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer files" in err and "no chat template" not in err
+
+
 @pytest.fixture
 def adapter(tiny_model_dir, tmp_path):
     import peft
