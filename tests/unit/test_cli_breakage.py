@@ -70,6 +70,19 @@ def test_unconvertible_value_is_one_paragraph_not_the_whole_usage(capsys):
     assert "usage:" not in err and len(err.splitlines()) <= 3, err
 
 
+def test_deepspeed_shipped_name_relative_to_another_directory(tmp_path, monkeypatch):
+    from sft.ds_config import SHIPPED, read_ds_config
+
+    monkeypatch.chdir(tmp_path)
+    _, problems = read_ds_config("finetune/ds_config_zero3.json", "cosine")
+    assert len(problems) == 1 and f"the shipped ds_config_zero3.json is {SHIPPED}/ds_config_zero3.json" in problems[0]
+    shutil.copy(os.path.join(ROOT, "finetune", "ds_config_zero3.json"), tmp_path / "real.json")
+    os.symlink("../sft/configs/ds_config_zero3.json", tmp_path / "copied_link.json")  # cp -P of the shipped link
+    _, problems = read_ds_config("copied_link.json", "cosine")
+    assert "a symlink to the missing ../sft/configs/ds_config_zero3.json" in problems[0]
+    assert read_ds_config("real.json", "cosine")[1] == []
+
+
 # ------------------------------------------------------------------------------------------ the policy
 
 def test_sigint_and_sigterm_are_one_line_and_run_finally(capsys):
