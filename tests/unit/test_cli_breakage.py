@@ -83,6 +83,13 @@ def test_deepspeed_shipped_name_relative_to_another_directory(tmp_path, monkeypa
     assert read_ds_config("real.json", "cosine")[1] == []
 
 
+def test_launcher_python_that_does_not_exist(tmp_path):
+    env = {**os.environ, "PYTHON": str(tmp_path / "no-python")}
+    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "launch.sh"), "-m", "m", "-d", "d"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "no-python: no such program" in r.stderr
+
+
 # ------------------------------------------------------------------------------------------ the policy
 
 def test_sigint_and_sigterm_are_one_line_and_run_finally(capsys):
