@@ -12,7 +12,7 @@ Policy (:func:`run_cli`), the same for every entry point (``finetune.py``, the `
   128 + the signal number (130, 143), after ``finally`` clauses ran (so no half-written folder is left);
 * a Python that lacks a package sft needs (``ModuleNotFoundError`` outside ``sft``) is one paragraph naming the
   interpreter, the package and the fix (exit 2);
-* ``SFT_DEBUG=1`` (any value but empty/0) re-raises instead, so the full traceback shows;
+* ``SFT_DEBUG=1`` (any value but empty, 0, false, no, off) re-raises instead, so the full traceback shows;
 * anything else is a bug or a library failure and keeps its traceback.
 
 Commands: ``train`` (``finetune.py``, ``sft-train``), ``check`` (``sft-check``: the configuration and every data
@@ -36,8 +36,9 @@ from .errors import PREEMPTED_EXIT_CODE, SFTError
 
 
 def debug_enabled() -> bool:
-    """``SFT_DEBUG`` set to anything but empty or 0: show tracebacks instead of one-paragraph messages."""
-    return os.environ.get("SFT_DEBUG", "").strip() not in ("", "0")
+    """``SFT_DEBUG`` set to anything but empty, 0, false, no or off (the words ``SFT_PREFLIGHT`` takes for off too):
+    show tracebacks instead of one-paragraph messages."""
+    return os.environ.get("SFT_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def rank_prefix() -> str:
@@ -278,6 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         names = " | ".join(COMMANDS)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown command {argv[0]!r}; give one of: {', '.join(COMMANDS)}", file=sys.stderr)
         print(f"usage: python -m sft {{{names}}} [ARGS...]\n  train: the flags of finetune.py (-h lists them); "
               "check: the same flags, checks the configuration and every record without training",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)

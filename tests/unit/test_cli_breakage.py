@@ -83,11 +83,23 @@ def test_deepspeed_shipped_name_relative_to_another_directory(tmp_path, monkeypa
     assert read_ds_config("real.json", "cosine")[1] == []
 
 
+def test_unknown_command_is_named(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
 def test_launcher_python_that_does_not_exist(tmp_path):
     env = {**os.environ, "PYTHON": str(tmp_path / "no-python")}
     r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "launch.sh"), "-m", "m", "-d", "d"], capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 2 and "no-python: no such program" in r.stderr
+
+
+@pytest.mark.parametrize("value,on", [("", False), ("0", False), ("false", False), ("Off", False), ("no", False),
+                                      ("1", True), ("yes", True)])
+def test_sft_debug_values(monkeypatch, value, on):
+    monkeypatch.setenv("SFT_DEBUG", value)
+    assert debug_enabled() is on
 
 
 # ------------------------------------------------------------------------------------------ the policy
