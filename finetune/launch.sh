@@ -47,6 +47,7 @@ done
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
+command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON=$PYTHON: no such program; give the interpreter with the sft package installed (bash $ROOT/scripts/setup_env.sh makes $ROOT/.venv/bin/python), or unset PYTHON"
 "$PYTHON" -c 'import sft' 2>/dev/null || die "PYTHON=$PYTHON cannot import the sft package; run bash $ROOT/scripts/setup_env.sh (it installs it into $ROOT/.venv) or: $PYTHON -m pip install -e $ROOT"
 
 NGPU=0

@@ -9,9 +9,13 @@ Ray flags (--ray_address, --num_workers, --use_gpu, --cpus_per_worker, --gpus_pe
 Exit codes as finetune.py: 0 done, 2 a problem you can fix, 75 preempted (same command resumes).
 Details: sft/ray/driver.py and docs/ray.md.
 """
+import os
 import sys
 
-from sft.ray.driver import main
+# this checkout's sft, as finetune.py (next to it) gets: the scripts work without installing the package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sft.cli import ray_main  # noqa: E402  (stdlib only; a missing dependency is reported by the CLI policy)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ray_main())

@@ -220,8 +220,10 @@ def _split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
 def _read_yaml(path: str, extra: tuple = ()) -> dict:
     import yaml
 
-    if not path or not os.path.isfile(path):
+    if not path or not os.path.exists(path):
         raise ConfigError([f"--config {path}: no such file; give the path of a YAML file of flag: value pairs"])
+    if not os.path.isfile(path):
+        raise ConfigError([f"--config {path}: not a file (a directory?); give the path of a YAML file of flag: value pairs"])
     try:
         with open(path, encoding="utf-8-sig") as f:
             data = yaml.safe_load(f)
@@ -232,6 +234,8 @@ def _read_yaml(path: str, extra: tuple = ()) -> dict:
                            "fix the syntax (flag: value, one per line)"]) from None
     except UnicodeDecodeError as e:
         raise ConfigError([f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8"]) from None
+    except OSError as e:  # unreadable: permissions, an I/O error
+        raise ConfigError([f"--config {path}: cannot be read ({e.strerror or e}); check the path and permissions"]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -295,13 +299,19 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
     their names are then also valid YAML keys).
 
     Raises:
-        ConfigError: bad ``--config`` file, unknown YAML keys, or a value transformers rejects.
-        SystemExit: argparse's own exit (code 2) for unknown flags or unparsable values; ``-h`` exits 0.
+        ConfigError: bad ``--config`` file, unknown YAML keys, a value argparse cannot convert (or a missing one),
+            or a value transformers rejects.
+        SystemExit: ``-h`` (exit 0).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path, argv = _split_config(argv)
     parser = transformers.HfArgumentParser((*ALL_DATACLASSES, *extra))
     parser.add_argument("--config", help="YAML file of flag: value defaults; the command line wins.")
+
+    def error(message: str):  # argparse's own: the whole usage (over 100 lines) above one line; ours: that line
+        raise ConfigError([f"{message}; see finetune.py -h (sft-train -h) for the flags"])
+
+    parser.error = error
     if config_path is not None:
         argv = _yaml_to_argv(config_path, _read_yaml(config_path, extra), parser) + argv
     try:

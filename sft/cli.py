@@ -7,7 +7,12 @@ Policy (:func:`run_cli`), the same for every entry point (``finetune.py``, the `
   for exit code 75), prefixed ``[rank N] `` on global ranks other than 0, and its exit code: 2 a problem the
   user can fix, 75 preempted (checkpoint saved; the same command resumes), 1 a lost peer
   (:class:`sft.distributed.failures.PeerLost`);
-* ``SFT_DEBUG=1`` (any value but empty/0) re-raises instead, so the full traceback shows;
+* SIGINT (Ctrl-C) and SIGTERM before a command has its own handling (training installs
+  :class:`sft.preemption.PreemptionHandler`) stop it with one line ``interrupted by SIGINT ...`` and exit
+  128 + the signal number (130, 143), after ``finally`` clauses ran (so no half-written folder is left);
+* a Python that lacks a package sft needs (``ModuleNotFoundError`` outside ``sft``) is one paragraph naming the
+  interpreter, the package and the fix (exit 2);
+* ``SFT_DEBUG=1`` (any value but empty, 0, false, no, off) re-raises instead, so the full traceback shows;
 * anything else is a bug or a library failure and keeps its traceback.
 
 Commands: ``train`` (``finetune.py``, ``sft-train``), ``check`` (``sft-check``: the configuration and every data
@@ -20,16 +25,20 @@ This module imports only the standard library at import time (``python -m sft.di
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 from typing import Callable, Optional, Sequence
 
 from .errors import PREEMPTED_EXIT_CODE, SFTError
 
 
 def debug_enabled() -> bool:
-    """``SFT_DEBUG`` set to anything but empty or 0: show tracebacks instead of one-paragraph messages."""
-    return os.environ.get("SFT_DEBUG", "").strip() not in ("", "0")
+    """``SFT_DEBUG`` set to anything but empty, 0, false, no or off (the words ``SFT_PREFLIGHT`` takes for off too):
+    show tracebacks instead of one-paragraph messages."""
+    return os.environ.get("SFT_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def rank_prefix() -> str:
@@ -58,19 +67,79 @@ def report(err: SFTError) -> int:
     return err.exit_code
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM turned into an exception (as Python turns SIGINT into KeyboardInterrupt), so ``finally`` runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While the body runs: SIGTERM raises :class:`Interrupted` in this process (forked children, e.g. dataset
+    workers, keep the default action). Only where SIGTERM still has its default action, on the main thread."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    owner = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def missing_dependency(err: ModuleNotFoundError) -> Optional[SFTError]:
+    """An SFTError for a package sft needs that this Python lacks; None for a missing module of sft itself (a bug)."""
+    top = (err.name or "").split(".")[0]
+    if not top or top == "sft":
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "requirements.txt")) and os.path.isfile(os.path.join(root, "scripts", "setup_env.sh")):
+        fix = (f"run `bash {root}/scripts/setup_env.sh` once and use {root}/.venv/bin/python (or the sft-* commands in "
+               f"{root}/.venv/bin), or install the requirements into this Python: {sys.executable} -m pip install -r "
+               f"{root}/requirements.txt")
+    else:
+        fix = f"install it into this Python ({sys.executable} -m pip install {top}), or use the Python sft was installed with"
+    return SFTError(f"this Python ({sys.executable}) has no package '{top}', which this command needs; {fix}")
+
+
 def run_cli(body: Callable[[], Optional[int]]) -> int:
     """Run ``body()`` under the policy (module docstring). Returns the exit code: ``body``'s when it returns an int, else 0.
 
     Raises:
-        Whatever ``body`` raises that is not an SFTError, and an SFTError too when ``SFT_DEBUG`` is set.
+        Whatever ``body`` raises that is not an SFTError, a missing package or an interrupt, and those too when
+        ``SFT_DEBUG`` is set.
     """
     try:
-        code = body()
+        with _sigterm_raises():
+            code = body()
         return code if isinstance(code, int) else 0
     except SFTError as e:
         if debug_enabled():
             raise
         return report(e)
+    except ModuleNotFoundError as e:
+        err = missing_dependency(e)
+        if err is None or debug_enabled():
+            raise
+        return report(err)
+    except KeyboardInterrupt as e:
+        if debug_enabled():
+            raise
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"{rank_prefix()}interrupted by {signal.Signals(signum).name}; stopped before finishing "
+              f"(exit {128 + signum})", file=sys.stderr, flush=True)
+        return 128 + signum
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -198,10 +267,12 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def ray_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``sft-ray``: the Ray launcher (:func:`sft.ray.driver.main`)."""
-    from .ray.driver import main
+    """``sft-ray``: the Ray launcher (:func:`sft.ray.driver.main`; its import needs torch, so it runs under the policy)."""
+    def body():
+        from .ray.driver import main
 
-    return main(argv)
+        return main(argv)
+    return run_cli(body)
 
 
 COMMANDS = {"train": train_main, "check": check_main, "merge": merge_main, "generate": generate_main,
@@ -213,6 +284,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         names = " | ".join(COMMANDS)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown command {argv[0]!r}; give one of: {', '.join(COMMANDS)}", file=sys.stderr)
         print(f"usage: python -m sft {{{names}}} [ARGS...]\n  train: the flags of finetune.py (-h lists them); "
               "check: the same flags, checks the configuration and every record without training",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)

@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from .errors import SFTError, explain_load_errors
+from .modeling import require_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
                            f"{', '.join(foreign[:5])}; choose another folder")
     with explain_load_errors("tokenizer", adapter_dir, "the adapter folder should hold the tokenizer finetune.py saved"):
         tok = transformers.AutoTokenizer.from_pretrained(adapter_dir)
+    require_vocabulary(tok, adapter_dir, "the adapter folder should hold the tokenizer finetune.py saved")
     with explain_load_errors("base model", base, "give the base model's folder with --base"):
         model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if len(tok) > model.get_input_embeddings().weight.shape[0]:
@@ -80,14 +82,21 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".merge-", dir=parent)  # a fresh name: never another folder of the user's
+    old = None
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)  # only reached with overwrite=True or an empty folder
+        if os.path.isdir(out_dir):  # only reached with overwrite=True or an empty folder
+            old = tmp + ".old"  # moved aside (not deleted) until the new model is in place
+            os.rename(out_dir, old)
         os.replace(tmp, out_dir)
     finally:
+        # interrupted (a signal, a full disk) between the two renames: put the user's folder back
+        if old is not None and os.path.isdir(old) and not os.path.exists(out_dir):
+            os.rename(old, out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -99,6 +108,7 @@ def generate_reply(model_dir: str, prompt: str, max_new_tokens: int = 48, system
     fix = "give a model folder written by finetune.py or scripts/merge_adapter.py"
     with explain_load_errors("tokenizer", model_dir, fix):
         tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    require_vocabulary(tok, model_dir, fix)
     with explain_load_errors("model", model_dir, fix):
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if not tok.chat_template:

@@ -32,6 +32,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Option
         tok = transformers.AutoTokenizer.from_pretrained(
             path, trust_remote_code=trust_remote_code, cache_dir=cache_dir,
         )  # no model_max_length here: truncation is ours (counted and reported), not the tokenizer's
+    require_vocabulary(tok, path, "copy tokenizer.json and tokenizer_config.json from the model it was made from "
+                       "into the folder (save_pretrained writes them)")
     if not getattr(tok, "is_fast", False):
         raise SFTError(f"{path}: the tokenizer is not a fast (tokenizers) tokenizer; "
                        "labels need token offsets: save the tokenizer with tokenizer.json")
@@ -41,6 +43,19 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Option
     eot = end_of_turn_id(tok)
     added = choose_pad_token(tok, eot) or added
     return tok, eot, added
+
+
+def require_vocabulary(tok, path: str, fix: str) -> None:
+    """Refuse a tokenizer with nothing but special tokens: transformers 5 builds one, without an error, from a
+    model folder that has a config.json but no tokenizer files.
+
+    Raises:
+        SFTError: naming ``path`` and ``fix``.
+    """
+    vocab = tok.get_vocab()
+    if not vocab or set(vocab.values()) <= set(tok.all_special_ids):
+        raise SFTError(f"{path}: cannot load the tokenizer: the folder has no tokenizer files (no tokenizer.json, "
+                       f"vocabulary or tokenizer model; it loads as {len(vocab)} special token(s) only); {fix}")
 
 
 def choose_pad_token(tok, eot_id: int) -> bool:

@@ -56,8 +56,13 @@ def _uint(env: Mapping[str, str], name: str, default: int, problems: list[str], 
 
 
 def resolve(host: str) -> list[str]:
-    """Addresses ``host`` resolves to on this node (IPv4 first). Raises OSError when it does not resolve."""
-    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    """Addresses ``host`` resolves to on this node (IPv4 first). Raises OSError when it does not resolve, also for
+    a text that is no host name at all (an empty label as in ``a..b``, or one over 63 characters)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except UnicodeError:  # the IDNA encoding of the name failed: socket raises this instead of an OSError
+        raise socket.gaierror(socket.EAI_NONAME, "not a valid host name: a dot-separated part is empty or longer "
+                              "than 63 characters") from None
     addrs = [i[4][0] for i in infos]
     return sorted(set(addrs), key=lambda a: (":" in a, addrs.index(a)))
 
@@ -83,7 +88,8 @@ def read_contract(env: Mapping[str, str], gpus: int = 0) -> Contract:
     Raises:
         ContractError: listing every problem: NODE_RANK outside [0, NNODES), a port outside 1-65535,
             NNODES > 1 with a MASTER_ADDR that is loopback (or resolves to it) or does not resolve,
-            node rank 0 on a host that does not own MASTER_ADDR, another rank on the host that does.
+            node rank 0 on a host that does not own MASTER_ADDR, another rank on the host that does; NNODES=1 with
+            several processes and a MASTER_ADDR that is not this host.
     """
     p: list[str] = []
     nnodes = _uint(env, "NNODES", 1, p, lo=1)
@@ -101,6 +107,8 @@ def read_contract(env: Mapping[str, str], gpus: int = 0) -> Contract:
     master = env.get("MASTER_ADDR") or "localhost"
     if nnodes > 1:
         p += _check_master(master, node_rank, nnodes)
+    elif nproc > 1:  # torchrun's processes meet at MASTER_ADDR: on one node it must be this host
+        p += _check_local_master(master)
     if p:
         raise ContractError(p)
     return Contract(nnodes, node_rank, master, port, nproc, "cuda" if gpus > 0 else "cpu", timeout)
@@ -124,6 +132,20 @@ def _check_master(master: str, node_rank: int, nnodes: int) -> list[str]:
     if node_rank != 0 and local:
         return [f"NODE_RANK={node_rank}, but MASTER_ADDR={master} is this host ({socket.gethostname()}): the host "
                 "of MASTER_ADDR must be node rank 0. Give this node NODE_RANK=0, or MASTER_ADDR the master's address"]
+    return []
+
+
+def _check_local_master(master: str) -> list[str]:
+    """NNODES=1 with several processes: torchrun's processes connect to MASTER_ADDR, which must be this host
+    (otherwise they retry for RDZV_TIMEOUT seconds and fail)."""
+    fix = "with NNODES=1 leave MASTER_ADDR unset (localhost) or give an address of this host"
+    try:
+        addrs = resolve(master)
+    except OSError as e:
+        return [f"MASTER_ADDR={master}: does not resolve on this node ({e.strerror or e}); {fix}"]
+    if not any(is_local_address(a) for a in addrs):
+        return [f"MASTER_ADDR={master}: not an address of this host ({socket.gethostname()}), where all "
+                f"processes run and meet at MASTER_ADDR; {fix}"]
     return []
 
 

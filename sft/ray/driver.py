@@ -35,6 +35,7 @@ import time
 from typing import Optional
 
 from ..cli import run_cli
+from ..distributed.contract import resolve
 from ..distributed.process_group import deepspeed_cpu_default
 from ..errors import PREEMPTED_EXIT_CODE, SFTError
 from .flags import RayArguments, check_ray_args
@@ -66,18 +67,6 @@ def reserve_placement(strategy: str, num_workers: int, bundle: dict, timeout_s: 
 
 def _print(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-class _Interrupted(Exception):
-    """SIGTERM before training started (nothing to save)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_interrupted(signum, frame):
-    raise _Interrupted(signum)
 
 
 def _job_env() -> dict:
@@ -118,6 +107,7 @@ def _gcs_unreachable(address: Optional[str], timeout_s: float = GCS_CONNECT_TIME
         return (f"{flag} {address}: not a Ray address; give HOST:PORT of the head node's GCS (e.g. 10.0.0.1:6379, "
                 "the port of `ray start --head --port`), 'auto' or 'local'")
     try:
+        resolve(host)  # an OSError also for a text that is no host name (socket itself raises UnicodeError then)
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
         why = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e) or type(e).__name__)
@@ -245,17 +235,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(parser.format_help())
         print("\nEvery finetune.py flag is accepted too (python finetune.py -h); --config YAML may hold both kinds.")
         return 0
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)  # replaced by _fit's own handlers during training
-    try:
-        return run_cli(lambda: _drive(argv))
-    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
-        _print("interrupted before training started (SIGINT); nothing to save")
-        return 130
-    except _Interrupted as e:
-        _print(f"interrupted before training started ({signal.Signals(e.signum).name}); nothing to save")
-        return 128 + e.signum
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    # SIGINT / SIGTERM before training started (nothing to save): the policy's one line and exit 130 / 143;
+    # _fit's own handlers take over while the workers train.
+    return run_cli(lambda: _drive(argv))
 
 
 def _drive(argv: list[str]) -> int:
