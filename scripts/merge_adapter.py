@@ -3,13 +3,17 @@
 
 Usage: python scripts/merge_adapter.py ADAPTER_DIR OUT_DIR [--base BASE_DIR] [--overwrite]   (= sft-merge)
 """
-import os
+
 import sys
 
-# this checkout's sft, as finetune.py (next to it) gets: the scripts work without installing the package
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sft.cli import merge_main  # noqa: E402  (stdlib only; a missing dependency is reported by the CLI policy)
+try:
+    from sft.cli import merge_main
+except ModuleNotFoundError as e:  # a Python without the installed package (no sys.path edits: install it)
+    if e.name != "sft":
+        raise
+    print(f"error: this Python ({sys.executable}) has no package 'sft'; run `bash scripts/setup_env.sh` in the "
+          "repository once and use .venv/bin/python (or .venv/bin/sft-merge), or: pip install -e REPOSITORY", file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     sys.exit(merge_main())

@@ -9,13 +9,17 @@ Ray flags (--ray_address, --num_workers, --use_gpu, --cpus_per_worker, --gpus_pe
 Exit codes as finetune.py: 0 done, 2 a problem you can fix, 75 preempted (same command resumes).
 Details: sft/ray/driver.py and docs/ray.md.
 """
-import os
+
 import sys
 
-# this checkout's sft, as finetune.py (next to it) gets: the scripts work without installing the package
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sft.cli import ray_main  # noqa: E402  (stdlib only; a missing dependency is reported by the CLI policy)
+try:
+    from sft.ray.driver import main
+except ModuleNotFoundError as e:  # a Python without the installed package (no sys.path edits: install it)
+    if e.name != "sft":
+        raise
+    print(f"error: this Python ({sys.executable}) has no package 'sft'; run `bash scripts/setup_env.sh` in the "
+          "repository once and use .venv/bin/python (or .venv/bin/sft-ray), or: pip install -e REPOSITORY", file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
-    sys.exit(ray_main())
+    sys.exit(main())

@@ -103,13 +103,9 @@ def missing_dependency(err: ModuleNotFoundError) -> Optional[SFTError]:
     top = (err.name or "").split(".")[0]
     if not top or top == "sft":
         return None
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isfile(os.path.join(root, "requirements.txt")) and os.path.isfile(os.path.join(root, "scripts", "setup_env.sh")):
-        fix = (f"run `bash {root}/scripts/setup_env.sh` once and use {root}/.venv/bin/python (or the sft-* commands in "
-               f"{root}/.venv/bin), or install the requirements into this Python: {sys.executable} -m pip install -r "
-               f"{root}/requirements.txt")
-    else:
-        fix = f"install it into this Python ({sys.executable} -m pip install {top}), or use the Python sft was installed with"
+    fix = ("run `bash scripts/setup_env.sh` in the sft repository once (it installs everything into its .venv) and use "
+           ".venv/bin/python or the .venv/bin/sft-* commands, or install the requirements into this Python: "
+           f"{sys.executable} -m pip install -r requirements.txt")
     return SFTError(f"this Python ({sys.executable}) has no package '{top}', which this command needs; {fix}")
 
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, TOY, write_jsonl
+from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.paths import ROOT
 from sft.cli import debug_enabled, generate_main, main, run_cli, train_main
 from sft.errors import ConfigError, ContractError, SFTError
 

@@ -45,10 +45,12 @@ ENTRY_POINTS = {  # file -> what it must call
 
 @pytest.mark.parametrize("path", sorted(ENTRY_POINTS))
 def test_entry_scripts_are_thin(path):
+    """An entry script imports one function and exits with its code; the only error it handles itself is a
+    Python without the sft package (which the policy in sft.cli cannot report: it is not importable)."""
     text = open(os.path.join(ROOT, path), encoding="utf-8").read()
-    code = [ln for ln in text.split('"""', 2)[-1].splitlines() if ln.strip() and not ln.startswith("#")]
-    assert ENTRY_POINTS[path] in text and len(code) <= 6, code
-    assert "except" not in text  # the error policy lives in sft.cli
+    code = [ln for ln in text.split('"""', 2)[-1].splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert ENTRY_POINTS[path] in text and len(code) <= 12, code
+    assert re.findall(r"except\b[^:]*", text) in ([], ["except ModuleNotFoundError as e"]), text
 
 
 def test_console_scripts_name_the_cli_functions():
