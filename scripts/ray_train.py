@@ -9,17 +9,7 @@ Ray flags (--ray_address, --num_workers, --use_gpu, --cpus_per_worker, --gpus_pe
 Exit codes as finetune.py: 0 done, 2 a problem you can fix, 75 preempted (same command resumes).
 Details: sft/ray/driver.py and docs/ray.md.
 """
-
-import sys
-
-try:
-    from sft.ray.driver import main
-except ModuleNotFoundError as e:  # a Python without the installed package (no sys.path edits: install it)
-    if e.name != "sft":
-        raise
-    print(f"error: this Python ({sys.executable}) has no package 'sft'; run `bash scripts/setup_env.sh` in the "
-          "repository once and use .venv/bin/python (or .venv/bin/sft-ray), or: pip install -e REPOSITORY", file=sys.stderr)
-    sys.exit(2)
+from _entry import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run("sft.ray.driver", "main", "sft-ray")

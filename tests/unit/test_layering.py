@@ -38,19 +38,19 @@ def test_modules_stay_small_unless_they_say_why():
 
 
 ENTRY_POINTS = {  # file -> what it must call
-    "finetune.py": "train_main", "scripts/merge_adapter.py": "merge_main", "scripts/generate.py": "generate_main",
-    "scripts/show_sample.py": "show_sample_main", "scripts/ray_train.py": "sft.ray.driver import main",
+    "finetune.py": "train_main", "scripts/merge_adapter.py": '"merge_main"', "scripts/generate.py": '"generate_main"',
+    "scripts/show_sample.py": '"show_sample_main"', "scripts/ray_train.py": '"sft.ray.driver", "main"',
 }
 
 
 @pytest.mark.parametrize("path", sorted(ENTRY_POINTS))
 def test_entry_scripts_are_thin(path):
-    """An entry script imports one function and exits with its code; the only error it handles itself is a
-    Python without the sft package (which the policy in sft.cli cannot report: it is not importable)."""
+    """An entry script runs one function and exits with its code (the scripts/ ones through scripts/_entry.py, whose
+    only handled error is a Python without the sft package: the policy in sft.cli cannot report that)."""
     text = open(os.path.join(ROOT, path), encoding="utf-8").read()
     code = [ln for ln in text.split('"""', 2)[-1].splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    assert ENTRY_POINTS[path] in text and len(code) <= 12, code
-    assert re.findall(r"except\b[^:]*", text) in ([], ["except ModuleNotFoundError as e"]), text
+    assert ENTRY_POINTS[path] in text and len(code) <= 6, code
+    assert "except" not in text, text
 
 
 def test_console_scripts_name_the_cli_functions():
