@@ -164,18 +164,25 @@ def train(argv: Optional[Sequence[str]] = None, extra: tuple = (), step_checks: 
     return run(model_args, data_args, training_args, lora_args, step_checks=step_checks)
 
 
-def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
-    """Check the configuration and every data record without training. Returns the summary lines.
+def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:
+    """Check parsed arguments and every data record without training (what ``sft-check``, the launcher and the Ray
+    driver do once before starting several processes). Returns the summary lines.
 
     Raises:
         SFTError: the first kind of problem found (every problem of that kind is listed).
     """
-    from .arguments import parse_args, validate
+    from .arguments import validate
     from .training import check_data
 
-    model_args, data_args, training_args, lora_args = parse_args(argv, extra)[:4]
     validate(model_args, data_args, training_args, lora_args)
     return check_data(model_args, data_args, training_args) + ["configuration and data OK"]
+
+
+def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
+    """Parse ``argv`` and :func:`check_parsed` it. Returns the summary lines."""
+    from .arguments import parse_args
+
+    return check_parsed(*parse_args(argv, extra)[:4])
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:

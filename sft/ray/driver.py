@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Optional
 
-from ..cli import run_cli
+from ..cli import check_parsed, run_cli
 from ..distributed.contract import resolve
 from ..distributed.process_group import deepspeed_cpu_default
 from ..errors import PREEMPTED_EXIT_CODE, SFTError
@@ -245,16 +245,14 @@ def _drive(argv: list[str]) -> int:
     (the last occurrence wins), as finetune/launch.sh does: ``--ddp_timeout 600`` (a lost worker stops the others
     after 10 minutes, not transformers' 30) and no tqdm bars (Ray forwards worker output line by line; the step
     lines of sft.callbacks show progress); ``--bf16 True`` is added once the cluster is known to have GPUs."""
-    from ..arguments import parse_args, validate
-    from ..training import check_data
+    from ..arguments import parse_args
 
     argv = ["--ddp_timeout", "600", "--disable_tqdm", "True"] + argv
     model_args, data_args, training_args, lora_args, ray_args = parse_args(argv, (RayArguments,))
     check_ray_args(ray_args)
     deepspeed_cpu_default()
     # The whole configuration and every data record, once, here (what each worker will also check).
-    validate(model_args, data_args, training_args, lora_args)
-    for line in check_data(model_args, data_args, training_args) + ["configuration and data OK"]:
+    for line in check_parsed(model_args, data_args, training_args, lora_args):
         _print(f"check: {line}")
     import ray
 
