@@ -1,4 +1,4 @@
-"""Fast tests of the multi-node contract (sft/distributed.py), in process.
+"""Fast tests of the multi-node contract (sft/distributed/: contract, rendezvous, fingerprints, failures), in process.
 
 Everything here stays on this machine: rendezvous tests use 127.0.0.1 (one thread per node). The launcher,
 torchrun and the SLURM/PBS scripts' node/rank logic are in tests/integration/test_multinode_contract.py; the
