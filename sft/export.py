@@ -16,6 +16,7 @@ import transformers
 
 from .errors import SFTError, explain_load_errors
 from .modeling import require_vocabulary
+from .quantized import loading_fix, merge_problem, read_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +30,13 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
     """Merge ``adapter_dir`` (a peft LoRA folder written by finetune.py) into its base model.
 
     Args:
-        base: base model folder; default: ``base_model_name_or_path`` recorded in adapter_config.json.
+        base: base model folder; default: ``base_model_name_or_path`` recorded in adapter_config.json. An adapter
+            trained on a pre-quantized base (GPTQ, bitsandbytes 4-bit) is merged into the 16-bit model given here.
         overwrite: allow writing into a non-empty ``out_dir``.
 
     Raises:
-        SFTError: missing adapter/base folder, or ``out_dir`` not empty without ``overwrite``.
+        SFTError: missing adapter/base folder, a pre-quantized base folder (:func:`sft.quantized.merge_problem`),
+            or ``out_dir`` not empty without ``overwrite``.
     """
     from peft import PeftModel
 
@@ -45,11 +48,15 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
         raise SFTError(f"{adapter_dir}: no adapter_config.json; give the --output_dir of a LoRA run")
     if not os.path.isfile(os.path.join(adapter_dir, "adapter_model.safetensors")):
         raise SFTError(f"{adapter_dir}: no adapter_model.safetensors; the LoRA run did not finish saving")
+    given_with_base = bool(base)
     with explain_load_errors("adapter config", cfg_path, "it must be the JSON file peft writes"):
         with open(cfg_path) as f:
             base = base or json.load(f).get("base_model_name_or_path")
     if not base or not os.path.isdir(base):
         raise SFTError(f"base model {base!r} not found; pass --base with the base model's folder")
+    q = read_quantization(base)
+    if q is not None:  # never a silently broken merge: the sum must land in 16-bit (or fp32) weights
+        raise SFTError(merge_problem(base, q, given_with_base))
     for name, src in (("adapter", adapter_dir), ("base model", base)):
         a, b = os.path.realpath(out_dir), os.path.realpath(src)
         if os.path.commonpath([a, b]) in (a, b):
@@ -109,7 +116,7 @@ def generate_reply(model_dir: str, prompt: str, max_new_tokens: int = 48, system
     with explain_load_errors("tokenizer", model_dir, fix):
         tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     require_vocabulary(tok, model_dir, fix)
-    with explain_load_errors("model", model_dir, fix):
+    with explain_load_errors("model", model_dir, loading_fix(read_quantization(model_dir)) or fix):
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     if not tok.chat_template:
         raise SFTError(f"{model_dir}: the tokenizer has no chat template; {fix}")

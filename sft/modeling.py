@@ -145,21 +145,50 @@ def quantization_kwargs(compute_dtype: torch.dtype, device: torch.device) -> dic
     return {"quantization_config": q, "device_map": {"": device.index if device.type == "cuda" else str(device)}}
 
 
+def pre_quantized_kwargs(q, config, device: torch.device) -> dict:
+    """``from_pretrained`` kwargs for a pre-quantized base ``q`` (:class:`sft.quantized.Quantization`): loaded as
+    saved, never quantized again; ``device_map`` = this process's own ``device`` (as for Q-LoRA).
+
+    A GPTQ base on CPU is given gptqmodel's ``torch`` kernel (``config.quantization_config["backend"]``):
+    gptqmodel's default CPU kernel (``TorchAtenLinear``, checked against gptqmodel 7.6.0) fixes its path at the
+    first forward, dequantized fp32 weights when called with gradients and an int4 kernel with bf16 scales
+    otherwise, so a reloaded adapter would not give the trained logits (0.04 apart on the test model);
+    ``TorchLinear`` dequantizes the same way in training and evaluation. On GPU gptqmodel chooses.
+    """
+    if q.method == "gptq" and device.type == "cpu":
+        config.quantization_config = {**config.quantization_config, "backend": "torch"}
+    return {"config": config, "device_map": {"": device.index if device.type == "cuda" else str(device)}}
+
+
 def load_model(path: str, tok, vocab_grew: bool, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                cache_dir: Optional[str] = None, quantize_4bit: bool = False, device: Optional[torch.device] = None,
                activation_checkpointing: bool = False, activation_checkpointing_kwargs: Optional[dict] = None):
-    """Load ``AutoModelForCausalLM`` from ``path`` in ``dtype`` (a 4-bit NF4 base on ``device`` with
-    ``quantize_4bit``, prepared for k-bit training); resize the embeddings if the vocabulary grew.
+    """Load ``AutoModelForCausalLM`` from ``path`` in ``dtype`` (with ``quantize_4bit``: a 4-bit NF4 base on
+    ``device``, or, when the folder is pre-quantized (GPTQ, bitsandbytes 4-bit; :mod:`sft.quantized`), the base
+    as saved; then prepared for k-bit training); resize the embeddings if the vocabulary grew.
 
     Under DeepSpeed, :func:`sft.distributed.process_group.setup_runtime` must have run first (ZeRO-3 builds the
     model partitioned). Returns ``(model, vocab_grew)``.
 
     Raises:
-        SFTError: the folder cannot be loaded (the library's one-line reason is quoted).
+        SFTError: the folder cannot be loaded (the library's one-line reason is quoted, with the fix for a plain or
+            a pre-quantized folder).
     """
-    extra = quantization_kwargs(dtype, device or torch.device("cpu")) if quantize_4bit else {}
-    with explain_load_errors("model", path, "the folder needs a valid config.json of a "
-                             "causal LM and its weights (model.safetensors), as save_pretrained writes them"):
+    from .quantized import loading_fix, model_folder, read_quantization
+
+    folder = model_folder(path)
+    q = read_quantization(folder) if folder else None
+    device = device or torch.device("cpu")
+    fix = loading_fix(q) or ("the folder needs a valid config.json of a causal LM and its weights "
+                             "(model.safetensors), as save_pretrained writes them")
+    with explain_load_errors("model", path, fix):
+        extra = {}
+        if quantize_4bit and q is not None:
+            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                             cache_dir=cache_dir)
+            extra = pre_quantized_kwargs(q, config, device)
+        elif quantize_4bit:
+            extra = quantization_kwargs(dtype, device)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, cache_dir=cache_dir, **extra,
         )
@@ -185,6 +214,27 @@ def _module_name(model, module) -> str:
         if m is module:
             return name.split(".")[-1]
     raise SFTError("cannot find the embedding module by name")
+
+
+def _quant_linears(model) -> list:
+    """gptqmodel's quantized linear modules of ``model`` (empty without gptqmodel or on an unquantized model)."""
+    if getattr(model.config, "quantization_config", None) is None:
+        return []
+    try:
+        from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, BaseQuantLinear)]
+
+
+def linear_module_names(model, exclude_output: bool = False) -> list[str]:
+    """Sorted last names of the linear modules of ``model``: ``torch.nn.Linear`` and its subclasses
+    (bitsandbytes), and gptqmodel's quantized linears; ``exclude_output`` leaves the output embedding (lm_head)
+    out, as peft's ``all-linear`` does."""
+    quant = {id(m) for m in _quant_linears(model)}
+    out = model.get_output_embeddings() if exclude_output else None
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if (isinstance(m, torch.nn.Linear) or id(m) in quant) and m is not out and n})
 
 
 def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dropout: float = 0.05,
@@ -213,8 +263,10 @@ def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dr
         out = model.get_output_embeddings()
         if out is not None:
             modules_to_save.append(_module_name(model, out))
+    # peft's "all-linear" finds torch.nn.Linear (and bitsandbytes' subclasses) only, not GPTQ's quantized linears
+    default_targets = linear_module_names(model, exclude_output=True) if _quant_linears(model) else "all-linear"
     config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules or "all-linear", bias=bias,
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules or default_targets, bias=bias,
         task_type="CAUSAL_LM", modules_to_save=modules_to_save,
         ensure_weight_tying=bool(train_emb and tied),
     )
@@ -223,7 +275,7 @@ def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dr
     try:
         model = get_peft_model(model, config)
     except ValueError as e:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        names = linear_module_names(model)
         raise SFTError(f"--lora_target_modules {' '.join(target_modules or ['all-linear'])}: "
                        f"{str(e).splitlines()[0][:200]}; linear modules of this model: {', '.join(names)}") from None
     trainable, total = model.get_nb_trainable_parameters()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import TYPE_CHECKING, Optional
 
 from .errors import ConfigError
@@ -16,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .arguments import DataArguments, LoraArguments, ModelArguments, TrainingArguments
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+from .quantized import HUB_ID as _HUB_ID
 
 # --report_to name -> module that must be importable for it
 _REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
@@ -138,22 +137,36 @@ def _check_training(t) -> list[str]:
     return p
 
 
+def _check_quantized_base(model_args, t, lora_args):
+    """Problems of a pre-quantized base (:mod:`sft.quantized`) and its kind (None: not pre-quantized)."""
+    from .quantized import model_folder, read_quantization, training_problems
+
+    folder = model_folder(model_args.model_name_or_path)
+    q = read_quantization(folder) if folder else None
+    if q is None:
+        return [], None
+    return training_problems(model_args.model_name_or_path, q, use_lora=t.use_lora, q_lora=lora_args.q_lora), q
+
+
 def _check_lora(model_args, t, lora_args) -> list[str]:
-    p = []
+    p, prequantized = _check_quantized_base(model_args, t, lora_args)
     if lora_args.q_lora:
         from .ds_config import EXAMPLE
 
         if not t.use_lora:
             p.append("--q_lora True: Q-LoRA trains a LoRA adapter on the 4-bit base model; add --use_lora True")
-        if not _importable("bitsandbytes"):
+        if not _importable("bitsandbytes") and (prequantized is None or prequantized.bnb_4bit):
             p.append("--q_lora True: needs bitsandbytes (4-bit NF4), which is not installed; pip install "
                      "bitsandbytes, or use --use_lora True without --q_lora")
         if t.zero_stage == 3:
+            packed = (f"the base's packed {prequantized.label} weights" if prequantized is not None
+                      else "bitsandbytes' packed 4-bit weights")
             p.append(f"--q_lora True with --deepspeed {t.deepspeed_requested} (ZeRO-3): ZeRO-3 partitions every "
-                     "weight across ranks, and bitsandbytes' packed 4-bit weights cannot be partitioned or gathered "
+                     f"weight across ranks, and {packed} cannot be partitioned or gathered "
                      f"by it; use ZeRO-2 (--deepspeed {EXAMPLE}, the finetune_qlora_ds.sh "
                      "default: the frozen 4-bit base is replicated, adapter gradients and optimizer state are "
-                     "sharded) or plain LoRA (--q_lora False) with ZeRO-3")
+                     "sharded)" + (" or no DeepSpeed" if prequantized is not None
+                                   else " or plain LoRA (--q_lora False) with ZeRO-3"))
     if lora_args.lora_r <= 0:
         p.append(f"--lora_r {lora_args.lora_r}: the LoRA rank must be a positive integer (e.g. 8, 16, 64)")
     if lora_args.lora_alpha <= 0:

@@ -5,6 +5,10 @@
   ``<|im_end|>`` added as special tokens with ids 151643-151645), with no chat template and no pad
   token, so that the ChatML fallback and the pad-token choice are exercised.
 * :func:`tiny_qwen2_dir` pairs it with a tiny random ``Qwen2ForCausalLM`` (tied embeddings).
+* :func:`tiny_gptq_dir` and :func:`tiny_bnb4_dir` are that model pre-quantized: GPTQ 4-bit (transformers'
+  GPTQ integration: optimum + gptqmodel, on CPU) and bitsandbytes 4-bit NF4 as ``save_pretrained`` writes it.
+* :func:`with_quantization_config` is a copy of a model folder whose config.json claims a quantization (no
+  quantized weights: for checks that refuse before loading).
 
 Built once into ``.cache/test-assets`` (ignored by git), keyed on the inputs.
 """
@@ -90,3 +94,69 @@ def tiny_qwen2_dir(zero_chat_rows: bool = False, seed: int = 0) -> str:
 
     name = f"tiny-qwen2-h64-s{seed}{'-zero-chat' if zero_chat_rows else ''}-{os.path.basename(tok_dir)}"
     return _atomic_build(os.path.join(CACHE, name), build)
+
+
+# GPTQ calibration text for the tiny model: a few dozen tokens per sample is enough for 64-wide layers
+CALIBRATION = [f"Sample {i}: the user asks about the weather, the assistant answers politely." for i in range(16)]
+
+
+def tiny_gptq_dir() -> str:
+    """:func:`tiny_qwen2_dir` quantized with GPTQ (4-bit, group size 32, symmetric, no act-order) on CPU through
+    ``transformers.GPTQConfig`` (optimum + gptqmodel), saved with the tokenizer. The first build JIT-compiles
+    gptqmodel's CPU packing op (about 30 s, cached in ~/.cache/gptqmodel)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPTQConfig
+
+    src = tiny_qwen2_dir()
+
+    def build(out):
+        tok = AutoTokenizer.from_pretrained(src)
+        q = GPTQConfig(bits=4, group_size=32, sym=True, desc_act=False, dataset=CALIBRATION, tokenizer=tok)
+        model = AutoModelForCausalLM.from_pretrained(src, quantization_config=q, device_map={"": "cpu"},
+                                                     dtype=torch.float32)
+        model.config.quantization_config.dataset = None  # calibration text need not travel with the model
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return _atomic_build(os.path.join(CACHE, f"{os.path.basename(src)}-gptq4-g32"), build)
+
+
+def tiny_bnb4_dir() -> str:
+    """:func:`tiny_qwen2_dir` quantized to bitsandbytes 4-bit NF4 (double quantization, fp32 compute) and saved
+    that way (``quant_method: bitsandbytes``, ``load_in_4bit``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    src = tiny_qwen2_dir()
+
+    def build(out):
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(src, quantization_config=q, device_map={"": "cpu"},
+                                                     dtype=torch.float32)
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(src).save_pretrained(out)
+
+    return _atomic_build(os.path.join(CACHE, f"{os.path.basename(src)}-bnb4"), build)
+
+
+def with_quantization_config(src: str, out: str, quantization_config: dict | None = None,
+                             legacy_quantize_config: dict | None = None) -> str:
+    """A copy of the model folder ``src`` at ``out`` (weights symlinked) whose config.json carries
+    ``quantization_config``, or with AutoGPTQ's ``quantize_config.json`` beside an unchanged config.json."""
+    import json
+
+    os.makedirs(out)
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), os.path.join(out, name))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if legacy_quantize_config is not None:
+        with open(os.path.join(out, "quantize_config.json"), "w") as f:
+            json.dump(legacy_quantize_config, f)
+    return out
