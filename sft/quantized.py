@@ -115,7 +115,7 @@ def training_problems(flag: str, q: Quantization, *, use_lora: bool, q_lora: boo
     """The problems of training on the pre-quantized base ``q`` (given as ``--model_name_or_path flag``), one
     line each with the reason and the way on; empty when the run can go ahead. (Q-LoRA with ZeRO-3 is refused
     for every quantized base by the Q-LoRA rule of :mod:`sft.validation`.)"""
-    head = f"--model_name_or_path {flag}: a {q.label} pre-quantized model ({os.path.basename(q.source)})"
+    head = f"--model_name_or_path {flag}: a pre-quantized {q.label} model ({os.path.basename(q.source)})"
     if not q.trainable_here:
         why = {"awq": "LoRA on AWQ weights needs gptqmodel's AWQ kernels, which sft has not been able to test "
                       "(gptqmodel quantizes AWQ only on CUDA, so no AWQ test model can be made on CPU)",
@@ -145,14 +145,14 @@ def loading_fix(q: Optional[Quantization]) -> Optional[str]:
     if q.method in ("gptq", "awq"):
         return (f"the folder is a {q.label} model: loading it needs optimum and gptqmodel (pip install optimum "
                 f"gptqmodel) and its quantized weights as the quantizer saved them; or use {SIXTEEN_BIT_WAY}")
-    return (f"the folder is a {q.label} pre-quantized model; check that its quantizer's package is installed and "
+    return (f"the folder is a pre-quantized {q.label} model; check that its quantizer's package is installed and "
             f"its weights are complete, or use {SIXTEEN_BIT_WAY}")
 
 
 def merge_problem(base: str, q: Quantization, given_with_base: bool) -> str:
     """Why an adapter cannot be merged into the pre-quantized base folder ``base``, and the way on."""
     where = "given with --base" if given_with_base else "recorded in the adapter's adapter_config.json"
-    return (f"{base} ({where}): is a {q.label} pre-quantized model; merging the adapter into its quantized "
+    return (f"{base} ({where}): is a pre-quantized {q.label} model; merging the adapter into its quantized "
             "weights would have to quantize the sum again (a different, lossy model) or cannot be done at all; "
             "pass --base with the 16-bit model it was quantized from (e.g. Qwen/Qwen-7B-Chat for "
             "Qwen-7B-Chat-Int4) to write a 16-bit merged model, or serve the adapter on top of the quantized base")

@@ -57,7 +57,7 @@ def main():
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world_size": args[2].world_size, "seen": seen, "digest": h.hexdigest(),
                    "deepspeed": trainer.is_deepspeed_enabled, "zero_stage": args[2].zero_stage,
-                   "quantized_4bit": any(type(m).__name__ == "Linear4bit" for m in model.modules()),
+                   "linear_kinds": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
                    "losses": [x["loss"] for x in log if "loss" in x],
                    "learning_rates": [x["learning_rate"] for x in log if "learning_rate" in x],
                    "max_steps": trainer.state.max_steps}, f)

@@ -41,7 +41,15 @@ CELLS = {
     "qlora-single": ("finetune_qlora_single_gpu.sh", 1, LORA),
     "qlora-ddp": ("finetune_qlora_single_gpu.sh", 2, LORA),
     "qlora-zero2": ("finetune_qlora_ds.sh", 2, LORA),
+    # pre-quantized bases, loaded as saved (never quantized again): the seed's
+    # `finetune_qlora_ds.sh -m Qwen/Qwen-7B-Chat-Int4` on a GPTQ folder (ZeRO-2), the same under DDP, and a
+    # bitsandbytes 4-bit base written by save_pretrained
+    "gptq-zero2": ("finetune_qlora_ds.sh", 2, LORA),
+    "gptq-ddp": ("finetune_qlora_single_gpu.sh", 2, LORA),
+    "bnb4-saved-single": ("finetune_qlora_single_gpu.sh", 1, LORA),
 }
+# the linear module class each kind of 4-bit base trains on (gptqmodel's torch kernel for GPTQ on CPU)
+QUANT_LINEAR = {"qlora": "Linear4bit", "bnb4": "Linear4bit", "gptq": "TorchLinear"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +70,10 @@ def data(tmp_path_factory):
 def model_dir(cell):
     from tests.helpers import assets
 
+    if cell.startswith("gptq"):
+        return assets.tiny_gptq_dir()
+    if cell.startswith("bnb4"):
+        return assets.tiny_bnb4_dir()
     return assets.tiny_qwen2_dir(zero_chat_rows=cell.endswith("new-chat-tokens"))
 
 
@@ -101,7 +113,13 @@ def reload(cell, out, base_dir):
     if cell.startswith("full"):
         return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     extra = {}
-    if cell.startswith("qlora"):
+    if cell.startswith("gptq"):  # gptqmodel's torch kernel, as sft trains with on CPU (sft.modeling.pre_quantized_kwargs)
+        config = transformers.AutoConfig.from_pretrained(base_dir)
+        config.quantization_config = {**config.quantization_config, "backend": "torch"}
+        extra = {"config": config, "device_map": {"": "cpu"}}
+    elif cell.startswith("bnb4"):  # quantized as saved
+        extra = {"device_map": {"": "cpu"}}
+    elif cell.startswith("qlora"):
         extra = {"quantization_config": transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.float32), "device_map": {"": "cpu"}}
@@ -117,7 +135,9 @@ def test_cell_trains_follows_cosine_saves_and_reloads_equal(cell, runs, qwen_tok
     assert r0["world_size"] == nproc
     expect_stage = 0 if cell.endswith(("ddp", "single")) else (2 if "zero2" in cell else 3)
     assert r0["deepspeed"] == (expect_stage > 0) and r0["zero_stage"] == expect_stage
-    assert r0["quantized_4bit"] == cell.startswith("qlora")
+    kind = cell.split("-")[0]
+    assert (QUANT_LINEAR.get(kind) in r0["linear_kinds"]) if kind in QUANT_LINEAR else not (
+        {"Linear4bit", "TorchLinear"} & set(r0["linear_kinds"])), r0["linear_kinds"]
     # trains: the loss goes down over 6 steps (first step vs mean of the last two)
     losses = r0["losses"]
     assert len(losses) == STEPS and sum(losses[-2:]) / 2 < losses[0], losses
@@ -160,6 +180,37 @@ def test_full_fine_tuning_same_loss_curve_under_ddp_zero2_zero3(runs):
         assert curves[c] == pytest.approx(curves["full-ddp"], rel=2e-3), curves
     seen = [set(r["seen"]) for r in runs("full-zero3")["ranks"]]
     assert not seen[0] & seen[1], "ZeRO-3 ranks trained on the same samples"
+
+
+def test_adapter_on_gptq_base_merges_only_into_the_16bit_base(runs, tmp_path, qwen_tok):
+    """sft-merge of the seed's GPTQ run: refused (exit 2, the reason, nothing written) with the recorded
+    GPTQ base; with --base the 16-bit model it was quantized from, a plain 16-bit model folder whose logits
+    are those of that base with the adapter (merge = the adapter applied, not a re-quantization)."""
+    import transformers
+    from peft import PeftModel
+
+    from sft.cli import merge_main
+    from tests.helpers import assets
+    from tests.helpers.dist_worker import PROBE
+
+    adapter = runs("gptq-zero2")["out"]
+    r = subprocess.run([sys.executable, "-m", "sft", "merge", adapter, str(tmp_path / "refused")],
+                       capture_output=True, text=True, timeout=300, env=pythonpath_env())
+    assert r.returncode == 2 and "is a pre-quantized GPTQ 4-bit model" in r.stderr, r.stderr[-2000:]
+    assert "pass --base with the 16-bit model" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "refused").exists()
+    base16 = assets.tiny_qwen2_dir()
+    assert merge_main([adapter, str(tmp_path / "merged"), "--base", base16]) == 0
+    merged_cfg = json.load(open(tmp_path / "merged" / "config.json"))
+    assert "quantization_config" not in merged_cfg
+    tok, _ = qwen_tok
+    ids = torch.tensor([tok(PROBE)["input_ids"]])
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    on_16bit = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+        base16, dtype=torch.float32), adapter).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, on_16bit(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_qlora_preset_refuses_zero3_in_seconds_before_loading(tiny_model_dir, tmp_path):
