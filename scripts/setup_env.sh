@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Create (or update) the repository's .venv from requirements.txt and requirements-assets.txt, and install
-# this repository's package `sft` into it (editable: pip install -e ., which also puts the sft-* commands in
-# .venv/bin). Idempotent: does nothing when those files and pyproject.toml are unchanged since the last run.
+# Create (or update) the repository's .venv from requirements.txt, requirements-assets.txt and
+# requirements-gptq.txt, and install this repository's package `sft` into it (editable: pip install -e .,
+# which also puts the sft-* commands in .venv/bin). Idempotent: does nothing when those files and
+# pyproject.toml are unchanged since the last run.
 # Usage: bash scripts/setup_env.sh        (PYTHON=python3.11 to pick the interpreter)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 STAMP="$VENV/.sft-requirements.sha256"
-want="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-assets.txt" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-assets.txt" "$ROOT/requirements-gptq.txt" "$ROOT/pyproject.toml" \
+  | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
@@ -22,6 +24,7 @@ pip_install() {
 pip_install --upgrade pip
 pip_install -r "$ROOT/requirements.txt"
 pip_install --no-deps -r "$ROOT/requirements-assets.txt"
+pip_install --no-deps -r "$ROOT/requirements-gptq.txt"   # why without dependencies: see the file
 # the package itself; its dependencies are the pinned ones above (--no-deps: no second resolution);
 # PYTHONWARNINGS: setuptools' build backend warns about editable installs in general (a banner, not a problem)
 PYTHONWARNINGS=ignore pip_install --no-deps -e "$ROOT"

@@ -101,7 +101,10 @@ class LoraArguments:
     lora_bias: str = field(
         default="none", metadata={"help": "Which biases to train.", "choices": ["none", "all", "lora_only"]}
     )
-    q_lora: bool = field(default=False, metadata={"help": "Q-LoRA: 4-bit NF4 base model (bitsandbytes) + LoRA."})
+    q_lora: bool = field(
+        default=False, metadata={"help": "Q-LoRA: 4-bit NF4 base model (bitsandbytes) + LoRA; a pre-quantized base "
+                                 "(GPTQ, saved bitsandbytes 4-bit) is loaded as saved, not quantized again."}
+    )
 
 
 @dataclass
