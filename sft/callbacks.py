@@ -48,7 +48,8 @@ def linear_weight_counts(model: torch.nn.Module) -> tuple[int, int]:
     """``(frozen, trainable)`` numbers of weights in ``torch.nn.Linear`` layers (and subclasses).
 
     Uses ``in_features * out_features`` rather than ``weight.numel()`` so that 4-bit packed weights
-    (bitsandbytes ``Linear4bit``) count as the matrix they stand for.
+    (bitsandbytes ``Linear4bit``) count as the matrix they stand for; gptqmodel's quantized linears (GPTQ
+    bases; not ``torch.nn.Linear``, integer buffers, always frozen) count the same way.
     """
     frozen = trainable = 0
     for m in model.modules():
@@ -58,6 +59,8 @@ def linear_weight_counts(model: torch.nn.Module) -> tuple[int, int]:
                 trainable += n
             else:
                 frozen += n
+        elif type(m).__module__.startswith("gptqmodel.") and hasattr(m, "qweight"):
+            frozen += m.in_features * m.out_features
     return frozen, trainable
 
 

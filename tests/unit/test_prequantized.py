@@ -120,3 +120,21 @@ def test_merge_into_a_quantized_base_is_refused(folders, tmp_path, capsys):
         err = capsys.readouterr().err
         assert where in err and "is a pre-quantized " in err and "pass --base with the 16-bit model" in err, err
         assert "Traceback" not in err and not (tmp_path / "merged").exists()
+
+
+def test_gptq_linears_count_as_the_matrices_they_stand_for(tiny_model_dir):
+    """MFU's FLOP count (4 N_frozen + 6 N_trainable) on a GPTQ base: gptqmodel's quantized linears are not
+    torch.nn.Linear, and count as the same frozen weights as the 16-bit model's projections."""
+    import torch
+    import transformers
+
+    from sft.callbacks import linear_weight_counts
+    from tests.helpers.assets import tiny_gptq_dir
+
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = transformers.AutoConfig.from_pretrained(tiny_gptq_dir())
+    cfg.quantization_config = {**cfg.quantization_config, "backend": "torch"}
+    gptq = transformers.AutoModelForCausalLM.from_pretrained(tiny_gptq_dir(), config=cfg, device_map={"": "cpu"})
+    for m in (plain, gptq):
+        m.requires_grad_(False)
+    assert linear_weight_counts(gptq) == linear_weight_counts(plain) and linear_weight_counts(plain)[0] > 0
