@@ -105,6 +105,26 @@ def read_quantization(model_dir: str) -> Optional[Quantization]:
     return Quantization(method=method, bits=bits, source=source)
 
 
+def tensor_names(model_dir: str) -> Optional[set[str]]:
+    """Names of the tensors in the folder's safetensors weights, from ``model.safetensors.index.json`` or the
+    JSON header of ``model.safetensors`` (8-byte little-endian length, then JSON; nothing else is read).
+    None when the folder has neither (e.g. ``pytorch_model.bin``) or they cannot be read."""
+    import struct
+
+    try:
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                return set(json.load(f)["weight_map"])
+        with open(os.path.join(model_dir, "model.safetensors"), "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100_000_000:  # no real header is that large: not a safetensors file
+                return None
+            return set(json.loads(f.read(size))) - {"__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
 def _importable(module: str) -> bool:
     import importlib.util
 
@@ -134,7 +154,13 @@ def training_problems(flag: str, q: Quantization, *, use_lora: bool, q_lora: boo
         missing = [m for m in GPTQ_PACKAGES if not _importable(m)]
         if missing:
             p.append(f"{head}: loading GPTQ weights needs {' and '.join(missing)}, not installed; pip install "
-                     f"{' '.join(missing)} (both are in requirements.txt), or use {SIXTEEN_BIT_WAY}")
+                     f"{' '.join(missing)}, or use {SIXTEEN_BIT_WAY}")
+    names = tensor_names(os.path.dirname(q.source)) if q.method == "gptq" else None
+    if names is not None and not any(n.endswith(".qweight") for n in names):
+        # transformers would load it with every quantized tensor missing (a warning), and training would crash
+        p.append(f"{head}, but its safetensors weights hold no quantized tensors (no *.qweight): 16-bit weights "
+                 "beside a GPTQ config; remove quantization_config from config.json to use them as a 16-bit base "
+                 "(with --q_lora True), or copy the quantizer's complete output into the folder")
     return p
 
 

@@ -40,6 +40,8 @@ CASES = [
      "--q_lora True (the base is loaded as saved, not quantized again)"),
     ("gptq-zero3", "gptq", QLORA + ["--deepspeed", os.path.join(ROOT, "finetune", "ds_config_zero3.json")],
      "the base's packed GPTQ 4-bit weights cannot be partitioned or gathered by it; use ZeRO-2"),
+    ("gptq-config-beside-16bit-weights", "gptq", QLORA, "but its safetensors weights hold no quantized tensors "
+     "(no *.qweight): 16-bit weights beside a GPTQ config; remove quantization_config from config.json"),
     ("legacy-quantize-config-full", "legacy", [], "a pre-quantized GPTQ 4-bit model (quantize_config.json): full"),
     ("awq-q-lora", "awq", QLORA, "a pre-quantized AWQ 4-bit model (config.json): not supported for training: "
      "LoRA on AWQ weights needs gptqmodel's AWQ kernels"),
@@ -67,10 +69,12 @@ def test_refused_before_loading(folders, capsys, folder, flags, fragment):
 
 
 def test_the_seed_command_flags_pass_the_check_on_a_gptq_folder(folders, capsys):
-    """Qwen's finetune_qlora_ds.sh flags (--use_lora --q_lora, ZeRO-2) on a GPTQ folder: no problem found
+    """Qwen's finetune_qlora_ds.sh flags (--use_lora --q_lora, ZeRO-2) on a real GPTQ folder: no problem found
     (optimum and gptqmodel are installed); bitsandbytes is not required for a GPTQ base."""
-    d, made = folders
-    rc = check_main(["--model_name_or_path", made["gptq"], "--data_path", f"{d}/toy.jsonl", "--output_dir",
+    from tests.helpers.assets import tiny_gptq_dir
+
+    d, _ = folders
+    rc = check_main(["--model_name_or_path", tiny_gptq_dir(), "--data_path", f"{d}/toy.jsonl", "--output_dir",
                      f"{d}/out", *QLORA, "--deepspeed", os.path.join(ROOT, "finetune", "ds_config_zero2.json"), "--report_to", "none"])
     err = capsys.readouterr().err
     assert rc == 0, err[-2000:]
