@@ -10,12 +10,11 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from .errors import ConfigError
+from .quantized import HUB_ID as _HUB_ID
 
 if TYPE_CHECKING:  # pragma: no cover
     from .arguments import DataArguments, LoraArguments, ModelArguments, TrainingArguments
 
-
-from .quantized import HUB_ID as _HUB_ID
 
 # --report_to name -> module that must be importable for it
 _REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
