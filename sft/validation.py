@@ -208,12 +208,6 @@ def _check_fsdp(t, lora_args) -> list[str]:
     if t.deepspeed_requested:
         p.append(f"{fsdp} with --deepspeed {t.deepspeed_requested}: choose one sharding engine (FSDP2 or DeepSpeed "
                  "ZeRO); drop one of the two flags")
-    if t.use_cpu:
-        # accelerate 1.15 AcceleratorState sets DistributedType.FSDP only for GPU-family process groups
-        # (MULTI_GPU/NPU/XPU/...), never for MULTI_CPU: the Trainer would silently train with DDP instead.
-        p.append(f"{fsdp}: FSDP2 through transformers/accelerate needs GPUs (accelerate 1.15 turns FSDP on only for "
-                 "GPU-family process groups; on CPU it would silently train with DDP); on CPU use DeepSpeed ZeRO "
-                 "(finetune_ds.sh, finetune_lora_ds.sh) or DDP (launch.sh, finetune_lora_single_gpu.sh)")
     if lora_args.q_lora:
         p.append(f"--q_lora True with {fsdp}: FSDP2 shards every weight as a DTensor, and bitsandbytes' packed 4-bit "
                  "weights can only be sharded when stored in the compute dtype (bnb_4bit_quant_storage), while this "

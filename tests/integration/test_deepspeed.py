@@ -2,7 +2,8 @@
 Qwen2 model and the real Qwen vocabulary.
 
 Each cell trains with a cosine schedule, saves, and its saved output is reloaded here and must give the
-trained model's logits. Full fine-tuning with one seed gives one loss curve under DDP, ZeRO-2 and ZeRO-3.
+trained model's logits. Full fine-tuning with one seed gives one loss curve under DDP, ZeRO-2 and ZeRO-3, and
+under FSDP2 (tolerances below).
 The DeepSpeed/Q-LoRA settings checks that stop before loading (in process) are in tests/unit/test_deepspeed.py.
 """
 import json
@@ -21,6 +22,7 @@ from tests.helpers.ports import free_port
 FT = os.path.join(ROOT, "finetune")
 ZERO2, ZERO3 = os.path.join(FT, "ds_config_zero2.json"), os.path.join(FT, "ds_config_zero3.json")
 ZERO3_OFFLOAD = os.path.join(FT, "ds_config_zero3_offload.json")
+FSDP_OFFLOAD = os.path.join(FT, "fsdp_config_full_shard_offload.json")
 STEPS = 6
 COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
           "--save_strategy", "no", "--lr_scheduler_type", "cosine", "--warmup_ratio", "0", "--model_max_length", "64",
@@ -41,6 +43,12 @@ CELLS = {
     "qlora-single": ("finetune_qlora_single_gpu.sh", 1, LORA),
     "qlora-ddp": ("finetune_qlora_single_gpu.sh", 2, LORA),
     "qlora-zero2": ("finetune_qlora_ds.sh", 2, LORA),
+    "full-fsdp2": ("finetune_fsdp.sh", 2, FULL),
+    "lora-fsdp2": ("finetune_lora_fsdp.sh", 2, LORA),
+    "lora-fsdp2-offload": ("finetune_lora_fsdp.sh", 2, LORA + ["--fsdp_config", FSDP_OFFLOAD]),
+    # plain SGD: no Adam amplification of last-bit differences, so DDP and FSDP2 must agree closely
+    "full-ddp-sgd": ("launch.sh", 2, FULL + ["--optim", "sgd", "--learning_rate", "1e-1"]),
+    "full-fsdp2-sgd": ("finetune_fsdp.sh", 2, FULL + ["--optim", "sgd", "--learning_rate", "1e-1"]),
 }
 
 
@@ -115,14 +123,16 @@ def test_cell_trains_follows_cosine_saves_and_reloads_equal(cell, runs, qwen_tok
     r0 = res["ranks"][0]
     _, nproc, flags = CELLS[cell]
     assert r0["world_size"] == nproc
-    expect_stage = 0 if cell.endswith(("ddp", "single")) else (2 if "zero2" in cell else 3)
+    expect_stage = 2 if "zero2" in cell else 3 if "zero3" in cell else 0
     assert r0["deepspeed"] == (expect_stage > 0) and r0["zero_stage"] == expect_stage
+    # FSDP2: accelerate kept the plugin (sft.fsdp_compat on CPU) and fully_shard left DTensor shards
+    assert r0["fsdp"] == r0["fsdp2_sharded"] == ("fsdp2" in cell)
     assert r0["quantized_4bit"] == cell.startswith("qlora")
     # trains: the loss goes down over 6 steps (first step vs mean of the last two)
     losses = r0["losses"]
     assert len(losses) == STEPS and sum(losses[-2:]) / 2 < losses[0], losses
     # cosine, not a DeepSpeed scheduler: the LR logged after optimizer step s is lr * (1 + cos(pi (s-1) / T)) / 2
-    lr = float(flags[flags.index("--learning_rate") + 1])
+    lr = float(flags[len(flags) - 1 - flags[::-1].index("--learning_rate") + 1])  # the last one given wins
     want = [lr * 0.5 * (1 + math.cos(math.pi * s / STEPS)) for s in range(STEPS)]
     assert r0["learning_rates"] == pytest.approx(want, rel=1e-6)
     # the saved output reloads and gives the trained model's logits
@@ -160,6 +170,22 @@ def test_full_fine_tuning_same_loss_curve_under_ddp_zero2_zero3(runs):
         assert curves[c] == pytest.approx(curves["full-ddp"], rel=2e-3), curves
     seen = [set(r["seen"]) for r in runs("full-zero3")["ranks"]]
     assert not seen[0] & seen[1], "ZeRO-3 ranks trained on the same samples"
+
+
+def test_full_fine_tuning_fsdp2_same_loss_curve_as_ddp(runs):
+    """Same seed, same global batch, FSDP2 full shard against DDP. With plain SGD (no Adam) the curves agree to
+    1e-5 relative: FSDP2 reduce-scatters gradient shards where DDP all-reduces buckets, a different fp32 sum
+    order (~1e-7 relative per element). With AdamW the first two steps agree to 1e-6 and the curve stays
+    within 1e-2 relative over 6 steps: Adam divides each gradient element by its own running magnitude, so
+    the near-zero elements of the 151646-row tied embedding / lm_head gradient whose last bits differ move
+    their weights by up to a full learning rate (measured: docs/fsdp.md, "Loss curve against DDP")."""
+    curves = {c: runs(c)["ranks"][0]["losses"] for c in ("full-ddp-sgd", "full-fsdp2-sgd", "full-ddp", "full-fsdp2")}
+    print(json.dumps(curves))
+    assert curves["full-fsdp2-sgd"] == pytest.approx(curves["full-ddp-sgd"], rel=1e-5), curves
+    assert curves["full-fsdp2"][:2] == pytest.approx(curves["full-ddp"][:2], rel=1e-6), curves
+    assert curves["full-fsdp2"] == pytest.approx(curves["full-ddp"], rel=1e-2), curves
+    seen = [set(r["seen"]) for r in runs("full-fsdp2")["ranks"]]
+    assert not seen[0] & seen[1], "FSDP2 ranks trained on the same samples"
 
 
 def test_qlora_preset_refuses_zero3_in_seconds_before_loading(tiny_model_dir, tmp_path):

@@ -1,12 +1,11 @@
-"""FSDP2 on CPU, through real processes: the fact behind the CPU limit (accelerate under torchrun with gloo keeps
-FSDP off and would train with DDP) and the presets stopping on it with one line before anything loads. The
-settings checks in process are in tests/unit/test_fsdp.py; what runs where is in docs/fsdp.md.
+"""FSDP2 on CPU through real processes: why sft.fsdp_compat exists (accelerate under torchrun with gloo drops the
+FSDP plugin), kill -9 and resume under FSDP2 bit for bit, and the Q-LoRA refusal through the preset. Training,
+saving and reloading each FSDP2 cell, and the loss curve against DDP, are in the support matrix
+(tests/integration/test_deepspeed.py); the settings checks in process are in tests/unit/test_fsdp.py.
 """
 import os
 import subprocess
 import sys
-
-import pytest
 
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT, pythonpath_env
@@ -25,9 +24,9 @@ print(f"rank {os.environ['RANK']} world {acc.num_processes} {acc.distributed_typ
 
 
 def test_accelerate_under_torchrun_on_cpu_keeps_fsdp_off(tmp_path):
-    """accelerate 1.15 given an FSDP2 plugin in 2 CPU processes (gloo): MULTI_CPU, no FSDP plugin kept, so the
-    Trainer would wrap the model in DDP. When this fails, accelerate has changed and the CPU rule in
-    sft/validation.py (_check_fsdp) can be revisited."""
+    """accelerate 1.15 given an FSDP2 plugin in 2 CPU processes (gloo): MULTI_CPU, no FSDP plugin kept, so without
+    sft.fsdp_compat the Trainer would wrap the model in DDP. When this fails, accelerate has changed and the
+    adapter (sft.fsdp_compat.enable_fsdp_on_cpu, a no-op then) can be removed."""
     prog = tmp_path / "probe.py"
     prog.write_text(ACCELERATE_PROBE)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
@@ -38,22 +37,34 @@ def test_accelerate_under_torchrun_on_cpu_keeps_fsdp_off(tmp_path):
         assert f"rank {rank} world 2 DistributedType.MULTI_CPU fsdp_plugin=False" in r.stdout, r.stdout
 
 
-@pytest.mark.parametrize("script,extra", [
-    ("finetune_fsdp.sh", []),
-    ("finetune_lora_fsdp.sh", []),
-    ("finetune_lora_fsdp.sh", ["--fsdp_config", os.path.join(FT, "fsdp_config_full_shard_offload.json")]),
-], ids=["full", "lora", "lora-offload"])
-def test_fsdp_presets_stop_on_cpu_with_one_line_before_loading(script, extra, tiny_model_dir, tmp_path):
+def test_kill9_and_resume_under_fsdp2_is_bit_exact(tmp_path):
+    """LoRA under FSDP2 (2 processes, checkpoints every 2 steps, full state dicts): SIGKILL of the whole job
+    after a checkpoint, then the same command again: the adapter equals the uninterrupted run's bit for bit."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kill_resume_loop.py"), "--iterations", "1",
+                        "--steps", "6", "--save_steps", "2", "--nproc", "2", "--kill_seed", "4", "--workdir",
+                        str(tmp_path), "--extra", f"--fsdp --fsdp_config {os.path.join(FT, 'fsdp_config_full_shard.json')}"],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT, env=pythonpath_env())
+    assert r.returncode == 0 and "exact: 1/1" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "] killed " in r.stdout  # really killed, not finished before the kill
+    log = open(tmp_path / "run0.log").read()
+    # kill seed 4: killed 0.15 s after checkpoint-2 was complete, so the resumed run trains steps 3-6 itself
+    resumed = [line for line in log.splitlines() if "resuming from" in line]
+    assert resumed and not resumed[0].endswith("checkpoint-6") and "Traceback" not in log, resumed
+    assert os.path.isfile(tmp_path / "run0" / "adapter_model.safetensors")
+
+
+def test_qlora_with_fsdp2_preset_stops_with_the_reason_before_loading(tiny_model_dir, tmp_path):
     env = pythonpath_env({**os.environ, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
                           "MASTER_PORT": str(free_port()), "PYTHON": sys.executable})
     env.pop("GPUS_PER_NODE", None)
     data = write_jsonl(tmp_path / "toy.jsonl", TOY)
-    r = subprocess.run(["bash", os.path.join(FT, script), "-m", tiny_model_dir, "-d", data, "--output_dir",
-                        str(tmp_path / "out"), *extra], capture_output=True, text=True, timeout=300, env=env,
-                       cwd=str(tmp_path))
+    r = subprocess.run(["bash", os.path.join(FT, "finetune_lora_fsdp.sh"), "-m", tiny_model_dir, "-d", data,
+                        "--output_dir", str(tmp_path / "out"), "--q_lora", "True"], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=str(tmp_path))
     assert r.returncode == 2, r.stderr[-3000:]
     problems = [line for line in r.stderr.splitlines() if line.startswith("  - ")]
-    assert len(problems) == 1 and "FSDP2 through transformers/accelerate needs GPUs" in problems[0], r.stderr
+    assert len(problems) == 1 and "--q_lora True with --fsdp: FSDP2 shards every weight" in problems[0], r.stderr
+    assert "use Q-LoRA with ZeRO-2 (finetune_qlora_ds.sh) or LoRA with FSDP2 (finetune_lora_fsdp.sh)" in problems[0]
     assert "Traceback" not in r.stderr and "[rank" not in r.stderr  # stopped by the launcher's check, no torchrun
     assert not (tmp_path / "out").exists()
 

@@ -1,7 +1,7 @@
 """FSDP2 settings checked in process, before any model is loaded: every bad ``--fsdp`` / ``--fsdp_config`` and
-every refused combination exits 2 with the reason, naming the flag and the fix; on CPU the documented limit
-(accelerate turns FSDP on only for GPU-family process groups) is the one line left for a valid FSDP2 setting;
-the shipped configs pass our checks and become accelerate's FSDP2 plugin unchanged.
+every refused combination exits 2 with the reason, naming the flag and the fix; valid settings pass; the
+shipped configs pass our checks and become accelerate's FSDP2 plugin unchanged. FSDP2 training under torchrun
+is in tests/integration/test_deepspeed.py (the support matrix) and tests/integration/test_fsdp.py.
 """
 import json
 import os
@@ -15,7 +15,6 @@ FT = os.path.join(ROOT, "finetune")
 FULL_SHARD = os.path.join(FT, "fsdp_config_full_shard.json")
 OFFLOAD = os.path.join(FT, "fsdp_config_full_shard_offload.json")
 ZERO2 = os.path.join(FT, "ds_config_zero2.json")
-CPU_LINE = "FSDP2 through transformers/accelerate needs GPUs (accelerate 1.15 turns FSDP on only for GPU-family"
 
 BAD = [
     # (id, JSON text or None, flags ({c} = that JSON file, {d} = its folder), expected fragment)
@@ -46,7 +45,6 @@ BAD = [
     ("config-without-fsdp", None, ["--fsdp_config", FULL_SHARD], "has no effect without --fsdp; add --fsdp"),
     ("with-deepspeed", None, ["--fsdp", "--fsdp_config", FULL_SHARD, "--deepspeed", ZERO2],
      "--fsdp with --deepspeed " + ZERO2 + ": choose one sharding engine (FSDP2 or DeepSpeed ZeRO)"),
-    ("on-cpu", None, ["--fsdp", "--fsdp_config", FULL_SHARD], CPU_LINE),
     ("qlora", None, ["--fsdp", "--fsdp_config", FULL_SHARD, "--use_lora", "True", "--q_lora", "True"],
      "--q_lora True with --fsdp: FSDP2 shards every weight as a DTensor, and bitsandbytes' packed 4-bit weights"),
     ("two-activation-checkpointings", '{"activation_checkpointing": true}',
@@ -95,12 +93,17 @@ def test_relative_config_path_names_the_shipped_file(tiny_model_dir, tmp_path, c
 
 
 @pytest.mark.parametrize("fsdp", [[], ["True"], ["full_shard auto_wrap"]], ids=["bare", "True", "legacy-string"])
-def test_valid_fsdp2_setting_on_cpu_is_one_line(fsdp, tiny_model_dir, tmp_path, capsys):
-    """A valid FSDP2 setting on a machine without GPUs: exactly one problem, the documented limit."""
-    rc, err = train(["--fsdp", *fsdp, "--fsdp_config", FULL_SHARD, "--use_lora", "True"], tiny_model_dir, tmp_path,
-                    capsys)
-    assert rc == 2 and "invalid configuration:\n" in err and err.count("\n  - ") == 1 and CPU_LINE in err, err
-    assert "on CPU use DeepSpeed ZeRO (finetune_ds.sh, finetune_lora_ds.sh) or DDP" in err
+def test_valid_fsdp2_settings_pass(fsdp, tiny_model_dir, tmp_path):
+    from sft.arguments import parse_args, validate
+
+    data = write_jsonl(tmp_path / "toy.jsonl", TOY)
+    args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", data, "--output_dir",
+                       str(tmp_path / "out"), "--report_to", "none", "--use_lora", "True", "--fsdp", *fsdp,
+                       "--fsdp_config", OFFLOAD])
+    validate(*args)  # raises ConfigError on any problem
+    t = args[2]
+    assert t.fsdp is True and t.fsdp_plugin_args["fsdp_version"] == 2 and t.fsdp_plugin_args["cpu_offload"] is True
+    assert t.fsdp_requested == (fsdp[0] if fsdp else True)  # as typed, for messages
 
 
 @pytest.mark.parametrize("path", [FULL_SHARD, OFFLOAD], ids=os.path.basename)
