@@ -58,11 +58,12 @@ def _load(value: str) -> tuple[Optional[object], str, list[str]]:
     flag = "--fsdp_config (inline JSON)" if inline else f"--fsdp_config {value}"
     if not inline:
         if not os.path.exists(value):
+            what = f"a symlink to the missing {os.readlink(value)}" if os.path.islink(value) else "no such file"
             shipped = os.path.join(SHIPPED, os.path.basename(value))
             if not os.path.isabs(value) and os.path.isfile(shipped):
-                return None, flag, [f"{flag}: no such file (relative to the working directory {os.getcwd()}); the "
+                return None, flag, [f"{flag}: {what} (relative to the working directory {os.getcwd()}); the "
                                     f"shipped {os.path.basename(value)} is {shipped}"]
-            return None, flag, [f"{flag}: no such file; give an FSDP JSON config such as {EXAMPLE}"]
+            return None, flag, [f"{flag}: {what}; give an FSDP JSON config such as {EXAMPLE}"]
         if not os.path.isfile(value):
             return None, flag, [f"{flag}: not a file; give an FSDP JSON config such as {EXAMPLE}"]
     try:

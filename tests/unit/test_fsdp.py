@@ -20,6 +20,8 @@ BAD = [
     # (id, JSON text or None, flags ({c} = that JSON file, {d} = its folder), expected fragment)
     ("missing-file", None, ["--fsdp", "--fsdp_config", "{d}/nope.json"],
      "nope.json: no such file; give an FSDP JSON config such as"),
+    ("dangling-link", None, ["--fsdp", "--fsdp_config", "{d}/link.json"],
+     "link.json: a symlink to the missing ../sft/configs/fsdp_config_full_shard.json; give an FSDP JSON config"),
     ("a-folder", None, ["--fsdp", "--fsdp_config", "{d}"], ": not a file; give an FSDP JSON config"),
     ("empty", None, ["--fsdp", "--fsdp_config", ""], "--fsdp_config is empty; give an FSDP JSON config"),
     ("invalid-json", '{"version": 2,}', ["--fsdp", "--fsdp_config", "{c}"], "invalid JSON at line 1 column 15"),
@@ -75,6 +77,7 @@ def forget_ds_config():
 def test_bad_fsdp_settings_stop_before_loading(text, flags, fragment, tiny_model_dir, tmp_path, capsys,
                                                forget_ds_config):
     cfg = tmp_path / "fsdp.json"
+    os.symlink("../sft/configs/fsdp_config_full_shard.json", tmp_path / "link.json")  # cp -P of the shipped link
     if text is not None:
         cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
     flags = [f.replace("{c}", str(cfg)).replace("{d}", str(tmp_path)) for f in flags]
