@@ -208,12 +208,18 @@ def _check_fsdp(t, lora_args) -> list[str]:
     if t.deepspeed_requested:
         p.append(f"{fsdp} with --deepspeed {t.deepspeed_requested}: choose one sharding engine (FSDP2 or DeepSpeed "
                  "ZeRO); drop one of the two flags")
+    config = t.fsdp_config if isinstance(t.fsdp_config, dict) else {}
+    if t.use_cpu and config.get("cpu_offload"):
+        # torch 2.13 fully_shard with CPUOffloadPolicy (pin_memory=True, what accelerate 1.15 builds) pins each
+        # shard: "Cannot access accelerator device when none is available".
+        p.append(f"--fsdp_config {t.fsdp_config_requested} \"cpu_offload\": true on CPU: FSDP2's offload pins host "
+                 "memory for GPU copies and fails without a GPU, and on CPU the parameters are in CPU memory already; "
+                 "use finetune/fsdp_config_full_shard.json (no offload)")
     if lora_args.q_lora:
         p.append(f"--q_lora True with {fsdp}: FSDP2 shards every weight as a DTensor, and bitsandbytes' packed 4-bit "
                  "weights can only be sharded when stored in the compute dtype (bnb_4bit_quant_storage), while this "
                  "loader gives each rank a full 4-bit replica on its own device; use Q-LoRA with ZeRO-2 "
                  "(finetune_qlora_ds.sh) or LoRA with FSDP2 (finetune_lora_fsdp.sh)")
-    config = t.fsdp_config if isinstance(t.fsdp_config, dict) else {}
     if config.get("activation_checkpointing") and t.activation_checkpointing:
         p.append(f"--gradient_checkpointing True with --fsdp_config {t.fsdp_config_requested} "
                  "\"activation_checkpointing\": true: choose one (transformers refuses both); FSDP's own is the "

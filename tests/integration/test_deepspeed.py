@@ -22,7 +22,6 @@ from tests.helpers.ports import free_port
 FT = os.path.join(ROOT, "finetune")
 ZERO2, ZERO3 = os.path.join(FT, "ds_config_zero2.json"), os.path.join(FT, "ds_config_zero3.json")
 ZERO3_OFFLOAD = os.path.join(FT, "ds_config_zero3_offload.json")
-FSDP_OFFLOAD = os.path.join(FT, "fsdp_config_full_shard_offload.json")
 STEPS = 6
 COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
           "--save_strategy", "no", "--lr_scheduler_type", "cosine", "--warmup_ratio", "0", "--model_max_length", "64",
@@ -45,7 +44,6 @@ CELLS = {
     "qlora-zero2": ("finetune_qlora_ds.sh", 2, LORA),
     "full-fsdp2": ("finetune_fsdp.sh", 2, FULL),
     "lora-fsdp2": ("finetune_lora_fsdp.sh", 2, LORA),
-    "lora-fsdp2-offload": ("finetune_lora_fsdp.sh", 2, LORA + ["--fsdp_config", FSDP_OFFLOAD]),
     # plain SGD: no Adam amplification of last-bit differences, so DDP and FSDP2 must agree closely
     "full-ddp-sgd": ("launch.sh", 2, FULL + ["--optim", "sgd", "--learning_rate", "1e-1"]),
     "full-fsdp2-sgd": ("finetune_fsdp.sh", 2, FULL + ["--optim", "sgd", "--learning_rate", "1e-1"]),

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT, pythonpath_env
 from tests.helpers.ports import free_port
@@ -53,18 +55,22 @@ def test_kill9_and_resume_under_fsdp2_is_bit_exact(tmp_path):
     assert os.path.isfile(tmp_path / "run0" / "adapter_model.safetensors")
 
 
-def test_qlora_with_fsdp2_preset_stops_with_the_reason_before_loading(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("flags,reason", [
+    (["--q_lora", "True"], "--q_lora True with --fsdp: FSDP2 shards every weight as a DTensor"),
+    (["--fsdp_config", os.path.join(FT, "fsdp_config_full_shard_offload.json")],
+     '"cpu_offload": true on CPU: FSDP2\'s offload pins host memory for GPU copies and fails without a GPU'),
+], ids=["qlora", "offload-on-cpu"])
+def test_refused_fsdp2_settings_stop_the_preset_with_one_line_before_loading(flags, reason, tiny_model_dir, tmp_path):
     env = pythonpath_env({**os.environ, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
                           "MASTER_PORT": str(free_port()), "PYTHON": sys.executable})
     env.pop("GPUS_PER_NODE", None)
     data = write_jsonl(tmp_path / "toy.jsonl", TOY)
     r = subprocess.run(["bash", os.path.join(FT, "finetune_lora_fsdp.sh"), "-m", tiny_model_dir, "-d", data,
-                        "--output_dir", str(tmp_path / "out"), "--q_lora", "True"], capture_output=True, text=True,
+                        "--output_dir", str(tmp_path / "out"), *flags], capture_output=True, text=True,
                        timeout=300, env=env, cwd=str(tmp_path))
     assert r.returncode == 2, r.stderr[-3000:]
     problems = [line for line in r.stderr.splitlines() if line.startswith("  - ")]
-    assert len(problems) == 1 and "--q_lora True with --fsdp: FSDP2 shards every weight" in problems[0], r.stderr
-    assert "use Q-LoRA with ZeRO-2 (finetune_qlora_ds.sh) or LoRA with FSDP2 (finetune_lora_fsdp.sh)" in problems[0]
+    assert len(problems) == 1 and reason in problems[0], r.stderr
     assert "Traceback" not in r.stderr and "[rank" not in r.stderr  # stopped by the launcher's check, no torchrun
     assert not (tmp_path / "out").exists()
 

@@ -47,6 +47,8 @@ BAD = [
     ("config-without-fsdp", None, ["--fsdp_config", FULL_SHARD], "has no effect without --fsdp; add --fsdp"),
     ("with-deepspeed", None, ["--fsdp", "--fsdp_config", FULL_SHARD, "--deepspeed", ZERO2],
      "--fsdp with --deepspeed " + ZERO2 + ": choose one sharding engine (FSDP2 or DeepSpeed ZeRO)"),
+    ("offload-on-cpu", None, ["--fsdp", "--fsdp_config", OFFLOAD],
+     '"cpu_offload": true on CPU: FSDP2\'s offload pins host memory for GPU copies and fails without a GPU'),
     ("qlora", None, ["--fsdp", "--fsdp_config", FULL_SHARD, "--use_lora", "True", "--q_lora", "True"],
      "--q_lora True with --fsdp: FSDP2 shards every weight as a DTensor, and bitsandbytes' packed 4-bit weights"),
     ("two-activation-checkpointings", '{"activation_checkpointing": true}',
@@ -102,10 +104,10 @@ def test_valid_fsdp2_settings_pass(fsdp, tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "toy.jsonl", TOY)
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", data, "--output_dir",
                        str(tmp_path / "out"), "--report_to", "none", "--use_lora", "True", "--fsdp", *fsdp,
-                       "--fsdp_config", OFFLOAD])
+                       "--fsdp_config", FULL_SHARD])
     validate(*args)  # raises ConfigError on any problem
     t = args[2]
-    assert t.fsdp is True and t.fsdp_plugin_args["fsdp_version"] == 2 and t.fsdp_plugin_args["cpu_offload"] is True
+    assert t.fsdp is True and t.fsdp_plugin_args["fsdp_version"] == 2 and "cpu_offload" not in t.fsdp_plugin_args
     assert t.fsdp_requested == (fsdp[0] if fsdp else True)  # as typed, for messages
 
 
