@@ -44,9 +44,6 @@ CELLS = {
     "qlora-zero2": ("finetune_qlora_ds.sh", 2, LORA),
     "full-fsdp2": ("finetune_fsdp.sh", 2, FULL),
     "lora-fsdp2": ("finetune_lora_fsdp.sh", 2, LORA),
-    # plain SGD: no Adam amplification of last-bit differences, so DDP and FSDP2 must agree closely
-    "full-ddp-sgd": ("launch.sh", 2, FULL + ["--optim", "sgd", "--learning_rate", "1e-1"]),
-    "full-fsdp2-sgd": ("finetune_fsdp.sh", 2, FULL + ["--optim", "sgd", "--learning_rate", "1e-1"]),
 }
 
 
@@ -130,7 +127,7 @@ def test_cell_trains_follows_cosine_saves_and_reloads_equal(cell, runs, qwen_tok
     losses = r0["losses"]
     assert len(losses) == STEPS and sum(losses[-2:]) / 2 < losses[0], losses
     # cosine, not a DeepSpeed scheduler: the LR logged after optimizer step s is lr * (1 + cos(pi (s-1) / T)) / 2
-    lr = float(flags[len(flags) - 1 - flags[::-1].index("--learning_rate") + 1])  # the last one given wins
+    lr = float(flags[flags.index("--learning_rate") + 1])
     want = [lr * 0.5 * (1 + math.cos(math.pi * s / STEPS)) for s in range(STEPS)]
     assert r0["learning_rates"] == pytest.approx(want, rel=1e-6)
     # the saved output reloads and gives the trained model's logits
@@ -171,17 +168,13 @@ def test_full_fine_tuning_same_loss_curve_under_ddp_zero2_zero3(runs):
 
 
 def test_full_fine_tuning_fsdp2_same_loss_curve_as_ddp(runs):
-    """Same seed, same global batch, FSDP2 full shard against DDP. With plain SGD (no Adam) the curves agree to
-    1e-5 relative: FSDP2 reduce-scatters gradient shards where DDP all-reduces buckets, a different fp32 sum
-    order (~1e-7 relative per element). With AdamW the first two steps agree to 1e-6 and the curve stays
-    within 1e-2 relative over 6 steps: Adam divides each gradient element by its own running magnitude, so
-    the near-zero elements of the 151646-row tied embedding / lm_head gradient whose last bits differ move
-    their weights by up to a full learning rate (measured: docs/fsdp.md, "Loss curve against DDP")."""
-    curves = {c: runs(c)["ranks"][0]["losses"] for c in ("full-ddp-sgd", "full-fsdp2-sgd", "full-ddp", "full-fsdp2")}
+    """Same seed, same global batch, FSDP2 full shard against DDP (AdamW, --max_grad_norm 1): equal at the first
+    step (1e-6 relative), within 2e-3 relative over 6 steps, the tolerance of ZeRO against DDP (measured here:
+    5e-6 at step 2, 6e-4 at step 6). Plain SGD differs more (docs/fsdp.md, "Loss curve against DDP")."""
+    curves = {c: runs(c)["ranks"][0]["losses"] for c in ("full-ddp", "full-fsdp2")}
     print(json.dumps(curves))
-    assert curves["full-fsdp2-sgd"] == pytest.approx(curves["full-ddp-sgd"], rel=1e-5), curves
-    assert curves["full-fsdp2"][:2] == pytest.approx(curves["full-ddp"][:2], rel=1e-6), curves
-    assert curves["full-fsdp2"] == pytest.approx(curves["full-ddp"], rel=1e-2), curves
+    assert curves["full-fsdp2"][0] == pytest.approx(curves["full-ddp"][0], rel=1e-6), curves
+    assert curves["full-fsdp2"] == pytest.approx(curves["full-ddp"], rel=2e-3), curves
     seen = [set(r["seen"]) for r in runs("full-fsdp2")["ranks"]]
     assert not seen[0] & seen[1], "FSDP2 ranks trained on the same samples"
 
