@@ -1,6 +1,7 @@
 # Hyperparameters of every named preset, in one place (sourced by the finetune_*.sh scripts).
 # Values follow Qwen's finetune/*.sh. A flag given on the command line after -m/-d is passed later
-# and wins (e.g. --deepspeed finetune/ds_config_zero3.json, --num_train_epochs 1, --output_dir out).
+# and wins (e.g. --deepspeed finetune/ds_config_zero3.json, --fsdp_config finetune/fsdp_config_full_shard_offload.json,
+# --num_train_epochs 1, --output_dir out).
 # shellcheck shell=bash
 
 # Flags shared by all presets.
@@ -17,6 +18,9 @@ preset_flags() {
                               --learning_rate 1e-5 --lazy_preprocess True --deepspeed "$HERE/ds_config_zero3.json") ;;
     lora_ds)          PRESET=(--output_dir output_qwen "${lora[@]}" --deepspeed "$HERE/ds_config_zero2.json") ;;
     qlora_ds)         PRESET=(--output_dir output_qwen "${lora[@]}" --q_lora True --deepspeed "$HERE/ds_config_zero2.json") ;;
+    full_fsdp)        PRESET=(--output_dir output_qwen --per_device_train_batch_size 1 --gradient_accumulation_steps 16
+                              --learning_rate 1e-5 --lazy_preprocess True --fsdp --fsdp_config "$HERE/fsdp_config_full_shard.json") ;;
+    lora_fsdp)        PRESET=(--output_dir output_qwen "${lora[@]}" --fsdp --fsdp_config "$HERE/fsdp_config_full_shard.json") ;;
     lora_single_gpu)  PRESET=(--output_dir output_qwen "${lora[@]}") ;;
     qlora_single_gpu) PRESET=(--output_dir output_qwen "${lora[@]}" --q_lora True) ;;
     *) echo "error: unknown preset $1" >&2; return 2 ;;

@@ -168,6 +168,17 @@ class TrainingArguments(transformers.TrainingArguments):
                 self.zero_stage = zero_stage(config)
                 if self.deepspeed.lstrip().startswith("{"):  # inline JSON (e.g. a YAML mapping): pass the dict
                     self.deepspeed = config
+        # The same for --fsdp / --fsdp_config (step "11. FSDP" opens the file): checked by validate().
+        from .fsdp_config import normalize_fsdp_flag, read_fsdp_config
+
+        self.fsdp_requested, self.fsdp_config_requested = self.fsdp, self.fsdp_config
+        self.fsdp, self.fsdp_problems = normalize_fsdp_flag(self.fsdp)
+        self.fsdp_on = bool(self.fsdp) or bool(self.fsdp_problems)
+        if self.fsdp_config is not None:
+            self.fsdp_config, problems = read_fsdp_config(self.fsdp_config)
+            self.fsdp_problems += problems
+        if self.fsdp_problems or self.deepspeed:  # never hand transformers a config it would choke on
+            self.fsdp = None
         if self.ddp_find_unused_parameters is None:
             # every parameter of a causal LM (and of a LoRA adapter on it) takes part in each step; DDP's
             # search for unused ones costs a graph traversal per step and warns on every rank.

@@ -33,7 +33,16 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
 
 
 class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` with an epoch-seeded length-grouped sampler (see the module docstring)."""
+    """``transformers.Trainer`` with an epoch-seeded length-grouped sampler (see the module docstring), and
+    FSDP2 on CPU process groups (:func:`sft.distributed.process_group.enable_fsdp`)."""
+
+    def create_accelerator_and_postprocess(self):
+        # transformers 5.24 calls this from __init__; the checks that follow in __init__ read is_fsdp_enabled,
+        # and the model is prepared (fully_shard) only in train(), so the FSDP2 state is complete before both.
+        super().create_accelerator_and_postprocess()
+        from .distributed.process_group import enable_fsdp
+
+        enable_fsdp(self)
 
     def _get_train_sampler(self, train_dataset=None):
         # Adapter over a private method: transformers 5.24 Trainer._get_train_sampler(train_dataset=None)

@@ -208,6 +208,37 @@ def _check_output(t) -> list[str]:
     return p
 
 
+def _check_fsdp(t, lora_args) -> list[str]:
+    """FSDP2 (``--fsdp`` + ``--fsdp_config``): the config's own problems, then the combinations that cannot run."""
+    p = list(t.fsdp_problems)
+    if not t.fsdp_on:
+        if t.fsdp_config_requested is not None:
+            p.append(f"--fsdp_config {t.fsdp_config_requested}: has no effect without --fsdp; add --fsdp (FSDP2) or "
+                     "drop --fsdp_config")
+        return p
+    fsdp = f"--fsdp {t.fsdp_requested}" if isinstance(t.fsdp_requested, str) else "--fsdp"
+    if t.deepspeed_requested:
+        p.append(f"{fsdp} with --deepspeed {t.deepspeed_requested}: choose one sharding engine (FSDP2 or DeepSpeed "
+                 "ZeRO); drop one of the two flags")
+    config = t.fsdp_config if isinstance(t.fsdp_config, dict) else {}
+    if t.use_cpu and config.get("cpu_offload"):
+        # torch 2.13 fully_shard with CPUOffloadPolicy (pin_memory=True, what accelerate 1.15 builds) pins each
+        # shard: "Cannot access accelerator device when none is available".
+        p.append(f"--fsdp_config {t.fsdp_config_requested} \"cpu_offload\": true on CPU: FSDP2's offload pins host "
+                 "memory for GPU copies and fails without a GPU, and on CPU the parameters are in CPU memory already; "
+                 "use finetune/fsdp_config_full_shard.json (no offload)")
+    if lora_args.q_lora:
+        p.append(f"--q_lora True with {fsdp}: FSDP2 shards every weight as a DTensor, and bitsandbytes' packed 4-bit "
+                 "weights can only be sharded when stored in the compute dtype (bnb_4bit_quant_storage), while this "
+                 "loader gives each rank a full 4-bit replica on its own device; use Q-LoRA with ZeRO-2 "
+                 "(finetune_qlora_ds.sh) or LoRA with FSDP2 (finetune_lora_fsdp.sh)")
+    if config.get("activation_checkpointing") and t.activation_checkpointing:
+        p.append(f"--gradient_checkpointing True with --fsdp_config {t.fsdp_config_requested} "
+                 "\"activation_checkpointing\": true: choose one (transformers refuses both); FSDP's own is the "
+                 "cheaper one: add --gradient_checkpointing False")
+    return p
+
+
 def validate(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
              lora_args: LoraArguments) -> None:
     """Check every rule that can be checked without loading the model; raise once with all problems.
@@ -217,7 +248,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
     """
     p = (_check_model(model_args.model_name_or_path) + _check_data(data_args, training_args)
          + _check_training(training_args) + _check_lora(model_args, training_args, lora_args)
-         + _check_output(training_args))
+         + _check_fsdp(training_args, lora_args) + _check_output(training_args))
     m, out = model_args.model_name_or_path, training_args.output_dir
     if m and out and os.path.isdir(m) and os.path.realpath(m) == os.path.realpath(out):
         p.append(f"--output_dir {out}: is the base model's folder; saving would overwrite the model you train "

@@ -10,6 +10,8 @@ Order in a run (:mod:`sft.cli`): parse -> validate -> :func:`setup_runtime` -> t
 * :func:`setup_runtime` -- under ``--deepspeed``: ``deepspeed.comm`` on that process group, before the
   model is built (ZeRO-3 partitions parameters as they are created), with DeepSpeed's CPU shm-op build
   skipped (:func:`sft.ds_compat.skip_shm_comm_op_build`).
+* :func:`enable_fsdp` -- under ``--fsdp`` on CPU: the FSDP2 plugin that accelerate 1.15 drops for CPU
+  process groups, given back as the Trainer creates its ``Accelerator`` (:mod:`sft.fsdp_compat`).
 """
 from __future__ import annotations
 
@@ -101,6 +103,19 @@ def init_deepspeed_comm(training_args) -> None:
                else "nccl" if torch.cuda.is_available() else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=training_args.ddp_timeout))
+
+
+def enable_fsdp(trainer) -> None:
+    """Under ``--fsdp`` in several CPU processes, give accelerate's state the FSDP2 plugin it drops on CPU
+    (:func:`sft.fsdp_compat.enable_fsdp_on_cpu`), so that the model is sharded with ``fully_shard`` over
+    gloo instead of being replicated by DDP. Called by the Trainer right after it creates its
+    ``Accelerator`` (:class:`sft.sampling.Trainer`), before the model is prepared. GPU runs are untouched."""
+    if trainer.args.fsdp_plugin_args is None or trainer.is_fsdp_enabled or not trainer.args.use_cpu:
+        return
+    from ..fsdp_compat import enable_fsdp_on_cpu
+
+    if enable_fsdp_on_cpu(trainer.accelerator, trainer.args.fsdp_plugin_args):
+        trainer.is_fsdp_enabled = True
 
 
 def setup_runtime(training_args) -> None:

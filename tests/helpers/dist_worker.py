@@ -2,8 +2,8 @@
 and the presets, or directly under torchrun; the repository root on PYTHONPATH, see
 tests.helpers.paths.pythonpath_env): trains through sft.training exactly like finetune.py, then
 records, per rank, which samples it saw, its losses and learning rates, what kind of run it was, and
-(rank 0) the trained model's logits on a probe prompt, computed on every rank (ZeRO-3 gathers weights
-layer by layer during the forward).
+(rank 0) the trained model's logits on a probe prompt, computed on every rank (ZeRO-3 and FSDP2 gather
+weights layer by layer during the forward).
 
 Report folder: ``$SFT_TEST_REPORT_DIR`` (``rank{N}.json``, ``logits.pt``).
 """
@@ -44,9 +44,10 @@ def main():
     with torch.no_grad():
         ids = torch.tensor([tok(PROBE)["input_ids"]])
         logits = model(input_ids=ids).logits.float()
-    zero3 = args[2].zero_stage == 3
+    fsdp2 = any(type(p).__name__ == "DTensor" for p in model.parameters())  # fully_shard's sharded parameters
+    sharded = args[2].zero_stage == 3 or fsdp2
     h = hashlib.sha256()
-    if not zero3:  # under ZeRO-3 every rank holds a different shard
+    if not sharded:  # under ZeRO-3 and FSDP2 every rank holds a different shard
         for name, p in sorted(model.named_parameters()):
             h.update(name.encode())
             h.update(p.detach().cpu().contiguous().numpy().tobytes())
@@ -58,6 +59,7 @@ def main():
         json.dump({"rank": rank, "world_size": args[2].world_size, "seen": seen, "digest": h.hexdigest(),
                    "deepspeed": trainer.is_deepspeed_enabled, "zero_stage": args[2].zero_stage,
                    "linear_kinds": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
+                   "fsdp": trainer.is_fsdp_enabled, "fsdp2_sharded": fsdp2,
                    "losses": [x["loss"] for x in log if "loss" in x],
                    "learning_rates": [x["learning_rate"] for x in log if "learning_rate" in x],
                    "max_steps": trainer.state.max_steps}, f)

@@ -76,6 +76,16 @@ def test_shipped_deepspeed_configs_are_package_data():
     assert os.path.isfile(EXAMPLE)
 
 
+def test_shipped_fsdp_configs_are_package_data():
+    from sft.fsdp_config import EXAMPLE, SHIPPED
+
+    for name in ("fsdp_config_full_shard.json", "fsdp_config_full_shard_offload.json"):
+        assert os.path.isfile(os.path.join(SHIPPED, name))
+        link = os.path.join(ROOT, "finetune", name)
+        assert os.path.islink(link) and os.path.realpath(link) == os.path.realpath(os.path.join(SHIPPED, name))
+    assert os.path.isfile(EXAMPLE)
+
+
 def test_every_relative_import_resolves():
     """Function-level imports run only on their path (the Ray stop poller's, a Q-LoRA run's): after modules move
     between packages, a stale ``from .x import y`` would fail only there, so every one is resolved here."""
