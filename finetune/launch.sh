@@ -89,7 +89,8 @@ SFT_EXIT_CODE_FILE="$(mktemp "${TMPDIR:-/tmp}/sft-exit.XXXXXX")"
 export SFT_EXIT_CODE_FILE
 trap 'rm -f "$SFT_EXIT_CODE_FILE"' EXIT
 # torchrun's static rendezvous (a TCPStore on MASTER_ADDR:MASTER_PORT) gives up after RDZV_TIMEOUT too.
-"$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+# sft.distributed.torchrun is torchrun, without its traceback when a signal stops it (exit 128 + signal).
+"$PYTHON" -m sft.distributed.torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --rdzv_conf "timeout=$RDZV_TIMEOUT" \
   "$PROGRAM" "${ARGS[@]}" &
 CHILD=$!
