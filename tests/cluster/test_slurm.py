@@ -46,7 +46,8 @@ def submit(cluster, tmp_path, flags, out, sbatch=("--nodes", "3")) -> tuple[int,
 
 
 def read(path) -> str:
-    return open(path, errors="replace").read() if os.path.exists(path) else ""
+    """The file's text, carriage returns kept (a progress bar's redraws); empty while it does not exist."""
+    return open(path, errors="replace", newline="").read() if os.path.exists(path) else ""
 
 
 def train_flags(model, data_file, steps=None, tqdm=True):
