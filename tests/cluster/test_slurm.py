@@ -165,3 +165,70 @@ def test_preempted_job_log_is_readable(preempted):
     context = {what: text[max(0, text.find(s) - 400):text.find(s) + 400] for what, s in found.items()}
     assert not found, context
     assert not re.search(r"\d+%\|[^\n]*\|", text), "a tqdm bar in the job log"
+
+
+# ------------------------------------------------------------------------------------------ PBS over real sshd
+
+def pbs_env(cluster, tmp_path, **extra) -> dict:
+    """What PBS gives the job script: PBS_NODEFILE with one line per slot (hosts not always adjacent),
+    PBS_JOBID, PBS_O_WORKDIR; PBS_RSH points ssh at the cluster's key and config."""
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("node0\nnode0\nnode1\nnode0\nnode1\nnode2\nnode2\nnode1\n")
+    return mn.node_env(PBS_NODEFILE=nodefile, PBS_JOBID="777.pbs-server", PBS_O_WORKDIR=tmp_path,
+                       PBS_RSH=f"ssh -F {cluster.ssh_config}", **extra)
+
+
+def stray_processes(cluster) -> dict[str, list[str]]:
+    """Processes in each host's namespace other than the cluster's daemons (sshd, slurmd, slurmctld)."""
+    daemons = set(sum(cluster.daemons().values(), []))
+    stray = {}
+    for i, name in enumerate(cluster.hosts.hostnames):
+        for pid in set(cluster.hosts.pids(i)) - daemons:
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            stray.setdefault(name, []).append(f"{pid} {cmd[:120]}")
+    return stray
+
+
+def test_pbs_over_real_sshd_equals_one_host(cluster, make_hosts, tmp_path, tmp_path_factory, tiny_model_dir,  # noqa: F811
+                                            data):
+    ref = mn.reference(3, make_hosts, tmp_path_factory, tiny_model_dir, data)
+    job = mn.Job(tmp_path)
+    try:  # the job script runs on the first host of the node file, as PBS starts it
+        job.start(cluster.hosts.cmd(0, ["bash", PBS_SH, PRESET, *train_flags(tiny_model_dir, data),
+                                        "--output_dir", "out"]), pbs_env(cluster, tmp_path), "qsub")
+        assert job.wait() == [0], job.tails()
+    finally:
+        job.close()
+    text = job.text(0)
+    assert "pbs: job 777.pbs-server, 3 node(s) (node0 node1 node2), master node0:10777" in text, text
+    for i in range(3):  # each launcher ran on its own host (its own address): started there by sshd
+        assert re.search(rf"launch: node rank {i} of 3 nodes, 1 process\(es\) per node, world size 3, "
+                         rf"master node0:10777, interface eth0 10\.213\.0\.{i + 1}\b", text), text
+    mn.assert_same_training(tmp_path / "out", ref)  # --output_dir out: relative to PBS_O_WORKDIR
+
+
+def test_pbs_failing_node_stops_the_others_and_leaves_nothing_running(cluster, tmp_path, tiny_model_dir, data):
+    # node rank 2 fails after 15 s; the others wait for it in the preflight rendezvous (RDZV_TIMEOUT=120)
+    preset = tmp_path / "preset.sh"
+    preset.write_text(f'if [[ "$NODE_RANK" == 2 ]]; then sleep 15; echo "node 2 gives up" >&2; exit 3; fi\n'
+                      f'exec bash {mn.PRESET} "$@"\n')
+    job = mn.Job(tmp_path)
+    try:
+        job.start(cluster.hosts.cmd(0, ["bash", PBS_SH, str(preset), *train_flags(tiny_model_dir, data),
+                                        "--output_dir", "out"]), pbs_env(cluster, tmp_path), "qsub")
+        rc = job.wait(limit=90)
+    finally:
+        job.close()
+    elapsed = time.monotonic() - job.t0
+    text = job.text(0)
+    assert rc == [3], text
+    assert elapsed < 60, f"the other nodes were not stopped: {elapsed:.0f} s ({text[-2000:]})"
+    assert "pbs: node rank 2 (node2) failed (exit 3): stopping every node" in text, text
+    assert re.search(r"pbs: failed: node rank 2 \(node2\): exit 3", text), text
+    deadline = time.monotonic() + 10
+    while stray_processes(cluster) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not stray_processes(cluster), stray_processes(cluster)
