@@ -179,7 +179,8 @@ def pbs_env(cluster, tmp_path, **extra) -> dict:
 
 
 def stray_processes(cluster) -> dict[str, list[str]]:
-    """Processes in each host's namespace other than the cluster's daemons (sshd, slurmd, slurmctld)."""
+    """Processes in each host's namespace other than the cluster's daemons (sshd, slurmd, slurmctld and its
+    slurmscriptd)."""
     daemons = set(sum(cluster.daemons().values(), []))
     stray = {}
     for i, name in enumerate(cluster.hosts.hostnames):
@@ -188,7 +189,8 @@ def stray_processes(cluster) -> dict[str, list[str]]:
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            stray.setdefault(name, []).append(f"{pid} {cmd[:120]}")
+            if not cmd.startswith("slurmctld: slurmscriptd"):  # slurmctld's own helper (renames itself)
+                stray.setdefault(name, []).append(f"{pid} {cmd[:120]}")
     return stray
 
 
