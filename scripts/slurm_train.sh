@@ -16,8 +16,9 @@
 # Preemption: SIGUSR1 or SIGTERM to this batch shell (#SBATCH --signal=B:USR1@120 below: SLURM sends USR1
 # 120 s, or up to 60 s more, before the time limit; `scancel --batch --signal=USR1|TERM JOB`) is passed as
 # one SIGTERM to every node's launcher through srun: each rank finishes its step and saves a checkpoint.
-# A SIGTERM to every step process (`scancel --signal=TERM JOB`, `--full`) does the same; a SIGUSR1 to them
-# is turned into that SIGTERM by each node's task. Why B:USR1: it reaches only this shell, which then stops
+# A SIGTERM to every step process (`scancel --signal=TERM JOB`) does the same; a SIGUSR1 to them is turned
+# into that SIGTERM by each node's task. Not `scancel --full --signal=TERM`: srun answers a SIGTERM of its
+# own by SIGKILLing every task (no checkpoint). Why B:USR1: it reaches only this shell, which then stops
 # the nodes once and in order, and USR1 is sent by nothing else, so it always means "the time is up".
 # Requeue: a run that exits with 75 (preempted; it saved a checkpoint) is put back in the queue with
 # `scontrol requeue` and resumes from that checkpoint when it runs again (after SLURM's requeue hold, the
@@ -74,22 +75,22 @@ trap stop TERM USR1
 child=$!
 while :; do rc=0; wait "$child" || rc=$?; if (( rc > 128 )) && kill -0 "$child" 2>/dev/null; then continue; fi; break; done
 exit "$rc"'
-srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL \
-  bash -c "$TASK" "$PRESET" "$@" &
-SRUN=$!
 # A signal to this shell: SIGUSR1 to srun, which passes it on to every process of the step (SIGUSR1 is
 # passed as is; a SIGTERM would be answered with SIGKILL), and each task turns it into one SIGTERM to its
 # launcher. Bash defers traps while a foreground command runs, hence srun in the background and wait.
-STOPPED=""
+STOPPED="" SRUN=""
 stop_nodes() {
   if [[ -z "$STOPPED" ]]; then
     STOPPED="$1"
     echo "slurm: SIG$1: asking every node to save a checkpoint and stop" >&2
-    kill -USR1 "$SRUN" 2>/dev/null || true
+    if [[ -n "$SRUN" ]]; then kill -USR1 "$SRUN" 2>/dev/null || true; fi
   fi
 }
 trap 'stop_nodes USR1' USR1
 trap 'stop_nodes TERM' TERM
+srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL \
+  bash -c "$TASK" "$PRESET" "$@" &
+SRUN=$!
 while :; do
   rc=0; wait "$SRUN" || rc=$?
   if (( rc > 128 )) && kill -0 "$SRUN" 2>/dev/null; then continue; fi
