@@ -18,6 +18,7 @@
 #   SFT_PROGRAM  Python file run in each process (default: finetune.py next to this folder; the tests
 #                use a worker that also reports what each rank computed)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits for workers after SIGTERM (default here 360)
+#   TORCH_CPP_LOG_LEVEL  torch C++ log level (default here ERROR: c10d's per-connection warnings off)
 #
 # Exit code 75: preempted (SIGTERM/SIGINT); a checkpoint was saved and the same command resumes.
 set -euo pipefail
@@ -85,11 +86,16 @@ if [[ "${SFT_PREFLIGHT:-1}" != 0 ]]; then "$PYTHON" -m sft.distributed rendezvou
 # code, so the workers report theirs in SFT_EXIT_CODE_FILE and this script exits 75 when any rank was
 # preempted (also when the signal reached only the workers, e.g. SLURM signalling every process).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-360}"
+# c10d's C++ warnings, chiefly "The hostname of the client socket cannot be retrieved" for every connection
+# to the master when the nodes' addresses have no reverse name (hosts files: c10d asks for the IPv4-mapped
+# IPv6 address). Errors still show; TORCH_CPP_LOG_LEVEL=WARNING (or INFO) brings the warnings back.
+export TORCH_CPP_LOG_LEVEL="${TORCH_CPP_LOG_LEVEL:-ERROR}"
 SFT_EXIT_CODE_FILE="$(mktemp "${TMPDIR:-/tmp}/sft-exit.XXXXXX")"
 export SFT_EXIT_CODE_FILE
 trap 'rm -f "$SFT_EXIT_CODE_FILE"' EXIT
 # torchrun's static rendezvous (a TCPStore on MASTER_ADDR:MASTER_PORT) gives up after RDZV_TIMEOUT too.
-"$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+# sft.distributed.torchrun is torchrun, without its traceback when a signal stops it (exit 128 + signal).
+"$PYTHON" -m sft.distributed.torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --rdzv_conf "timeout=$RDZV_TIMEOUT" \
   "$PROGRAM" "${ARGS[@]}" &
 CHILD=$!

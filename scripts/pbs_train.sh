@@ -16,8 +16,13 @@
 # OMP_NUM_THREADS, HF_*, TRANSFORMERS_*, NCCL_*, GLOO_*, TORCH_*, SFT_*.
 # MASTER_PORT: default 10000 + (numeric part of PBS_JOBID) % 20000.
 #
-# Waits for every node; exits with the highest node exit code (0 only if all succeeded) and names the
-# nodes that failed. A node that exits 75 (preempted) makes the job exit 75: resubmit it (qrerun).
+# Stopping: each node's launcher runs in its own process group, watched over its ssh connection. The first
+# node that fails (an exit code other than 0 and 75) stops the others: each is sent a stop line on its
+# ssh's stdin and its whole process group gets SIGTERM (a launcher in training saves a checkpoint). The
+# same happens on SIGTERM/SIGINT to this script (qdel) and when an ssh connection drops (its stdin ends), so
+# no remote process is left running (killing a local ssh alone would leave the remote command running).
+# Exit code: the first failing node's (0 only if all succeeded), naming every node that failed; a node
+# that exits 75 (preempted) makes the job exit 75: resubmit it (qrerun).
 #PBS -N sft
 #PBS -j oe
 set -euo pipefail
@@ -59,31 +64,72 @@ for name in $(compgen -e); do
     FORWARD+=("$name=${!name}")
   fi
 done
+# On the node: the preset in its own process group (setsid), and a watcher that sends that group SIGTERM
+# when a line or the end of its stdin (the ssh channel) arrives; the node's exit code is the preset's.
+# shellcheck disable=SC2016  # expanded by the node's bash
+NODE_TASK='setsid "$@" </dev/null &
+p=$!
+exec 3<&0
+{ read -r _ <&3 || true; kill -TERM -- "-$p" 2>/dev/null; } &
+w=$!
+rc=0; wait "$p" || rc=$?
+kill "$w" 2>/dev/null || true
+exit "$rc"'
 remote_command() {  # NODE_RANK [preset arguments ...]
   local rank="$1" q w
   shift
-  q="cd $(printf '%q' "$PWD") && env"
+  q="cd $(printf '%q' "$PWD") && exec env"
   for w in NNODES="$NNODES" NODE_RANK="$rank" MASTER_ADDR="$MASTER_ADDR" MASTER_PORT="$MASTER_PORT" \
-           "${FORWARD[@]}" bash "$PRESET" "$@"; do
+           "${FORWARD[@]}" bash -c "$NODE_TASK" sft-node bash "$PRESET" "$@"; do
     q+=" $(printf '%q' "$w")"
   done
   printf '%s\n' "$q"
 }
 
-PIDS=()
-trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' INT TERM
+# Each ssh reads its stdin from its own FIFO, held open (read-write) by this script: nothing arrives until
+# a stop line is written, and it ends when this script is gone.
+FIFO_DIR="$(mktemp -d "${TMPDIR:-/tmp}/sft-pbs.XXXXXX")"
+PIDS=() FDS=()
 for rank in "${!HOSTS[@]}"; do
-  "${RSH[@]}" -n "${HOSTS[$rank]}" "$(remote_command "$rank" "$@")" &
+  mkfifo -m 600 "$FIFO_DIR/$rank"
+  exec {fd}<>"$FIFO_DIR/$rank"
+  FDS+=("$fd")
+done
+rm -rf "$FIFO_DIR"
+STOPPING=""
+stop_nodes() {  # REASON
+  [[ -n "$STOPPING" ]] && return 0
+  STOPPING=1
+  echo "pbs: $1: stopping every node" >&2
+  for r in "${!PIDS[@]}"; do
+    if kill -0 "${PIDS[$r]}" 2>/dev/null; then echo stop >&"${FDS[$r]}" || true; fi
+  done
+}
+trap 'stop_nodes "SIGTERM"' TERM
+trap 'stop_nodes "SIGINT"' INT
+for rank in "${!HOSTS[@]}"; do
+  "${RSH[@]}" "${HOSTS[$rank]}" "$(remote_command "$rank" "$@")" <&"${FDS[$rank]}" &
   PIDS+=("$!")
 done
-worst=0 failed=()
-for rank in "${!HOSTS[@]}"; do
-  rc=0
-  wait "${PIDS[$rank]}" || rc=$?
-  if (( rc != 0 )); then failed+=("node rank $rank (${HOSTS[$rank]}): exit $rc"); fi
-  if (( rc > worst )); then worst=$rc; fi
+# Poll (portable to bash 4: no wait -n -p): record each node's exit as it comes.
+declare -A RC=()
+first=0 failed=()
+while (( ${#RC[@]} < NNODES )); do
+  for rank in "${!HOSTS[@]}"; do
+    [[ -n "${RC[$rank]:-}" ]] && continue
+    kill -0 "${PIDS[$rank]}" 2>/dev/null && continue
+    rc=0
+    wait "${PIDS[$rank]}" || rc=$?
+    RC[$rank]=$rc
+    if (( rc != 0 )); then
+      failed+=("node rank $rank (${HOSTS[$rank]}): exit $rc")
+      if (( first == 0 )); then first=$rc; fi
+      if (( rc != 75 )); then stop_nodes "node rank $rank (${HOSTS[$rank]}) failed (exit $rc)"; fi
+    fi
+  done
+  (( ${#RC[@]} < NNODES )) && sleep 0.5
 done
 if (( ${#failed[@]} > 0 )); then
   printf 'pbs: failed: %s\n' "${failed[@]}" >&2
 fi
-exit "$worst"
+exit "$first"

@@ -13,11 +13,21 @@
 # reach every node (srun exports the environment). SFT_ROOT: the repository, when sbatch copied this
 # script away from it and it was not submitted from the repository folder.
 #
+# Preemption: SIGUSR1 or SIGTERM to this batch shell (#SBATCH --signal=B:USR1@120 below: SLURM sends USR1
+# 120 s, or up to 60 s more, before the time limit; `scancel --batch --signal=USR1|TERM JOB`) is passed as
+# one SIGTERM to every node's launcher through srun: each rank finishes its step and saves a checkpoint.
+# A SIGTERM to every step process (`scancel --signal=TERM JOB`) does the same; a SIGUSR1 to them is turned
+# into that SIGTERM by each node's task. Not `scancel --full --signal=TERM`: srun answers a SIGTERM of its
+# own by SIGKILLing every task (no checkpoint). Why B:USR1: it reaches only this shell, which then stops
+# the nodes once and in order, and USR1 is sent by nothing else, so it always means "the time is up".
 # Requeue: a run that exits with 75 (preempted; it saved a checkpoint) is put back in the queue with
-# `scontrol requeue`; the output file is appended to, not replaced.
+# `scontrol requeue` and resumes from that checkpoint when it runs again (after SLURM's requeue hold, the
+# job credential's lifetime: 120 s by default, AuthInfo=...,cred_expire=S in slurm.conf); the output file
+# is appended to, not replaced.
 #SBATCH --job-name=sft
 #SBATCH --ntasks-per-node=1
 #SBATCH --requeue
+#SBATCH --signal=B:USR1@120
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
@@ -53,12 +63,39 @@ export NNODES MASTER_ADDR MASTER_PORT
 echo "slurm: job $SLURM_JOB_ID, $NNODES node(s) ($SLURM_JOB_NODELIST), master $MASTER_ADDR:$MASTER_PORT, preset $PRESET" >&2
 
 # One task per node; each sets its NODE_RANK from SLURM_NODEID. --kill-on-bad-exit: a node that fails
-# ends the others now instead of after their timeouts.
-set +e
+# ends the others now instead of after their timeouts. The task runs the preset with SIGUSR1 ignored (so a
+# SIGUSR1 sent to every step process does not kill the launcher, torchrun and the workers) and sends the
+# launcher one SIGTERM on the first SIGUSR1 or SIGTERM it gets itself; it exits with the launcher's code.
+# shellcheck disable=SC2016  # expanded by the task's bash
+TASK='export NODE_RANK="$SLURM_NODEID"
+stopped=""
+stop() { if [[ -z "$stopped" ]]; then stopped=1; kill -TERM "$child" 2>/dev/null || true; fi; }
+trap stop TERM USR1
+(trap "" USR1; exec bash "$0" "$@") &
+child=$!
+while :; do rc=0; wait "$child" || rc=$?; if (( rc > 128 )) && kill -0 "$child" 2>/dev/null; then continue; fi; break; done
+exit "$rc"'
+# A signal to this shell: SIGUSR1 to srun, which passes it on to every process of the step (SIGUSR1 is
+# passed as is; a SIGTERM would be answered with SIGKILL), and each task turns it into one SIGTERM to its
+# launcher. Bash defers traps while a foreground command runs, hence srun in the background and wait.
+STOPPED="" SRUN=""
+stop_nodes() {
+  if [[ -z "$STOPPED" ]]; then
+    STOPPED="$1"
+    echo "slurm: SIG$1: asking every node to save a checkpoint and stop" >&2
+    if [[ -n "$SRUN" ]]; then kill -USR1 "$SRUN" 2>/dev/null || true; fi
+  fi
+}
+trap 'stop_nodes USR1' USR1
+trap 'stop_nodes TERM' TERM
 srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL \
-  bash -c 'export NODE_RANK="$SLURM_NODEID"; exec bash "$0" "$@"' "$PRESET" "$@"
-rc=$?
-set -e
+  bash -c "$TASK" "$PRESET" "$@" &
+SRUN=$!
+while :; do
+  rc=0; wait "$SRUN" || rc=$?
+  if (( rc > 128 )) && kill -0 "$SRUN" 2>/dev/null; then continue; fi
+  break
+done
 if (( rc == PREEMPTED_EXIT_CODE )); then
   echo "slurm: preempted (exit $rc): requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"

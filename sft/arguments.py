@@ -179,6 +179,10 @@ class TrainingArguments(transformers.TrainingArguments):
             self.fsdp_problems += problems
         if self.fsdp_problems or self.deepspeed:  # never hand transformers a config it would choke on
             self.fsdp = None
+        if self.disable_tqdm is None:
+            # tqdm redraws its bar with carriage returns: in a file (a scheduler's job log) the bars splice into
+            # the log lines. Off unless stderr is a terminal; the per-step numbers (sft.callbacks) still show progress.
+            self.disable_tqdm = not sys.stderr.isatty()
         if self.ddp_find_unused_parameters is None:
             # every parameter of a causal LM (and of a LoRA adapter on it) takes part in each step; DDP's
             # search for unused ones costs a graph traversal per step and warns on every rank.

@@ -3,11 +3,15 @@
 ``Hosts(n)`` makes ``n`` namespaces ``sft<pid>h<i>`` (host names ``node0`` .. ``node<n-1>``, addresses
 ``10.213.0.<i+1>/24`` that exist only inside them, loopback up) and one ``sft<pid>sw`` namespace holding
 the bridge that joins their veth pairs, so nothing is added to the machine's own network namespace.
-``/etc/netns/<ns>/hosts`` (bind-mounted by ``ip netns exec``) lets every host resolve the others by name.
-Each command runs as ``ip netns exec NS unshare --uts`` with its own host name.
+Each command runs as ``nsenter --net=/run/netns/NS unshare --uts --mount --propagation private``: its own
+host name, and in its own mount namespace a private hosts file bind-mounted over ``/etc/hosts`` (every host
+resolves the others by name; the machine's own ``/etc/hosts`` is untouched) and, with ``private_run``, a
+tmpfs on ``/run`` (sshd's ``/run/sshd``). Not ``ip netns exec``: it remounts ``/sys``, which hides
+``/sys/fs/cgroup`` and slurmd then refuses to start. Those mounts end with the last process of the command.
 
 Cleanup (``close()``, also on errors and from the pytest fixture's finally): kill every process left in
-the namespaces, delete them (which deletes the veths and the bridge) and their /etc/netns folders.
+the namespaces, delete them (which deletes the veths, the bridge and the /run/netns bind mounts) and the
+hosts file's folder.
 Needs root and iproute2; :func:`unavailable` says why not when they are missing.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 SUBNET = "10.213.0"
@@ -29,7 +34,7 @@ def unavailable() -> str | None:
     """The reason namespaces cannot be made here, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool in ("ip", "unshare"):
+    for tool in ("ip", "unshare", "nsenter"):
         if not shutil.which(tool):
             return f"{tool} (iproute2 / util-linux) is not installed"
     name = f"sft{os.getpid()}probe"
@@ -50,6 +55,8 @@ class Hosts:
         self.hostnames = [f"node{i}" for i in range(n)]
         self.addrs = [f"{SUBNET}.{i + 1}" for i in range(n)]
         self.made: list[str] = []
+        self.tmp = tempfile.mkdtemp(prefix=f"{self.prefix}-", dir="/tmp")
+        self.hosts_file = os.path.join(self.tmp, "hosts")
         try:
             self._build()
         except BaseException:
@@ -61,11 +68,10 @@ class Hosts:
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
         hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(self.addrs, self.hostnames))
+        with open(self.hosts_file, "w") as f:
+            f.write(hosts)
         for i, ns in enumerate(self.names):
             self._add_ns(ns)
-            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-            with open(f"/etc/netns/{ns}/hosts", "w") as f:
-                f.write(hosts)
             inner, outer = f"v{os.getpid() % 100000}x{i}", f"v{os.getpid() % 100000}y{i}"  # <= 15 chars
             _ip("link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", self.switch)
             _ip("-n", self.switch, "link", "set", outer, "master", "br0")
@@ -81,10 +87,15 @@ class Hosts:
         _ip("netns", "add", name)
         self.made.append(name)
 
-    def cmd(self, i: int, argv: list[str]) -> list[str]:
-        """argv run on host ``i`` (its network namespace, its own host name)."""
-        return ["ip", "netns", "exec", self.names[i], "unshare", "--uts", "--", "bash", "-c",
-                'hostname "$0" && exec "$@"', self.hostnames[i], *argv]
+    def cmd(self, i: int, argv: list[str], private_run: bool = False) -> list[str]:
+        """argv run on host ``i``: its network namespace, its own host name and ``/etc/hosts``; with
+        ``private_run`` a fresh tmpfs on ``/run`` holding an empty ``/run/sshd``."""
+        setup = 'hostname "$0" && mount --bind "$1" /etc/hosts'
+        if private_run:
+            setup += " && mount -t tmpfs -o mode=755 sft-run /run && mkdir -m 755 /run/sshd"
+        return ["nsenter", f"--net=/run/netns/{self.names[i]}", "unshare", "--uts", "--mount", "--propagation",
+                "private", "--", "bash", "-c", setup + ' && shift && exec "$@"', self.hostnames[i],
+                self.hosts_file, *argv]
 
     def pids(self, i: int) -> list[int]:
         r = _ip("netns", "pids", self.names[i], check=False)
@@ -101,8 +112,8 @@ class Hosts:
         time.sleep(0.1)
         for ns in reversed(self.made):
             _ip("netns", "del", ns, check=False)
-            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         self.made = []
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         """Namespaces of this object still present (empty after close())."""

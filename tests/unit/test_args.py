@@ -60,3 +60,15 @@ def test_model_folder_without_config(tmp_path, toy_data):
     m, d, t, l = parse_args(["--model_name_or_path", str(tmp_path), "--data_path", toy_data, "--output_dir", str(tmp_path / "o")])
     with pytest.raises(ConfigError, match="no config.json"):
         validate(m, d, t, l)
+
+
+@pytest.mark.parametrize("tty, flag, expected", [(False, [], True), (True, [], False),
+                                                 (False, ["--disable_tqdm", "False"], False),
+                                                 (True, ["--disable_tqdm", "True"], True)])
+def test_progress_bar_off_when_stderr_is_no_terminal(tiny_model_dir, toy_data, tmp_path, monkeypatch, tty, flag,
+                                                     expected):
+    # a job log (stderr a file) gets no tqdm bar spliced into its lines; a flag given wins either way
+    monkeypatch.setattr("sys.stderr.isatty", lambda: tty)
+    _, _, t, _ = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data,
+                             "--output_dir", str(tmp_path / "o"), *flag])
+    assert t.disable_tqdm is expected

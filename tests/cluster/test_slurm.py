@@ -1,0 +1,236 @@
+"""scripts/slurm_train.sh under a real SLURM cluster and scripts/pbs_train.sh over real sshd.
+
+The session's cluster (tests/cluster/conftest.py, tests/helpers/slurm.py) is 3 namespace hosts node0..node2,
+each with its own address, host name and /etc/hosts, running slurmd and sshd; slurmctld runs on node0 and
+one munged serves them all. Jobs are submitted with sbatch as a user would; their per-step losses and saved
+adapter must equal one host with the same world size, global batch and seed (the references of
+tests/cluster/test_multinode.py). Preemption goes the way SLURM sends it before a time limit
+(``#SBATCH --signal=B:USR1@120``: SIGUSR1 to the batch shell) -> checkpoint -> exit 75 -> requeue -> the
+rerun resumes and ends where an uninterrupted run ends; its job log has to read cleanly.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.cluster import test_multinode as mn
+from tests.cluster.test_multinode import data, make_hosts  # noqa: F401 - fixtures of the one-host references
+from tests.helpers import netns
+from tests.helpers.paths import ROOT
+
+_WHY = netns.unavailable()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+
+SLURM_SH = os.path.join(ROOT, "scripts", "slurm_train.sh")
+PBS_SH = os.path.join(ROOT, "scripts", "pbs_train.sh")
+PRESET = os.path.basename(mn.PRESET)
+JOB_LIMIT_S = 300  # one training job on a loaded 2-core machine
+
+
+def job_env(cluster, **extra) -> dict:
+    return cluster.env(**{**mn.node_env(), **extra})
+
+
+def submit(cluster, tmp_path, flags, out, sbatch=("--nodes", "3")) -> tuple[int, str]:
+    """sbatch [sbatch options] scripts/slurm_train.sh PRESET -m MODEL -d DATA --output_dir OUT FLAGS from the
+    repository folder; (job id, job log path)."""
+    log = str(tmp_path / "slurm-%j.out")
+    jid = cluster.sbatch([*sbatch, "--output", log, SLURM_SH, PRESET, *flags, "--output_dir", str(out)],
+                         job_env(cluster), cwd=ROOT)
+    return jid, log.replace("%j", str(jid))
+
+
+def read(path) -> str:
+    """The file's text, carriage returns kept (a progress bar's redraws); empty while it does not exist."""
+    return open(path, errors="replace", newline="").read() if os.path.exists(path) else ""
+
+
+def train_flags(model, data_file, steps=None, tqdm=True):
+    flags = list(mn.TRAIN)
+    if steps is not None:
+        flags[flags.index("--max_steps") + 1] = str(steps)
+    if not tqdm:  # the preset's default progress bar setting
+        i = flags.index("--disable_tqdm")
+        del flags[i:i + 2]
+    return ["-m", model, "-d", data_file, *flags]
+
+
+def test_daemons_are_real_and_each_on_its_host(cluster):
+    d = cluster.daemons()
+    assert len(d.get("slurmctld", [])) == 1 and len(d.get("munged", [])) == 1, d
+    assert len(d.get("slurmd", [])) == 3 and len(d.get("sshd", [])) >= 3, d
+    where = {pid: subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True).stdout.strip()
+             for pid in d["slurmd"] + d["sshd"]}
+    assert sorted(where[p] for p in d["slurmd"]) == cluster.hosts.names, where
+    assert set(cluster.hosts.names) <= {where[p] for p in d["sshd"]}, where
+    r = cluster.run(["srun", "--nodes", "3", "--ntasks-per-node", "1", "--label", "bash", "-c",
+                     'echo "$(hostname) $SLURM_NODEID $(getent hosts node2)"'])
+    lines = sorted(r.stdout.split("\n"))[-3:]
+    assert [ln.split()[1:3] for ln in lines] == [["node0", "0"], ["node1", "1"], ["node2", "2"]], r.stdout
+    assert all("10.213.0.3" in ln for ln in lines), r.stdout
+
+
+def test_sbatch_equals_one_host(cluster, make_hosts, tmp_path, tmp_path_factory, tiny_model_dir, data):  # noqa: F811
+    ref = mn.reference(3, make_hosts, tmp_path_factory, tiny_model_dir, data)
+    out = tmp_path / "out"
+    jid, log = submit(cluster, tmp_path, train_flags(tiny_model_dir, data), out)
+    info = cluster.wait_job(jid, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), JOB_LIMIT_S)
+    text = read(log)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+    port = 10000 + jid % 20000
+    assert f"slurm: job {jid}, 3 node(s) (node[0-2]), master node0:{port}" in text, text
+    for i in range(3):  # each node's launcher ran on its own host, with its own address
+        assert re.search(rf"launch: node rank {i} of 3 nodes, 1 process\(es\) per node, world size 3, "
+                         rf"master node0:{port}, interface eth0 10\.213\.0\.{i + 1}\b", text), text
+    mn.assert_same_training(out, ref)
+
+
+_PREEMPT_STEPS = 40  # long enough that the signal, sent after the first logged loss, lands before the end
+
+
+@pytest.fixture(scope="module")
+def preempted(cluster, tmp_path_factory, tiny_model_dir, data):
+    """One job stopped by SIGUSR1 to its batch shell (what ``#SBATCH --signal=B:USR1@120`` sends before the time
+    limit) after its first logged loss, requeued and finished; (job id, log text, output folder, requeue s)."""
+    tmp = tmp_path_factory.mktemp("preempted")
+    out = tmp / "out"
+    jid, log = submit(cluster, tmp, train_flags(tiny_model_dir, data, steps=_PREEMPT_STEPS, tqdm=False), out)
+    deadline = time.monotonic() + JOB_LIMIT_S
+    while "'loss'" not in read(log):
+        state = cluster.job(jid).get("JobState")
+        assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (state, read(log)[-3000:])
+        time.sleep(0.3)
+    cluster.run(["scancel", "--batch", "--signal=USR1", str(jid)])
+    info = cluster.wait_job(jid, ("PENDING", "COMPLETED", "FAILED", "CANCELLED"), JOB_LIMIT_S)
+    assert info["JobState"] == "PENDING" and info["Restarts"] == "1", (info, read(log)[-3000:])
+    requeued = time.monotonic()
+    info = cluster.wait_job(jid, ("RUNNING", "COMPLETED", "FAILED", "CANCELLED"), 120)
+    hold = time.monotonic() - requeued
+    info = cluster.wait_job(jid, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_LIMIT_S)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, read(log)[-3000:])
+    return jid, read(log), out, hold
+
+
+def test_preempted_job_is_requeued_and_resumes_to_the_uninterrupted_result(
+        preempted, make_hosts, tmp_path_factory, tiny_model_dir, data):  # noqa: F811
+    jid, text, out, hold = preempted
+    first, rerun = text.split(f"slurm: preempted (exit 75): requeueing job {jid}")
+    assert "slurm: SIGUSR1: asking every node to save a checkpoint and stop" in first, first[-3000:]
+    assert first.count("launch: preempted; the checkpoint is in --output_dir") == 3, first[-3000:]
+    saved = re.search(r"preemption: saving a checkpoint at step (\d+) and stopping", first)
+    assert saved and 0 < int(saved.group(1)) < _PREEMPT_STEPS, first[-3000:]
+    assert re.search(rf"resuming from \S*checkpoint-{saved.group(1)}\b", rerun), rerun[-3000:]
+    assert hold < 60, f"the requeued job waited {hold:.0f} s (cred_expire=10 should make it ~10 s)"
+    # the uninterrupted run: one host, 3 processes, the same flags
+    ref_dir = tmp_path_factory.mktemp("uninterrupted")
+    hosts = make_hosts(1)
+    j = mn.Job(ref_dir)
+    try:
+        j.start(hosts.cmd(0, ["bash", mn.PRESET, *train_flags(tiny_model_dir, data, steps=_PREEMPT_STEPS, tqdm=False),
+                              "--output_dir", str(ref_dir / "out")]),
+                mn.node_env(NPROC_PER_NODE=3, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001), "ref")
+        assert j.wait() == [0], j.tails()
+    finally:
+        j.close()
+    losses, weights = mn.results(out)
+    ref_losses, ref_weights = mn.results(ref_dir / "out")
+    assert len(losses) == len(ref_losses) == _PREEMPT_STEPS
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= mn.ATOL_LOSS, (losses, ref_losses)
+    import torch
+
+    for k in ref_weights:
+        torch.testing.assert_close(weights[k], ref_weights[k], atol=mn.ATOL_WEIGHTS, rtol=0)
+
+
+# Lines a preempted job's log must not have: tracebacks (ours, torchrun's "Received 15 death signal"), library
+# notices unrelated to the run, progress bars redrawn with carriage returns.
+UNREADABLE = {
+    "a Python traceback": "Traceback (most recent call last)",
+    "torchrun's signal report": "death signal",
+    "torchrun's SignalException": "SignalException",
+    "bitsandbytes' kernel notice": "gemm_4bit_forward",
+    "c10d's reverse-lookup warning": "hostname of the client socket cannot be retrieved",
+    "a progress bar": "\r",
+}
+
+
+def test_preempted_job_log_is_readable(preempted):
+    _, text, _, _ = preempted
+    found = {what: s for what, s in UNREADABLE.items() if s in text}
+    context = {what: text[max(0, text.find(s) - 400):text.find(s) + 400] for what, s in found.items()}
+    assert not found, context
+    assert not re.search(r"\d+%\|[^\n]*\|", text), "a tqdm bar in the job log"
+
+
+# ------------------------------------------------------------------------------------------ PBS over real sshd
+
+def pbs_env(cluster, tmp_path, **extra) -> dict:
+    """What PBS gives the job script: PBS_NODEFILE with one line per slot (hosts not always adjacent),
+    PBS_JOBID, PBS_O_WORKDIR; PBS_RSH points ssh at the cluster's key and config."""
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("node0\nnode0\nnode1\nnode0\nnode1\nnode2\nnode2\nnode1\n")
+    return mn.node_env(PBS_NODEFILE=nodefile, PBS_JOBID="777.pbs-server", PBS_O_WORKDIR=tmp_path,
+                       PBS_RSH=f"ssh -F {cluster.ssh_config}", **extra)
+
+
+def stray_processes(cluster) -> dict[str, list[str]]:
+    """Processes in each host's namespace other than the cluster's daemons (sshd, slurmd, slurmctld and its
+    slurmscriptd)."""
+    daemons = set(sum(cluster.daemons().values(), []))
+    stray = {}
+    for i, name in enumerate(cluster.hosts.hostnames):
+        for pid in set(cluster.hosts.pids(i)) - daemons:
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if not cmd.startswith("slurmctld: slurmscriptd"):  # slurmctld's own helper (renames itself)
+                stray.setdefault(name, []).append(f"{pid} {cmd[:120]}")
+    return stray
+
+
+def test_pbs_over_real_sshd_equals_one_host(cluster, make_hosts, tmp_path, tmp_path_factory, tiny_model_dir,  # noqa: F811
+                                            data):
+    ref = mn.reference(3, make_hosts, tmp_path_factory, tiny_model_dir, data)
+    job = mn.Job(tmp_path)
+    try:  # the job script runs on the first host of the node file, as PBS starts it
+        job.start(cluster.hosts.cmd(0, ["bash", PBS_SH, PRESET, *train_flags(tiny_model_dir, data),
+                                        "--output_dir", "out"]), pbs_env(cluster, tmp_path), "qsub")
+        assert job.wait() == [0], job.tails()
+    finally:
+        job.close()
+    text = job.text(0)
+    assert "pbs: job 777.pbs-server, 3 node(s) (node0 node1 node2), master node0:10777" in text, text
+    for i in range(3):  # each launcher ran on its own host (its own address): started there by sshd
+        assert re.search(rf"launch: node rank {i} of 3 nodes, 1 process\(es\) per node, world size 3, "
+                         rf"master node0:10777, interface eth0 10\.213\.0\.{i + 1}\b", text), text
+    mn.assert_same_training(tmp_path / "out", ref)  # --output_dir out: relative to PBS_O_WORKDIR
+
+
+def test_pbs_failing_node_stops_the_others_and_leaves_nothing_running(cluster, tmp_path, tiny_model_dir, data):
+    # node rank 2 fails after 15 s; the others wait for it in the preflight rendezvous (RDZV_TIMEOUT=120)
+    preset = tmp_path / "preset.sh"
+    preset.write_text(f'if [[ "$NODE_RANK" == 2 ]]; then sleep 15; echo "node 2 gives up" >&2; exit 3; fi\n'
+                      f'exec bash {mn.PRESET} "$@"\n')
+    job = mn.Job(tmp_path)
+    try:
+        job.start(cluster.hosts.cmd(0, ["bash", PBS_SH, str(preset), *train_flags(tiny_model_dir, data),
+                                        "--output_dir", "out"]), pbs_env(cluster, tmp_path), "qsub")
+        rc = job.wait(limit=90)
+    finally:
+        job.close()
+    elapsed = time.monotonic() - job.t0
+    text = job.text(0)
+    assert rc == [3], text
+    assert elapsed < 60, f"the other nodes were not stopped: {elapsed:.0f} s ({text[-2000:]})"
+    assert "pbs: node rank 2 (node2) failed (exit 3): stopping every node" in text, text
+    assert re.search(r"pbs: failed: node rank 2 \(node2\): exit 3", text), text
+    deadline = time.monotonic() + 10
+    while stray_processes(cluster) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not stray_processes(cluster), stray_processes(cluster)
