@@ -120,3 +120,25 @@ def test_chitchat_split_supervises_every_reply_once(smol_tok):
             assert len(ids) <= 256 or len(supervised_runs(tok, ids, lab)) == 1
         checked += all(len(ids) <= 256 for ids, _ in samples)
     assert split > 100 and checked > 250
+
+
+
+def test_a_plan_that_overflows_when_encoded_is_made_again(qwen_tok, monkeypatch):
+    """The token counts of standalone pairs only plan the cuts; the samples are encoded for real and checked. Here
+    the first plan gets costs 10 tokens too low per pair (as a template whose turns do not add up would): its
+    samples overflow, the plan is made again with a smaller budget, and the result fits and covers every reply."""
+    import sft.long_conversations as lc
+
+    tok, eot = qwen_tok
+    budgets, plan = [], lc._plan
+
+    def optimistic_first(lengths, costs, head_len, max_len, budget):
+        budgets.append(budget)
+        return plan(lengths, [c - 10 for c in costs] if len(budgets) == 1 else costs, head_len, max_len, budget)
+
+    monkeypatch.setattr(lc, "_plan", optimistic_first)
+    msgs = long_chat(20, sizes=[2] * 20)
+    samples = split_conversation(tok, msgs, eot, 200)
+    assert len(budgets) > 1 and budgets[-1] < 200  # the first plan did not fit as encoded
+    assert all(len(ids) <= 200 for ids, _ in samples)
+    assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs)
