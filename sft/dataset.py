@@ -50,6 +50,7 @@ class TruncationReport:
     dropped_ids: list = field(default_factory=list)
     conversations: int = 0
     split: int = 0
+    user_turns_cut: int = 0
     mode: str = "truncate"
 
     @property
@@ -64,10 +65,13 @@ class TruncationReport:
             out.append(f"{name}: {self.split} of {self.conversations} conversations longer than --model_max_length "
                        f"{max_len} were split at turn boundaries into {pieces} samples (earlier turns as unsupervised "
                        "context)")
+        if self.user_turns_cut:
+            out.append(f"{name}: {self.user_turns_cut} user turns too long to fit with their reply within "
+                       f"--model_max_length {max_len} were cut from the start (their last words kept)")
         if self.truncated and self.mode == "split":
-            out.append(f"{name}: {self.truncated} replies do not fit within --model_max_length {max_len} even with "
-                       "only the system prompt and their own user turn; their samples were truncated: "
-                       f"{self.supervised_tokens_lost} supervised tokens lost")
+            out.append(f"{name}: {self.truncated} replies are too long for --model_max_length {max_len} by themselves "
+                       f"(with the system prompt): their first tokens are trained, {self.supervised_tokens_lost} "
+                       "supervised tokens lost")
         elif self.truncated:
             out.append(f"{name}: {self.truncated} of {self.samples} samples longer than --model_max_length "
                        f"{max_len} were truncated; {self.supervised_tokens_lost} supervised tokens lost "
@@ -97,14 +101,16 @@ def encode_samples(tokenizer, conversations, eot_id: int, max_len: int, long_con
     """The samples of each conversation (default system prompt already applied), each a :func:`truncate` dict.
 
     ``long_conversations``: ``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries
-    (:func:`sft.long_conversations.split_conversation`; only a reply that cannot fit even alone is then
-    truncated); ``"truncate"`` keeps its first ``max_len`` tokens. One list of samples per conversation, in order.
+    (:func:`sft.long_conversations.split_conversation`; only a reply too long by itself is then truncated);
+    ``"truncate"`` keeps its first ``max_len`` tokens. One list of samples per conversation, in order; the first
+    sample's ``user_cut`` counts the conversation's user turns cut from the start (0 in the others).
     """
     out = []
     for messages, full in zip(conversations, encode_conversations(tokenizer, conversations, eot_id)):
-        pieces = ([full] if long_conversations != "split" or len(full[0]) <= max_len
-                  else split_conversation(tokenizer, messages, eot_id, max_len, full))
-        out.append([truncate(ids, labels, max_len) for ids, labels in pieces])
+        pieces, cut = ((([full], 0) if long_conversations != "split" or len(full[0]) <= max_len
+                        else split_conversation(tokenizer, messages, eot_id, max_len, full)))
+        out.append([dict(truncate(ids, labels, max_len), user_cut=cut if k == 0 else 0)
+                    for k, (ids, labels) in enumerate(pieces)])
     return out
 
 
@@ -158,13 +164,14 @@ def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_messa
         samples=len(ds), truncated=int(sum(ds["truncated"])), supervised_tokens=int(sum(ds["n_supervised"])),
         supervised_tokens_lost=int(sum(ds["n_lost"])),
         dropped_ids=[i for i, n in zip(ds["id"], ds["n_supervised"]) if n == 0],
-        conversations=len(convs), split=sum(1 for k in pieces if k == 1), mode=long_conversations,
+        conversations=len(convs), split=sum(1 for k in pieces if k == 1), user_turns_cut=int(sum(ds["user_cut"])),
+        mode=long_conversations,
     )
     ds = ds.filter(lambda n: n > 0, input_columns=["n_supervised"], load_from_cache_file=False)
     if len(ds) == 0:  # nothing to cache (an empty saved dataset cannot be loaded back either)
         raise DataError(f"{data_path}: no sample has a supervised token within --model_max_length {max_len} "
                         f"({len(convs)} samples, all cut before their first reply ends); raise --model_max_length")
-    ds = ds.remove_columns(["n_lost", "truncated", "piece"])
+    ds = ds.remove_columns(["n_lost", "truncated", "piece", "user_cut"])
     tmp = f"{path}.tmp-{os.getpid()}"
     ds.save_to_disk(tmp)
     with open(os.path.join(tmp, "sft_report.json"), "w") as f:

@@ -12,9 +12,11 @@ sample's targets take at most half of the room after the head (always at least o
 replies are trained with at least about half a window of the conversation before them, at the cost of
 about twice the tokens of a long conversation's own text (each token past the first window is seen
 about twice: once as a target, once as context). A pair whose reply cannot fit even alone (head + its user turn + reply
-+ end-of-turn token > ``max_len``) becomes a sample of its own, returned longer than ``max_len`` for the
-caller to truncate and report (:func:`sft.dataset.truncate`); its first tokens are still trained, or the
-sample is dropped when the cut falls before the reply.
++ end-of-turn token > ``max_len``) becomes a sample of its own with its user turn cut from the start (its last
+words kept, as many as fit): the reply is then trained whole. Only when the reply itself is too long (it
+does not fit even after a user turn of one character) the user turn keeps at most half of the sample, and
+the sample is returned longer than ``max_len`` for the caller to truncate and report
+(:func:`sft.dataset.truncate`): the reply's first tokens are trained.
 
 Every sample is encoded by :func:`sft.chat.encode_conversations` (ids and labels built together, exactly
 ``apply_chat_template`` of the sample's messages); token counts from a pair's standalone encoding only
@@ -24,15 +26,22 @@ exceeds ``max_len``.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
-from .chat import encode_conversations
+from .chat import IGNORE_INDEX, encode_conversations
 
 Sample = tuple[list[int], list[int]]
 
 
+class Split(NamedTuple):
+    """What :func:`split_conversation` made: the samples, and how many user turns it cut from the start."""
+
+    samples: list[Sample]
+    user_turns_cut: int
+
+
 def split_conversation(tokenizer, messages: Sequence[dict], eot_id: int, max_len: int,
-                       full: Optional[Sample] = None) -> list[Sample]:
+                       full: Optional[Sample] = None) -> Split:
     """Cut one conversation into samples of at most ``max_len`` tokens at turn boundaries.
 
     Args:
@@ -44,10 +53,11 @@ def split_conversation(tokenizer, messages: Sequence[dict], eot_id: int, max_len
         full: the conversation's own ``(input_ids, labels)`` if already encoded (saves one encoding).
 
     Returns:
-        ``[(input_ids, labels), ...]`` in conversation order (lists of int of equal length; labels
-        ``-100`` outside the supervised replies). The whole conversation unchanged when it fits. Each
-        assistant reply is supervised (its content + end-of-turn token) in exactly one sample. Only a
-        sample holding a single reply that cannot fit even alone is longer than ``max_len``.
+        :class:`Split`: ``samples`` = ``[(input_ids, labels), ...]`` in conversation order (lists of int of
+        equal length; labels ``-100`` outside the supervised replies), the whole conversation unchanged when
+        it fits; each assistant reply is supervised (its content + end-of-turn token) in exactly one sample.
+        Only a sample holding a single reply too long for ``max_len`` by itself is longer than ``max_len``.
+        ``user_turns_cut``: user turns shortened from the start to fit with their reply.
 
     Raises:
         TemplateError: as :func:`sft.chat.encode_conversations`.
@@ -56,12 +66,13 @@ def split_conversation(tokenizer, messages: Sequence[dict], eot_id: int, max_len
     if full is None:
         full = encode_conversations(tokenizer, [messages], eot_id)[0]
     if len(full[0]) <= max_len:
-        return [full]
+        return Split([full], 0)
     head = messages[:1] if messages[0]["role"] == "system" else []
     body = messages[len(head):]
     pairs = [body[k:k + 2] for k in range(0, len(body), 2)]
     if len(pairs) == 1:
-        return [full]
+        sample, cut = _fit_pair(tokenizer, head, *pairs[0], eot_id, max_len)
+        return Split([sample], int(cut))
     alone = encode_conversations(tokenizer, [head + p for p in pairs], eot_id)
     lengths = [len(ids) for ids, _ in alone]
     # head + pairs add up token for token when turns are separated by special tokens (ChatML and most
@@ -79,10 +90,44 @@ def split_conversation(tokenizer, messages: Sequence[dict], eot_id: int, max_len
         if over <= 0:
             break
         budget -= over  # the template is not additive: plan again with the measured overflow taken off
-    samples: list[Sample] = [alone[i] for _c, i, _j in plan]  # single-reply samples are the standalone encodings
+    # single-reply samples are the standalone encodings, or, too long, the pair with its user turn cut
+    fitted = [_fit_pair(tokenizer, head, *pairs[i], eot_id, max_len) if lengths[i] > max_len else (alone[i], False)
+              for _c, i, _j in plan]
+    samples = [sample for sample, _cut in fitted]
     for k, sample in zip(todo, encoded):
         samples[k] = sample
-    return samples
+    return Split(samples, sum(cut for _sample, cut in fitted))
+
+
+def _fit_pair(tokenizer, head: list[dict], user: dict, reply: dict, eot_id: int, max_len: int) -> tuple[Sample, bool]:
+    """head + (user turn cut from the start) + reply: the longest tail of the user's text (starting at a word when
+    it can) with which the sample fits ``max_len``; if none fits (the reply alone is too long), the longest
+    tail with which the reply starts within the first half of the sample (the caller truncates it).
+    Returns ``(sample, whether the user turn was cut)``."""
+    text = user["content"]
+
+    def encode(keep: int) -> Sample:
+        tail = text[len(text) - keep:]
+        words = tail.split(None, 1)
+        if keep < len(text) and len(words) == 2 and not text[len(text) - keep - 1].isspace():
+            tail = words[1]  # start at a word boundary
+        return encode_conversations(tokenizer, [head + [dict(user, content=tail), reply]], eot_id)[0]
+
+    def fits(sample: Sample) -> bool:
+        return len(sample[0]) <= max_len
+
+    def reply_in_first_half(sample: Sample) -> bool:
+        return next(k for k, x in enumerate(sample[1]) if x != IGNORE_INDEX) <= max_len // 2
+
+    ok = fits if fits(encode(1)) else reply_in_first_half
+    lo, hi = 1, len(text)  # ok(encode(lo)) holds (or nothing better exists); find the largest such keep
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(encode(mid)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return encode(lo), lo < len(text)
 
 
 def _plan(lengths: list[int], costs: list[int], head_len: int, max_len: int, budget: int) -> list[tuple[int, int, int]]:

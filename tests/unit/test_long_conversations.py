@@ -48,7 +48,7 @@ def test_every_reply_is_supervised_exactly_once(which, system, qwen_tok, smol_to
     full_ids, _ = encode_conversation(tok, msgs, eot)
     max_len = 160
     assert len(full_ids) > 3 * max_len
-    samples = split_conversation(tok, msgs, eot, max_len)
+    samples = split_conversation(tok, msgs, eot, max_len).samples
     assert len(samples) > 3 and all(len(ids) == len(lab) <= max_len for ids, lab in samples)
     spans = [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)]
     assert spans == replies(msgs)  # all replies, in order, each exactly once
@@ -67,17 +67,34 @@ def test_conversation_that_fits_is_unchanged(qwen_tok):
     tok, eot = qwen_tok
     msgs = long_chat(3)
     full = encode_conversation(tok, msgs, eot)
-    assert split_conversation(tok, msgs, eot, len(full[0])) == [full]
+    assert split_conversation(tok, msgs, eot, len(full[0])) == ([full], 0)
 
 
-def test_reply_too_long_alone_gets_its_own_sample(qwen_tok):
-    """A reply that cannot fit even with only its own user turn is left whole, in a sample of its own."""
+def test_reply_too_long_by_itself_gets_its_own_sample(qwen_tok):
+    """A reply too long for the length by itself is left whole (for the caller to truncate), in a sample of its own."""
     tok, eot = qwen_tok
     msgs = long_chat(6, sizes=[4, 4, 90, 4, 4, 4])
-    samples = split_conversation(tok, msgs, eot, 64)
+    samples, cut = split_conversation(tok, msgs, eot, 64)
+    assert cut == 0  # its 3-word question already leaves the reply the first half of the sample
     over = [(ids, lab) for ids, lab in samples if len(ids) > 64]
     assert len(over) == 1 and supervised_runs(tok, *over[0]) == [replies(msgs)[2]]
     assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs)
+
+
+@pytest.mark.parametrize("n_pairs", [1, 4])
+def test_user_turn_too_long_for_its_reply_is_cut_from_the_start(qwen_tok, n_pairs):
+    """A user turn that leaves its reply no room is cut from the start, at a word: the reply is trained whole."""
+    tok, eot = qwen_tok
+    msgs = long_chat(n_pairs)
+    question = " ".join(f"w{k}" for k in range(150))
+    msgs[-2] = {"role": "user", "content": question}
+    samples, cut = split_conversation(tok, msgs, eot, 64)
+    assert cut == 1 and all(len(ids) <= 64 for ids, _ in samples)
+    assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs)
+    text = tok.decode(samples[-1][0])
+    kept = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+    assert question.endswith(" " + kept) and kept  # its last words, from a word boundary
+    assert len(samples[-1][0]) > 64 - 6  # as many as fit (a word here is at most 3 tokens)
 
 
 def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok):
@@ -90,17 +107,19 @@ def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok):
     ds, report = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"))  # split is the default
     assert report.mode == "split" and report.conversations == 3 and report.split == 1
     ids = list(ds["id"])
-    assert ids[0] == "add" and ids.count("long") > 3 and "long-question" not in ids
-    assert report.truncated == 2 and report.dropped_ids == ["long-question"]  # the 90-word reply, the question
+    assert ids[0] == "add" and ids.count("long") > 3 and ids[-1] == "long-question"  # its question cut, "ok" trained
+    assert report.truncated == 1 and report.dropped_ids == [] and report.user_turns_cut == 1  # the 92-word reply
     assert all(len(x) <= 64 for x in ds["input_ids"])
     sup = [s for row in ds if row["id"] == "long" for s in supervised_runs(tok, row["input_ids"], row["labels"])]
     assert sup[:2] == replies(long_rec["messages"])[:2] and sup[3:] == replies(long_rec["messages"])[3:]
     assert replies(long_rec["messages"])[2].startswith(sup[2])  # the reply too long alone: its first tokens
     lines = "\n".join(report.lines("train", 64))
     assert "1 of 3 conversations longer than --model_max_length 64 were split at turn boundaries" in lines
-    assert "2 replies do not fit within --model_max_length 64 even with only the system prompt" in lines
+    assert "1 user turns too long to fit with their reply within --model_max_length 64 were cut" in lines
+    assert "1 replies are too long for --model_max_length 64 by themselves" in lines
     cut, cut_report = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
     assert list(cut["id"]) == ["add", "long"] and cut_report.split == 0 and cut_report.truncated == 2
+    assert cut_report.dropped_ids == ["long-question"]
     assert cut_report.supervised_tokens < report.supervised_tokens
     assert "(--long_conversations split keeps them)" in "\n".join(cut_report.lines("train", 64))
 
@@ -113,7 +132,7 @@ def test_chitchat_split_supervises_every_reply_once(smol_tok):
     checked = split = 0
     for rec in prepare_example.chitchat_records(300):
         msgs = normalize_record("chitchat", 0, rec).messages
-        samples = split_conversation(tok, msgs, eot, 256)
+        samples = split_conversation(tok, msgs, eot, 256).samples
         split += len(samples) > 1
         assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs), rec["id"]
         for ids, lab in samples:  # only a reply too long even alone is over the limit, alone in its sample
@@ -138,7 +157,7 @@ def test_a_plan_that_overflows_when_encoded_is_made_again(qwen_tok, monkeypatch)
 
     monkeypatch.setattr(lc, "_plan", optimistic_first)
     msgs = long_chat(20, sizes=[2] * 20)
-    samples = split_conversation(tok, msgs, eot, 200)
+    samples = split_conversation(tok, msgs, eot, 200).samples
     assert len(budgets) > 1 and budgets[-1] < 200  # the first plan did not fit as encoded
     assert all(len(ids) <= 200 for ids, _ in samples)
     assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs)
