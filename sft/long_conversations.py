@@ -19,8 +19,8 @@ the sample is returned longer than ``max_len`` for the caller to truncate and re
 (:func:`sft.dataset.truncate`): the reply's first tokens are trained.
 
 Every sample is encoded by :func:`sft.chat.encode_conversations` (ids and labels built together, exactly
-``apply_chat_template`` of the sample's messages); token counts from a pair's standalone encoding only
-plan the cuts, and a plan whose encoded sample is longer than planned (a template whose turns do not add
+``apply_chat_template`` of the sample's messages); token counts read off the conversation's own encoding
+only plan the cuts, and a plan whose encoded sample is longer than planned (a template whose turns do not add
 up token for token) is planned again with a smaller budget, so no sample that holds more than one reply
 exceeds ``max_len``.
 """
@@ -29,8 +29,10 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 from .chat import IGNORE_INDEX, encode_conversations
+from .errors import TemplateError
 
 Sample = tuple[list[int], list[int]]
+_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
 
 
 class Split(NamedTuple):
@@ -73,30 +75,54 @@ def split_conversation(tokenizer, messages: Sequence[dict], eot_id: int, max_len
     if len(pairs) == 1:
         sample, cut = _fit_pair(tokenizer, head, *pairs[0], eot_id, max_len)
         return Split([sample], int(cut))
-    alone = encode_conversations(tokenizer, [head + p for p in pairs], eot_id)
-    lengths = [len(ids) for ids, _ in alone]
-    # head + pairs add up token for token when turns are separated by special tokens (ChatML and most
-    # templates): sum(alone) = n * head + sum(pairs) and full = head + sum(pairs), so head is exact then.
-    head_len = max(0, (sum(lengths) - len(full[0])) // (len(pairs) - 1))
-    costs = [n - head_len for n in lengths]
+    lengths, costs, head_len = _estimate(tokenizer, head, full, eot_id, len(pairs))
     budget = max_len
     while True:
         plan = _plan(lengths, costs, head_len, max_len, budget)
-        todo = [k for k, (c, i, j) in enumerate(plan) if not (c == i and j == i + 1)]
+        todo = [k for k, (_c, i, _j) in enumerate(plan) if lengths[i] <= max_len]
         encoded = encode_conversations(tokenizer, [head + [m for p in pairs[c:j] for m in p] for c, i, j in
                                                    (plan[k] for k in todo)], eot_id,
                                        [plan[k][1] - plan[k][0] for k in todo]) if todo else []
-        over = max((len(ids) - max_len for ids, _ in encoded), default=0)
-        if over <= 0:
+        over = {k: len(ids) - max_len for k, (ids, _) in zip(todo, encoded) if len(ids) > max_len}
+        if not over:
             break
-        budget -= over  # the template is not additive: plan again with the measured overflow taken off
-    # single-reply samples are the standalone encodings, or, too long, the pair with its user turn cut
-    fitted = [_fit_pair(tokenizer, head, *pairs[i], eot_id, max_len) if lengths[i] > max_len else (alone[i], False)
-              for _c, i, _j in plan]
-    samples = [sample for sample, _cut in fitted]
+        # The template does not add up token for token: a lone pair over the limit is too long after all;
+        # otherwise plan again with the measured overflow taken off the budget. Each round marks a pair or
+        # lowers the budget, so this ends (at worst with one pair per sample).
+        alone_over = [plan[k][1] for k in over if plan[k][0] == plan[k][1] and plan[k][2] == plan[k][1] + 1]
+        for i in alone_over:
+            lengths[i] = max_len + 1
+        if not alone_over:
+            budget -= max(over.values())
+    fitted = {k: _fit_pair(tokenizer, head, *pairs[i], eot_id, max_len)  # too long alone: user turn cut
+              for k, (_c, i, _j) in enumerate(plan) if lengths[i] > max_len}
+    samples = [fitted[k][0] if k in fitted else None for k in range(len(plan))]
     for k, sample in zip(todo, encoded):
         samples[k] = sample
-    return Split(samples, sum(cut for _sample, cut in fitted))
+    return Split(samples, sum(cut for _sample, cut in fitted.values()))
+
+
+def _estimate(tokenizer, head: list[dict], full: Sample, eot_id: int, n_pairs: int
+              ) -> tuple[list[int], list[int], int]:
+    """Planning estimates ``(lengths, costs, head_len)`` in tokens: ``lengths[i]`` of head + pair i alone,
+    ``costs[i]`` of pair i after the head, ``head_len`` of the head (and anything the template adds once).
+
+    Read off the full encoding: pair i ends at its reply's end-of-turn token (the i-th supervised ``eot_id``),
+    so pair i (i >= 1) costs the tokens between two such ends; the head comes from a probe conversation
+    (``2 x len(head + probe) - len(head + probe + probe)``). Exact when the template's turns add up token for
+    token (turns separated by special tokens: ChatML, SmolLM2, Qwen); only the cut plan uses them, and
+    :func:`split_conversation` checks every sample it encodes.
+    """
+    ids, labels = full
+    ends = [k for k, (t, lab) in enumerate(zip(ids, labels)) if lab == eot_id and t == eot_id]
+    one, two = encode_conversations(tokenizer, [head + _PROBE, head + _PROBE + _PROBE], eot_id)
+    head_len = max(0, 2 * len(one[0]) - len(two[0]))
+    tail = len(ids) - ends[-1] - 1  # tokens after the last reply's end (e.g. ChatML's "\n")
+    costs = [ends[0] + 1 + tail - head_len] + [b - a for a, b in zip(ends, ends[1:])]
+    if len(costs) != n_pairs:  # labels_from_spans closes every reply with eot_id, so this means a broken template
+        raise TemplateError(f"found {len(costs)} closed replies in a conversation of {n_pairs}; the chat template "
+                            "does not end each assistant turn with its end-of-turn token")
+    return [head_len + c for c in costs], costs, head_len
 
 
 def _fit_pair(tokenizer, head: list[dict], user: dict, reply: dict, eot_id: int, max_len: int) -> tuple[Sample, bool]:

@@ -143,7 +143,7 @@ def test_chitchat_split_supervises_every_reply_once(smol_tok):
 
 
 def test_a_plan_that_overflows_when_encoded_is_made_again(qwen_tok, monkeypatch):
-    """The token counts of standalone pairs only plan the cuts; the samples are encoded for real and checked. Here
+    """Token counts read off the conversation's encoding only plan the cuts; the samples are encoded for real and checked. Here
     the first plan gets costs 10 tokens too low per pair (as a template whose turns do not add up would): its
     samples overflow, the plan is made again with a smaller budget, and the result fits and covers every reply."""
     import sft.long_conversations as lc
