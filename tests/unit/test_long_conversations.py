@@ -161,3 +161,16 @@ def test_a_plan_that_overflows_when_encoded_is_made_again(qwen_tok, monkeypatch)
     assert len(budgets) > 1 and budgets[-1] < 200  # the first plan did not fit as encoded
     assert all(len(ids) <= 200 for ids, _ in samples)
     assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs)
+
+
+def test_show_sample_prints_every_sample_of_a_split_record(tmp_path, tiny_model_dir, capsys):
+    from sft.cli import show_sample_main
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"id": "long", "messages": long_chat(12)}])
+    assert show_sample_main([tiny_model_dir, path, "--model_max_length", "160"]) == 0
+    out = capsys.readouterr().out
+    n = out.count("record 0 id=long: sample ")
+    assert n > 3 and f"sample {n} of {n}:" in out and out.count("«answer ") == 12
+    assert show_sample_main([tiny_model_dir, path, "--model_max_length", "160", "--long_conversations", "truncate"]) == 0
+    out = capsys.readouterr().out
+    assert "sample 1 of" not in out and "truncated (" in out
