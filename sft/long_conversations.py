@@ -11,12 +11,14 @@ first, while they fit. The first sample's targets may fill it (nothing comes bef
 sample's targets take at most half of the room after the head (always at least one pair), so that its
 replies are trained with at least about half a window of the conversation before them, at the cost of
 about twice the tokens of a long conversation's own text (each token past the first window is seen
-about twice: once as a target, once as context). A pair whose reply cannot fit even alone (head + its user turn + reply
-+ end-of-turn token > ``max_len``) becomes a sample of its own with its user turn cut from the start (its last
-words kept, as many as fit): the reply is then trained whole. Only when the reply itself is too long (it
-does not fit even after a user turn of one character) the user turn keeps at most half of the sample, and
-the sample is returned longer than ``max_len`` for the caller to truncate and report
-(:func:`sft.dataset.truncate`): the reply's first tokens are trained.
+about twice: once as a target, once as context).
+
+A pair whose reply cannot fit even alone (head + its user turn + reply + end-of-turn token > ``max_len``)
+becomes a sample of its own with its user turn cut from the start (its last words kept, as many as fit):
+the reply is then trained whole. Only when the reply itself is too long (it does not fit even after a
+user turn of one character) the user turn keeps at most half of the sample, and the sample is returned
+longer than ``max_len`` for the caller to truncate and report (:func:`sft.dataset.truncate`): the reply's
+first tokens are trained.
 
 Every sample is encoded by :func:`sft.chat.encode_conversations` (ids and labels built together, exactly
 ``apply_chat_template`` of the sample's messages); token counts read off the conversation's own encoding
