@@ -152,13 +152,14 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     files = {"train": data_args.data_path, "eval": data_args.eval_data_path}
     convs = load_records(files, data_args.on_bad_record, tok, data_args.system_message, data_args.eval_split_ratio,
                          data_args.eval_split_seed)
-    files = data_paths(data_args)
+    files = data_paths(data_args)  # the eval dataset of a split is read from --data_path
     ranks = {"main_process_first": functools.partial(training_args.main_process_first, local=False),
              "rank": training_args.process_index}
     datasets = {name: make_dataset(name, convs[name], files[name], tok, eot, max_len=training_args.model_max_length,
                                    system_message=data_args.system_message, lazy=data_args.lazy_preprocess,
                                    cache_dir=data_args.data_cache_dir, num_proc=data_args.preprocessing_num_workers,
-                                   long_conversations=data_args.long_conversations_mode, **ranks) if convs[name] is not None else None
+                                   long_conversations=data_args.long_conversations_mode, **ranks)
+                if convs[name] is not None else None
                 for name in ("train", "eval")}
     train_ds, eval_ds = datasets["train"], datasets["eval"]
     collator = make_collator(tok)
@@ -266,7 +267,7 @@ def log_eval_change(log_history: list[dict], final: dict, step: int) -> Optional
     if after is None:
         return None
     first = next((h for h in log_history if "eval_loss" in h), None)
-    if first is None or first is final or first.get("step") == step:
+    if first is None or first.get("step") == step:  # only the final evaluation (evaluate() logs it too)
         line = f"eval loss {after:.4f} after step {step} (pass --eval_on_start True for the loss before training)"
     else:
         when = "before training" if first.get("step", 0) == 0 else f"at step {first['step']}"
