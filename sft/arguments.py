@@ -79,12 +79,36 @@ class DataArguments:
     preprocessing_num_workers: Optional[int] = field(
         default=None, metadata={"help": "Processes used to tokenize the dataset (datasets.map num_proc)."}
     )
+    long_conversations: Optional[str] = field(
+        default=None,
+        metadata={"help": "A conversation longer than --model_max_length: 'split' cuts it at turn boundaries into "
+                  "several samples (each starts with the system prompt and as much earlier context as fits, "
+                  "unsupervised), so every reply that fits with its own user turn is trained exactly once; "
+                  "'truncate' keeps its first --model_max_length tokens. Unset: split, or truncate with "
+                  "--lazy_preprocess True (which cannot know a conversation's sample count before reading it).",
+                  "choices": ["split", "truncate"]},
+    )
+    eval_split_ratio: Optional[float] = field(
+        default=None,
+        metadata={"help": "Without --eval_data_path: hold out this fraction (0 < R < 1) of --data_path's records "
+                  "for evaluation, chosen by a hash of each record's id and --eval_split_seed (the same records "
+                  "when the file is reordered or grows; records without an id are keyed on their text)."},
+    )
+    eval_split_seed: int = field(
+        default=0, metadata={"help": "Seed of the --eval_split_ratio choice (independent of --seed)."}
+    )
     packing: bool = field(
         default=False,
         metadata={"help": "Pack several conversations into each row of up to --model_max_length tokens (best-fit "
                   "decreasing); position ids restart per conversation and attention never crosses conversations. "
                   "--per_device_train_batch_size then counts rows. Non-packing alternative: --group_by_length True."},
     )
+
+
+    @property
+    def long_conversations_mode(self) -> str:
+        """``--long_conversations`` as used: the flag, or its default (``split``; ``truncate`` when lazy)."""
+        return self.long_conversations or ("truncate" if self.lazy_preprocess else "split")
 
 
 @dataclass

@@ -179,14 +179,17 @@ def labels_from_spans(ids: Sequence[int], offsets: Sequence[tuple[int, int]], sp
     return labels
 
 
-def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot_id: int
-                         ) -> list[tuple[list[int], list[int]]]:
+def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot_id: int,
+                         context_replies: Optional[Sequence[int]] = None) -> list[tuple[list[int], list[int]]]:
     """Token ids and labels of many conversations, built together (one batched tokenizer call).
 
     Args:
         tokenizer: a fast (``tokenizers``-backed) tokenizer with a chat template.
         conversations: each ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``, validated.
         eot_id: the end-of-turn token id (:func:`end_of_turn_id`).
+        context_replies: per conversation, how many of its leading assistant replies are context only
+            (rendered, not supervised; used for the later pieces of a split long conversation,
+            :mod:`sft.long_conversations`). Default: every reply is supervised.
 
     Returns:
         One ``(input_ids, labels)`` per conversation: lists of int of equal length, not truncated.
@@ -197,9 +200,10 @@ def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot
         TemplateError: see :func:`render_with_spans` and :func:`labels_from_spans`.
     """
     rendered = [render_with_spans(tokenizer, msgs) for msgs in conversations]
+    skip = context_replies if context_replies is not None else [0] * len(rendered)
     enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
-    return [(ids, labels_from_spans(ids, offs, spans, eot_id))
-            for ids, offs, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered)]
+    return [(ids, labels_from_spans(ids, offs, spans[k:], eot_id))
+            for ids, offs, (_, spans), k in zip(enc["input_ids"], enc["offset_mapping"], rendered, skip)]
 
 
 def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tuple[list[int], list[int]]:

@@ -236,20 +236,22 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``sft-show-sample MODEL_DIR DATA_FILE [--index 0] [--model_max_length N] [--system_message S]``: print one
-    rendered training sample with its supervised tokens marked «like this»."""
+    """``sft-show-sample MODEL_DIR DATA_FILE [--index 0] [--model_max_length N] [--system_message S]
+    [--long_conversations split|truncate]``: print the rendered training sample(s) of one record with the supervised
+    tokens marked «like this» (several when a long conversation is split)."""
     ap = argparse.ArgumentParser(prog="sft-show-sample", description=show_sample_main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("model_dir")
     ap.add_argument("data_file")
     ap.add_argument("--index", type=int, default=0, help="0-based index among the valid records")
     ap.add_argument("--model_max_length", type=int, default=8192)
     ap.add_argument("--system_message", default=None)
+    ap.add_argument("--long_conversations", choices=["split", "truncate"], default="split")
     a = ap.parse_args(argv)
 
     def body():
-        from .chat import visualize
+        from .chat import visualize, with_system
         from .data import load_conversations
-        from .dataset import encode_truncated
+        from .dataset import encode_samples
         from .modeling import load_tokenizer
 
         if not os.path.isfile(os.path.join(a.model_dir, "config.json")) and not os.path.isfile(
@@ -262,10 +264,13 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
             raise SFTError(f"--index {a.index}: the file has {len(convs)} valid records")
         tok, eot, _ = load_tokenizer(a.model_dir)
         c = convs[a.index]
-        ex = encode_truncated(tok, c.messages, eot, a.model_max_length, a.system_message)
-        print(f"record {c.index} id={c.id}: {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"
-              + (f", truncated ({ex['n_lost']} supervised tokens lost)" if ex["truncated"] else ""))
-        print(visualize(tok, ex["input_ids"], ex["labels"], color=sys.stdout.isatty()))
+        samples = encode_samples(tok, [with_system(c.messages, a.system_message)], eot, a.model_max_length,
+                                 a.long_conversations)[0]
+        for k, ex in enumerate(samples):
+            part = f" sample {k + 1} of {len(samples)}:" if len(samples) > 1 else ""
+            print(f"record {c.index} id={c.id}:{part} {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"
+                  + (f", truncated ({ex['n_lost']} supervised tokens lost)" if ex["truncated"] else ""))
+            print(visualize(tok, ex["input_ids"], ex["labels"], color=sys.stdout.isatty()))
     return run_cli(body)
 
 

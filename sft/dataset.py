@@ -1,13 +1,14 @@
 """Tokenized datasets (cached, prepared once) and the padding collator.
 
-Eager mode (default): every conversation is encoded once with HF ``datasets``, truncated to
-``model_max_length``, samples left with no supervised token are dropped, and the result is saved
+Eager mode (default): every conversation is encoded once with HF ``datasets``; one longer than
+``model_max_length`` is split at turn boundaries into several samples (``--long_conversations split``,
+:mod:`sft.long_conversations`) or truncated (``truncate``); samples left with no supervised token are dropped, and the result is saved
 under ``<cache>/<key>`` where the key hashes the data file's bytes, the tokenizer (vocabulary,
 special tokens, chat template), the settings and this package's version. Global rank 0 prepares
 it; the other ranks wait at a barrier and load it from disk (if the cache folder is not shared
 between nodes, a rank that cannot see it prepares its own copy and says so).
 
-Lazy mode (``--lazy_preprocess``): a sample is encoded when the sampler asks for it; truncation is
+Lazy mode (``--lazy_preprocess``, truncation only): a sample is encoded when the sampler asks for it; truncation is
 counted as samples are met, and a sample with no supervised token left is replaced by the next one
 (logged by id) so that a batch never has zero supervised tokens.
 """
@@ -26,34 +27,55 @@ import torch
 from transformers import DataCollatorForSeq2Seq
 
 from . import __version__
-from .chat import IGNORE_INDEX, encode_conversation, encode_conversations, with_system
+from .chat import IGNORE_INDEX, encode_conversations, with_system
 from .data import Conversation, file_sha256
 from .errors import DataError
+from .long_conversations import split_conversation
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # bump when the cached columns or their meaning change
+CACHE_FORMAT = 3  # bump when the cached columns or their meaning change
 
 
 @dataclass
 class TruncationReport:
-    """What truncation to ``model_max_length`` cost: counts are samples, lost tokens are supervised tokens."""
+    """What fitting into ``model_max_length`` cost: counts are samples (conversations for ``conversations`` and
+    ``split``), tokens are supervised tokens. ``mode`` is the ``--long_conversations`` setting; with ``split``,
+    ``truncated`` counts the replies that do not fit even alone (their samples are truncated)."""
 
     samples: int = 0
     truncated: int = 0
     supervised_tokens: int = 0
     supervised_tokens_lost: int = 0
     dropped_ids: list = field(default_factory=list)
+    conversations: int = 0
+    split: int = 0
+    user_turns_cut: int = 0
+    mode: str = "truncate"
 
     @property
     def kept(self) -> int:
         return self.samples - len(self.dropped_ids)
 
     def lines(self, name: str, max_len: int) -> list[str]:
-        out = [f"{name}: {self.kept} of {self.samples} samples kept, {self.supervised_tokens} supervised tokens"]
-        if self.truncated:
+        source = f" from {self.conversations} conversations" if self.conversations else ""
+        out = [f"{name}: {self.kept} of {self.samples} samples kept{source}, {self.supervised_tokens} supervised tokens"]
+        if self.split:
+            pieces = self.samples - (self.conversations - self.split)
+            out.append(f"{name}: {self.split} of {self.conversations} conversations longer than --model_max_length "
+                       f"{max_len} were split at turn boundaries into {pieces} samples (earlier turns as unsupervised "
+                       "context)")
+        if self.user_turns_cut:
+            out.append(f"{name}: {self.user_turns_cut} user turns too long to fit with their reply within "
+                       f"--model_max_length {max_len} were cut from the start (their last words kept)")
+        if self.truncated and self.mode == "split":
+            out.append(f"{name}: {self.truncated} replies are too long for --model_max_length {max_len} by themselves "
+                       f"(with the system prompt): their first tokens are trained, {self.supervised_tokens_lost} "
+                       "supervised tokens lost")
+        elif self.truncated:
             out.append(f"{name}: {self.truncated} of {self.samples} samples longer than --model_max_length "
-                       f"{max_len} were truncated; {self.supervised_tokens_lost} supervised tokens lost")
+                       f"{max_len} were truncated; {self.supervised_tokens_lost} supervised tokens lost "
+                       "(--long_conversations split keeps them)")
         if self.dropped_ids:
             ids = ", ".join(map(str, self.dropped_ids[:50])) + (" ..." if len(self.dropped_ids) > 50 else "")
             out.append(f"{name}: dropped {len(self.dropped_ids)} sample(s) left with no supervised token after "
@@ -74,10 +96,27 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
             "truncated": len(ids) > max_len}
 
 
+def encode_samples(tokenizer, conversations, eot_id: int, max_len: int, long_conversations: str = "split"
+                   ) -> list[list[dict]]:
+    """The samples of each conversation (default system prompt already applied), each a :func:`truncate` dict.
+
+    ``long_conversations``: ``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries
+    (:func:`sft.long_conversations.split_conversation`; only a reply too long by itself is then truncated);
+    ``"truncate"`` keeps its first ``max_len`` tokens. One list of samples per conversation, in order; the first
+    sample's ``user_cut`` counts the conversation's user turns cut from the start (0 in the others).
+    """
+    out = []
+    for messages, full in zip(conversations, encode_conversations(tokenizer, conversations, eot_id)):
+        pieces, cut = ((([full], 0) if long_conversations != "split" or len(full[0]) <= max_len
+                        else split_conversation(tokenizer, messages, eot_id, max_len, full)))
+        out.append([dict(truncate(ids, labels, max_len), user_cut=cut if k == 0 else 0)
+                    for k, (ids, labels) in enumerate(pieces)])
+    return out
+
+
 def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str]) -> dict:
     """Encode one conversation (default system prompt applied) and :func:`truncate` it."""
-    ids, labels = encode_conversation(tokenizer, with_system(conv_messages, system_message), eot_id)
-    return truncate(ids, labels, max_len)
+    return encode_samples(tokenizer, [with_system(conv_messages, system_message)], eot_id, max_len, "truncate")[0][0]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -104,30 +143,35 @@ def default_cache_dir() -> str:
 
 
 def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_message, num_proc, path: str,
-             data_path: str):
+             data_path: str, long_conversations: str):
     import datasets
 
     ds = datasets.Dataset.from_list([{"id": c.id, "messages": c.messages} for c in convs])
 
     def fn(batch):
-        encoded = encode_conversations(tokenizer, [with_system(m, system_message) for m in batch["messages"]], eot_id)
-        rows = [truncate(ids, labels, max_len) for ids, labels in encoded]
+        per_conv = encode_samples(tokenizer, [with_system(m, system_message) for m in batch["messages"]], eot_id,
+                                  max_len, long_conversations)
+        rows = [dict(r, id=rid, piece=k) for rid, samples in zip(batch["id"], per_conv) for k, r in enumerate(samples)]
         return {k: [r[k] for r in rows] for k in rows[0]}
 
     # new_fingerprint: the cache key already covers data, tokenizer and settings; it also spares
-    # datasets from hashing the tokenizer inside ``fn``.
-    ds = ds.map(fn, batched=True, batch_size=256, remove_columns=["messages"], num_proc=num_proc, desc="tokenizing",
-                load_from_cache_file=False, new_fingerprint=os.path.basename(path))
+    # datasets from hashing the tokenizer inside ``fn``. A split conversation gives several rows, so every
+    # input column is removed and ``id`` returned by ``fn``.
+    ds = ds.map(fn, batched=True, batch_size=256, remove_columns=["id", "messages"], num_proc=num_proc,
+                desc="tokenizing", load_from_cache_file=False, new_fingerprint=os.path.basename(path))
+    pieces = ds["piece"]
     report = TruncationReport(
         samples=len(ds), truncated=int(sum(ds["truncated"])), supervised_tokens=int(sum(ds["n_supervised"])),
         supervised_tokens_lost=int(sum(ds["n_lost"])),
         dropped_ids=[i for i, n in zip(ds["id"], ds["n_supervised"]) if n == 0],
+        conversations=len(convs), split=sum(1 for k in pieces if k == 1), user_turns_cut=int(sum(ds["user_cut"])),
+        mode=long_conversations,
     )
     ds = ds.filter(lambda n: n > 0, input_columns=["n_supervised"], load_from_cache_file=False)
     if len(ds) == 0:  # nothing to cache (an empty saved dataset cannot be loaded back either)
         raise DataError(f"{data_path}: no sample has a supervised token within --model_max_length {max_len} "
                         f"({len(convs)} samples, all cut before their first reply ends); raise --model_max_length")
-    ds = ds.remove_columns(["n_lost", "truncated"])
+    ds = ds.remove_columns(["n_lost", "truncated", "piece", "user_cut"])
     tmp = f"{path}.tmp-{os.getpid()}"
     ds.save_to_disk(tmp)
     with open(os.path.join(tmp, "sft_report.json"), "w") as f:
@@ -150,22 +194,27 @@ def _load(path: str):
 def build_dataset(convs: list[Conversation], data_path: str, tokenizer, eot_id: int, max_len: int,
                   system_message: Optional[str] = None, cache_dir: Optional[str] = None,
                   num_proc: Optional[int] = None, name: str = "train",
-                  main_process_first: Callable[..., ContextManager] = None, rank: int = 0):
+                  main_process_first: Callable[..., ContextManager] = None, rank: int = 0,
+                  long_conversations: str = "split"):
     """Return ``(dataset, TruncationReport)`` for ``convs`` read from ``data_path``.
+
+    ``long_conversations`` (``"split"`` or ``"truncate"``): what becomes of a conversation longer than ``max_len``
+    (:func:`encode_samples`).
 
     Rank coordination: ``main_process_first(desc=...)`` is a context manager under which global rank 0 runs
     first and the others wait (the Trainer's ``TrainingArguments.main_process_first(local=False)``); ``rank`` is
     this process's global rank. Defaults: a single process.
 
-    The dataset has columns ``id`` (str), ``input_ids`` and ``labels`` (int lists, equal lengths,
-    at most ``max_len``) and ``n_supervised`` (int). No ``length`` column: the Trainer drops columns the
+    The dataset has columns ``id`` (str; the samples of a split conversation share it), ``input_ids`` and
+    ``labels`` (int lists, equal lengths, at most ``max_len``) and ``n_supervised`` (int). No ``length`` column: the Trainer drops columns the
     model's forward does not take before building its sampler, so ``--group_by_length`` measures
     ``input_ids`` itself.
 
     Raises:
         DataError: no sample has a supervised token left after truncation.
     """
-    settings = {"max_len": max_len, "system_message": system_message, "ids": [c.id for c in convs]}
+    settings = {"max_len": max_len, "system_message": system_message, "ids": [c.id for c in convs],
+                "long_conversations": long_conversations}
     key = cache_key(data_path, tokenizer, settings)
     root = cache_dir or default_cache_dir()
     os.makedirs(root, exist_ok=True)
@@ -176,7 +225,7 @@ def build_dataset(convs: list[Conversation], data_path: str, tokenizer, eot_id: 
             if rank != 0:
                 logger.warning("rank %d: dataset cache %s is not visible here (cache folder not shared?); "
                                "preparing a local copy", rank, path)
-            _prepare(convs, tokenizer, eot_id, max_len, system_message, num_proc, path, data_path)
+            _prepare(convs, tokenizer, eot_id, max_len, system_message, num_proc, path, data_path, long_conversations)
         ds, report = _load(path)
     logger.info("%s dataset: %s (cache %s)", name, data_path, path)
     return ds, report

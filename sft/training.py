@@ -17,6 +17,7 @@ from .distributed.failures import raise_if_peer_lost
 from .distributed.fingerprints import check_same_inputs
 from .distributed.rendezvous import preflight_enabled
 from .errors import ConfigError
+from .eval_split import split_records
 from .logs import setup_logging
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer, torch_dtype
 from .packing import PackedCollator, check_packing_support, pack_dataset
@@ -39,13 +40,17 @@ def log_run_shape(world_size: int, micro_batch: int, grad_accum: int, n_train: i
 
 
 def load_records(data_files: dict[str, Optional[str]], on_bad_record: str, tok,
-                 system_message: Optional[str] = None) -> dict[str, Optional[list]]:
+                 system_message: Optional[str] = None, eval_split_ratio: Optional[float] = None,
+                 eval_split_seed: int = 0) -> dict[str, Optional[list]]:
     """Validated conversations of each named file (``{"train": path, "eval": path or None}``), with the chat
-    template's control tokens refused in every text (``tok``'s template decides which).
+    template's control tokens refused in every text (``tok``'s template decides which). With
+    ``eval_split_ratio`` and no eval file, ``"eval"`` is the records of the train file held out by
+    :func:`sft.eval_split.split_records` (and ``"train"`` the rest).
 
     Raises:
         ConfigError: ``system_message`` holds a control token.
-        DataError: a file or record problem (``on_bad_record`` "error"), or no record left.
+        DataError: a file or record problem (``on_bad_record`` "error"), no record left, or a split that leaves
+            one side empty.
     """
     control = chat_control_tokens(tok)
     found = [t for t in control if t in (system_message or "")]
@@ -56,7 +61,15 @@ def load_records(data_files: dict[str, Optional[str]], on_bad_record: str, tok,
     for name, path in data_files.items():
         convs = load_conversations(path, on_bad_record) if path else None
         out[name] = reject_control_tokens(convs, control, path, on_bad_record) if convs is not None else None
+    if eval_split_ratio is not None and out.get("eval") is None:
+        out["train"], out["eval"] = split_records(out["train"], eval_split_ratio, eval_split_seed, data_files["train"])
     return out
+
+
+def data_paths(data_args) -> dict[str, Optional[str]]:
+    """The file each dataset is read from: ``--eval_data_path``, or ``--data_path`` itself with ``--eval_split_ratio``."""
+    split = data_args.data_path if data_args.eval_split_ratio is not None else None
+    return {"train": data_args.data_path, "eval": data_args.eval_data_path or split}
 
 
 def check_data(model_args, data_args, training_args) -> list[str]:
@@ -68,20 +81,25 @@ def check_data(model_args, data_args, training_args) -> list[str]:
     """
     tok, _, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir)
     files = {"train": data_args.data_path, "eval": data_args.eval_data_path}
-    convs = load_records(files, data_args.on_bad_record, tok, data_args.system_message)
+    convs = load_records(files, data_args.on_bad_record, tok, data_args.system_message, data_args.eval_split_ratio,
+                         data_args.eval_split_seed)
+    if data_args.eval_split_ratio is not None and not data_args.eval_data_path:
+        n_train, n_eval = len(convs["train"]), len(convs["eval"])
+        return [f"{files['train']}: {n_train + n_eval} valid conversations ({n_train} for training, {n_eval} held out "
+                f"for evaluation by --eval_split_ratio {data_args.eval_split_ratio})"]
     return [f"{files[name]}: {len(c)} valid conversations" for name, c in convs.items() if c is not None]
 
 
 def make_dataset(name: str, convs, path: str, tok, eot: int, *, max_len: int, system_message: Optional[str] = None,
                  lazy: bool = False, cache_dir: Optional[str] = None, num_proc: Optional[int] = None,
-                 main_process_first=None, rank: int = 0):
+                 main_process_first=None, rank: int = 0, long_conversations: str = "split"):
     """The tokenized dataset for ``convs`` (lazy, or cached: see :func:`sft.dataset.build_dataset` for the rank
     coordination), with its report logged."""
     if lazy:
         logger.info("%s: %d conversations, tokenized on access (--lazy_preprocess)", name, len(convs))
         return LazySupervisedDataset(convs, tok, eot, max_len, system_message, path)
     ds, report = build_dataset(convs, path, tok, eot, max_len, system_message, cache_dir, num_proc, name,
-                               main_process_first, rank)
+                               main_process_first, rank, long_conversations)
     for line in report.lines(name, max_len):
         logger.info("%s", line)
     if name == "train":
@@ -132,13 +150,16 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     tok, eot, grew = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code,
                                     training_args.cache_dir)
     files = {"train": data_args.data_path, "eval": data_args.eval_data_path}
-    convs = load_records(files, data_args.on_bad_record, tok, data_args.system_message)
+    convs = load_records(files, data_args.on_bad_record, tok, data_args.system_message, data_args.eval_split_ratio,
+                         data_args.eval_split_seed)
+    files = data_paths(data_args)  # the eval dataset of a split is read from --data_path
     ranks = {"main_process_first": functools.partial(training_args.main_process_first, local=False),
              "rank": training_args.process_index}
     datasets = {name: make_dataset(name, convs[name], files[name], tok, eot, max_len=training_args.model_max_length,
                                    system_message=data_args.system_message, lazy=data_args.lazy_preprocess,
                                    cache_dir=data_args.data_cache_dir, num_proc=data_args.preprocessing_num_workers,
-                                   **ranks) if convs[name] is not None else None
+                                   long_conversations=data_args.long_conversations_mode, **ranks)
+                if convs[name] is not None else None
                 for name in ("train", "eval")}
     train_ds, eval_ds = datasets["train"], datasets["eval"]
     collator = make_collator(tok)
@@ -224,6 +245,8 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
             where = os.path.join(os.path.abspath(training_args.output_dir), f"checkpoint-{preemption.stopped_at}")
             raise Preempted(f"stopped by {preemption.cause or signal_name(preemption.signum)} at step {preemption.stopped_at} of "
                             f"{trainer.state.max_steps}; checkpoint {where}; run the same command again to resume")
+        if trainer.eval_dataset is not None:
+            log_eval_change(trainer.state.log_history, trainer.evaluate(), trainer.state.global_step)
         save(trainer, tok, eot, training_args.output_dir)
     except Exception as e:  # a lost node or a timed-out collective: say which node, not a 100-line traceback
         raise_if_peer_lost(e, training_args.ddp_timeout, peers)
@@ -234,6 +257,23 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
         kind = "adapter" if training_args.use_lora else "model"
         logger.info("saved %s, tokenizer and generation config to %s", kind, os.path.abspath(training_args.output_dir))
     return training_args.output_dir
+
+
+def log_eval_change(log_history: list[dict], final: dict, step: int) -> Optional[str]:
+    """Log ``eval loss BEFORE (before training) -> AFTER (after step N)``: BEFORE is the first ``eval_loss`` of the
+    Trainer's ``log_history`` (``--eval_on_start True`` puts one at step 0; kept across a resume), AFTER the
+    ``eval_loss`` of ``final`` (``Trainer.evaluate()``). Returns the line (None when ``final`` has no loss)."""
+    after = final.get("eval_loss")
+    if after is None:
+        return None
+    first = next((h for h in log_history if "eval_loss" in h), None)
+    if first is None or first.get("step") == step:  # only the final evaluation (evaluate() logs it too)
+        line = f"eval loss {after:.4f} after step {step} (pass --eval_on_start True for the loss before training)"
+    else:
+        when = "before training" if first.get("step", 0) == 0 else f"at step {first['step']}"
+        line = f"eval loss {first['eval_loss']:.4f} ({when}) -> {after:.4f} (after step {step})"
+    logger.info("%s", line)
+    return line
 
 
 def signal_name(signum) -> str:

@@ -60,9 +60,7 @@ def _check_data(data_args, training_args) -> list[str]:
             p.append(f"{flag} {path}: no such file")
         elif not os.path.isfile(path):
             p.append(f"{flag} {path}: not a regular file (a pipe or device?); give a .json or .jsonl file")
-    if training_args.eval_strategy != "no" and not data_args.eval_data_path:
-        p.append(f"--eval_strategy {training_args.eval_strategy}: evaluation needs --eval_data_path; add it or use "
-                 "--eval_strategy no")
+    p += _check_eval(data_args, training_args)
     cache = data_args.data_cache_dir
     if cache and os.path.exists(cache) and not os.path.isdir(cache):
         p.append(f"--data_cache_dir {cache}: is a file; give a folder (it is created if missing)")
@@ -72,6 +70,27 @@ def _check_data(data_args, training_args) -> list[str]:
     if data_args.preprocessing_num_workers is not None and data_args.preprocessing_num_workers < 1:
         p.append(f"--preprocessing_num_workers {data_args.preprocessing_num_workers}: must be at least 1")
     p += _check_packing(data_args, training_args)
+    return p
+
+
+def _check_eval(data_args, training_args) -> list[str]:
+    p, ratio = [], data_args.eval_split_ratio
+    if ratio is not None and not (math.isfinite(ratio) and 0 < ratio < 1):
+        p.append(f"--eval_split_ratio {ratio}: must be a fraction with 0 < R < 1 (e.g. 0.05 holds out about 5% of "
+                 "the records)")
+    if ratio is not None and data_args.eval_data_path:
+        p.append(f"--eval_split_ratio {ratio} with --eval_data_path {data_args.eval_data_path}: choose one (the "
+                 "ratio holds out records of --data_path when there is no evaluation file)")
+    has_eval = bool(data_args.eval_data_path) or ratio is not None
+    if training_args.eval_strategy != "no" and not has_eval:
+        p.append(f"--eval_strategy {training_args.eval_strategy}: evaluation needs --eval_data_path or "
+                 "--eval_split_ratio; add one or use --eval_strategy no")
+    if training_args.eval_on_start and not has_eval:
+        p.append("--eval_on_start True: the evaluation before training needs --eval_data_path or --eval_split_ratio; "
+                 "add one or drop --eval_on_start")
+    if data_args.long_conversations == "split" and data_args.lazy_preprocess:
+        p.append("--long_conversations split with --lazy_preprocess True: a lazy dataset cannot know how many samples "
+                 "a conversation gives before reading it; drop --lazy_preprocess or use --long_conversations truncate")
     return p
 
 

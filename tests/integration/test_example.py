@@ -48,12 +48,13 @@ def test_two_steps_merge_generate(smol_dir, tmp_path):
     gen = model.generate(**enc, max_new_tokens=64, do_sample=False)[0, enc["input_ids"].shape[1]:]
     assert gen[-1].item() == im_end, tok.decode(gen)  # stopped at the end-of-turn token, not the length limit
     assert len(tok.decode(gen, skip_special_tokens=True).strip()) > 0
-    # merged weights = base + adapter: logits equal the PEFT model's
+    # merged weights = base + adapter: logits equal the PEFT model's, up to fp32 rounding (W + BA against Wx + B(Ax):
+    # another summation order on logits of magnitude ~10-20; 1.2e-4 seen on the split-mode data, hence atol 3e-4)
     from peft import PeftModel
 
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smol_dir), str(out)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(**enc).logits, peft_model(**enc).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model(**enc).logits, peft_model(**enc).logits, rtol=1e-4, atol=3e-4)
 
 
 def test_merge_refuses_to_overwrite(tmp_path):

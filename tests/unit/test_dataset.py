@@ -11,6 +11,7 @@ from tests.helpers.data import TOY, write_jsonl
 
 
 def test_truncation_is_counted_and_empty_samples_dropped(tmp_path, qwen_tok):
+    """--long_conversations truncate (split mode: tests/unit/test_long_conversations.py)."""
     tok, eot = qwen_tok
     long_user = {"id": "long-question", "messages": [{"role": "user", "content": "word " * 200},
                                                       {"role": "assistant", "content": "ok"}]}
@@ -18,7 +19,7 @@ def test_truncation_is_counted_and_empty_samples_dropped(tmp_path, qwen_tok):
                                                     {"role": "assistant", "content": "word " * 200}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_user, long_reply])
     convs = load_conversations(path)
-    ds, report = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"))
+    ds, report = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
     assert report.truncated == 2 and report.dropped_ids == ["long-question"]
     assert report.samples == 3 and report.kept == 2 and list(ds["id"]) == ["add", "long-reply"]
     assert report.supervised_tokens_lost > 150  # most of the 200-word reply
@@ -48,8 +49,8 @@ def test_lazy_equals_eager_and_skips_empty(tmp_path, qwen_tok):
     long_user = {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_user, TOY[2]])
     convs = load_conversations(path)
-    ds, _ = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"))
-    lazy = LazySupervisedDataset(convs, tok, eot, 64, None)
+    ds, _ = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
+    lazy = LazySupervisedDataset(convs, tok, eot, 64, None)  # lazy mode truncates
     assert lazy[0]["input_ids"] == ds[0]["input_ids"] and lazy[0]["labels"] == ds[0]["labels"]
     assert lazy[1]["input_ids"] == ds[1]["input_ids"]  # "long" replaced by the next sample
     assert lazy.report.dropped_ids == ["long"]
