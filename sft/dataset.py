@@ -171,11 +171,12 @@ class _Job:
 _JOB: Optional[_Job] = None  # set before forking the part workers
 
 
-def _write_part(p: int) -> dict:
-    """Write part ``p`` of the job's shard (records ``index % (n_shards*n_parts) == shard + p*n_shards``)."""
+def _write_part(p: int, job: Optional[_Job] = None) -> dict:
+    """Write part ``p`` of ``job``'s shard (records ``index % (n_shards*n_parts) == shard + p*n_shards``);
+    the forked workers find the job in ``_JOB``."""
     import pyarrow as pa
 
-    job = _JOB
+    job = job or _JOB
     schema = _features(job.lazy).arrow_schema
     check, report, name = RecordCheck(job.path), TruncationReport(), f"part-{p:02d}.arrow"
     rows: dict = {k: [] for k in schema.names}
@@ -185,7 +186,7 @@ def _write_part(p: int) -> dict:
             for c in batch:
                 rows["id"].append(c.id)
                 rows["messages"].append(c.messages)
-        else:
+        elif batch:
             for c, samples in zip(batch, encode_samples(job.tokenizer, [c.messages for c in batch], job.eot_id,
                                                         job.max_len, job.system_message)):
                 for ex in samples:
@@ -214,17 +215,18 @@ def _write_part(p: int) -> dict:
 
 def _write_shard(job: _Job, folder: str, shard: int, n_shards: int, n_parts: int) -> dict:
     global _JOB
-    _JOB = dataclass_replace(job, folder=folder, shard=shard, n_shards=n_shards, n_parts=n_parts)
-    try:
-        if n_parts == 1:
-            parts = [_write_part(0)]
-        else:
-            import multiprocessing
+    job = dataclass_replace(job, folder=folder, shard=shard, n_shards=n_shards, n_parts=n_parts)
+    if n_parts == 1:
+        parts = [_write_part(0, job)]
+    else:  # fork: the workers inherit the tokenizer instead of unpickling it (what datasets.map does too)
+        import multiprocessing
 
+        _JOB = job
+        try:
             with multiprocessing.get_context("fork").Pool(n_parts) as pool:
                 parts = pool.map(_write_part, range(n_parts))
-    finally:
-        _JOB = None
+        finally:
+            _JOB = None
     check = RecordCheck.merge(job.path, [x["check"] for x in parts])
     if check.n_bad and job.on_bad_record == "error":
         raise check.error()
