@@ -33,7 +33,8 @@ from .errors import DataError
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_EVERY_S = 30.0  # seconds between "waiting for shards" lines of a waiting rank
+PROGRESS_FIRST_S = 5.0  # a rank that has waited this long says so, and again every PROGRESS_EVERY_S seconds
+PROGRESS_EVERY_S = 30.0
 POLL_S = 0.5
 
 
@@ -172,15 +173,15 @@ def _failure(key_dir: str, n: int, run: str, waiting: list[int]) -> Optional[dic
 def wait_for_shards(key_dir: str, n: int, plan: Plan, timeout_s: float, what: str) -> list[dict]:
     """Poll until every shard of ``key_dir`` has its marker; return the markers in shard order.
 
-    Logs (WARNING, so every rank's lines show) every :data:`PROGRESS_EVERY_S` seconds which shards it waits
-    for and on which nodes and ranks they are prepared.
+    Logs (WARNING, so every rank's lines show) after :data:`PROGRESS_FIRST_S` seconds and then every
+    :data:`PROGRESS_EVERY_S` seconds which shards it waits for and on which nodes and ranks they are prepared.
 
     Raises:
         DataError: a rank of this run failed to prepare a shard (its message), or ``timeout_s`` seconds
             passed (naming the shards, nodes and ranks awaited, and --data_timeout).
     """
     start = time.monotonic()
-    last = start
+    last = start - PROGRESS_EVERY_S + PROGRESS_FIRST_S
     preparers = plan.preparers(n)
     markers: dict[int, dict] = {}
     while True:
@@ -191,6 +192,9 @@ def wait_for_shards(key_dir: str, n: int, plan: Plan, timeout_s: float, what: st
                     markers[k] = m
         waiting = [k for k in range(n) if k not in markers]
         if not waiting:
+            waited = time.monotonic() - start
+            if waited >= PROGRESS_FIRST_S:
+                logger.warning("rank %d: every shard of %s is ready after waiting %.0f s", plan.view.rank, what, waited)
             return [markers[k] for k in range(n)]
         failed = _failure(key_dir, n, plan.run, waiting)
         if failed:

@@ -114,3 +114,21 @@ def test_mixing_weights_are_respected_by_counts_and_deterministic(tmp_path, qwen
     assert list(again["id"]) == ids and list(other["id"]) != ids
     plain, _ = build_dataset([a, b], tok, eot, 64, None, cache)
     assert sorted(plain["id"]) == sorted([f"a{i}" for i in range(10)] + [f"b{i}" for i in range(10)])
+
+
+def test_yaml_list_of_sources_with_weights(tmp_path, tiny_model_dir):
+    from sft.arguments import parse_args
+    from sft.errors import ConfigError
+
+    a, b = _source(tmp_path, "a", 2), _source(tmp_path, "b", 2)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data_path:\n  - {{path: {a}, weight: 0.7}}\n  - {{path: {b}, weight: 0.3}}\n")
+    _, d, _, _ = parse_args(["--config", str(cfg), "--model_name_or_path", tiny_model_dir, "--output_dir",
+                             str(tmp_path / "o")])
+    assert d.data_path == [a, b] and d.data_weights == [0.7, 0.3]
+    cfg.write_text(f"data_path:\n  - {{path: {a}, weight: 0.7}}\n  - {{path: {b}}}\n")
+    with pytest.raises(ConfigError, match="give every source a 'weight', or none"):
+        parse_args(["--config", str(cfg), "--output_dir", str(tmp_path / "o")])
+    cfg.write_text(f"data_path:\n  - {{file: {a}}}\n")
+    with pytest.raises(ConfigError, match="'data_path' entries must all be mappings with 'path'"):
+        parse_args(["--config", str(cfg), "--output_dir", str(tmp_path / "o")])
