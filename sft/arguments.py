@@ -88,10 +88,11 @@ class DataArguments:
     )
     data_cache_dir: Optional[str] = field(
         default=None,
-        metadata={"help": "Where tokenized datasets are cached (default: $SFT_CACHE_DIR or ~/.cache/sft/datasets)."},
+        metadata={"help": "Where tokenized data shards are cached (default: $SFT_CACHE_DIR or ~/.cache/sft/datasets); "
+                  "a folder every node sees: each shard is prepared once per job, else once per node."},
     )
     preprocessing_num_workers: Optional[int] = field(
-        default=None, metadata={"help": "Processes used to tokenize the dataset (datasets.map num_proc)."}
+        default=None, metadata={"help": "Processes each rank tokenizes its data shard with (default 1)."}
     )
     packing: bool = field(
         default=False,

@@ -52,9 +52,14 @@ class JobView:
 
     @classmethod
     def from_env(cls) -> "JobView":
+        """From torchrun's / Ray Train's variables; rank and world size from the process group when it is up."""
         env = os.environ
-        world = int(env.get("WORLD_SIZE", "1"))
-        return cls(rank=int(env.get("RANK", "0")), world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
+        rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        return cls(rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
                    node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))))
 
