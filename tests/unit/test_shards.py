@@ -170,3 +170,16 @@ def test_memory_is_bounded_for_real_under_a_data_limit(tmp_path, tiny_model_dir)
     assert run("stream", str(path), "100").stdout.split() == ["loaded", "2500"]
     prepared = run("prepare", str(path), "100", tiny_model_dir, str(tmp_path / "c"))
     assert prepared.stdout.split()[-2:] == ["loaded", "2500"], prepared.stderr[-2000:]
+
+
+def test_preprocessing_workers_split_a_shard_and_give_the_same_samples(tmp_path, qwen_tok, caplog):
+    tok, eot = qwen_tok
+    path = write_jsonl(tmp_path / "d.jsonl", TOY + [TOY[0]])  # "add" twice
+    one, _ = build_dataset([path], tok, eot, 128, None, str(tmp_path / "one"))
+    two, report = build_dataset([path], tok, eot, 128, None, str(tmp_path / "two"), num_proc=2)
+    assert report.samples == len(TOY) + 1
+    assert sorted(zip(two["id"], two["input_ids"])) == sorted(zip(one["id"], one["input_ids"]))
+    (key,) = os.listdir(tmp_path / "two")
+    marker = json.load(open(tmp_path / "two" / key / (shard_name(0, 1) + ".done")))
+    assert marker["parts"] == ["part-00.arrow", "part-01.arrow"]
+    assert "1 id(s) appear more than once (e.g. 'add')" in caplog.text
