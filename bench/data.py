@@ -69,8 +69,9 @@ def write_data(src: str, n: int, out: str) -> None:
 def run_ranks(world: int, data: str, model: str, cache: str, max_len: int, mode: str, pythonpath: str) -> dict:
     env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
+    # cwd = the checkout measured: ``python -c`` puts the working directory first on the module path
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), data, model, cache, "bench",
-                               str(max_len), mode], env=env, stdout=subprocess.PIPE, text=True)
+                               str(max_len), mode], env=env, stdout=subprocess.PIPE, text=True, cwd=pythonpath)
              for r in range(world)]
     outs = [p.communicate()[0] for p in procs]
     wall = time.perf_counter() - t0
@@ -113,7 +114,8 @@ def main() -> int:
     ap.add_argument("--max_length", type=int, default=512)
     ap.add_argument("--plain_sample", type=int, default=20000, help="conversations for the plain tokenizer() figure")
     ap.add_argument("--before", default=None, help="a checkout whose sft is measured too (1 process)")
-    ap.add_argument("--skip_single", action="store_true", help="skip the 1-process run")
+    ap.add_argument("--runs", nargs="+", default=["one", "many", "before"], choices=["one", "many", "before"],
+                    help="one: 1 process; many: --processes processes; before: --before's sft, 1 process")
     ap.add_argument("--work", default=None, help="folder for data and caches (default: a new temporary one, removed)")
     a = ap.parse_args()
     work = a.work or tempfile.mkdtemp(prefix="sft-bench-data-")
@@ -126,8 +128,8 @@ def main() -> int:
               f"{time.perf_counter() - t0:.0f} s", flush=True)
         plain = plain_tokenizer(a.model, data, min(a.plain_sample, a.conversations))
         print(f"plain batched tokenizer() on rendered texts: {plain:.0f} conversations/s (1 process)", flush=True)
-        configs = [] if a.skip_single else [("after", 1, HERE)]
-        configs += [("after", a.processes, HERE)] + ([("before", 1, a.before)] if a.before else [])
+        configs = [c for run, c in (("one", ("after", 1, HERE)), ("many", ("after", a.processes, HERE)),
+                                    ("before", ("before", 1, a.before))) if run in a.runs and c[2]]
         single = None
         for mode, world, repo in configs:
             cache = os.path.join(work, f"cache-{mode}-{world}")
