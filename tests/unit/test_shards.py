@@ -163,8 +163,10 @@ def test_memory_is_bounded_for_real_under_a_data_limit(tmp_path, tiny_model_dir)
             f.write(json.dumps(dict(row, id=f"r{i}")) + "\n")
 
     def run(*args):
+        # one tokenizer thread: a thread pool's stacks would count against the limit by the machine's core count
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1", OMP_NUM_THREADS="1")
         return subprocess.run([sys.executable, "-c", _UNDER_LIMIT, *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=300, env=env)
     old = run("old", str(path), "100")
     assert old.returncode != 0 and "MemoryError" in old.stderr
     assert run("stream", str(path), "100").stdout.split() == ["loaded", "2500"]
