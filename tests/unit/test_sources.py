@@ -132,3 +132,13 @@ def test_yaml_list_of_sources_with_weights(tmp_path, tiny_model_dir):
     cfg.write_text(f"data_path:\n  - {{file: {a}}}\n")
     with pytest.raises(ConfigError, match="'data_path' entries must all be mappings with 'path'"):
         parse_args(["--config", str(cfg), "--output_dir", str(tmp_path / "o")])
+
+
+def test_show_sample_streams_to_the_record_asked_for(tmp_path, tiny_model_dir, capsys):
+    from sft.cli import show_sample_main
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"id": "bad", "messages": []}] + TOY)  # invalid records are skipped
+    assert show_sample_main([tiny_model_dir, path, "--index", "2"]) == 0
+    assert capsys.readouterr().out.startswith("record 3 id=hi: ")
+    assert show_sample_main([tiny_model_dir, path, "--index", "99"]) == 2
+    assert f"--index 99: the file has {len(TOY)} valid records" in capsys.readouterr().err
