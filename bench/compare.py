@@ -266,7 +266,7 @@ def matmul_peaks(device) -> dict:
 
 def preprocessing(a) -> list[tuple[str, float]]:
     """Conversations/s: our rendering + masking vs. rendering + one plain batched tokenizer() call; our full
-    dataset preparation (datasets.map) with num_proc 1 and 2."""
+    dataset preparation (stream, validate, Arrow shard) with 1 and 2 worker processes."""
     from sft.chat import encode_conversations
     from sft.data import load_conversations
     from sft.dataset import build_dataset
@@ -289,8 +289,8 @@ def preprocessing(a) -> list[tuple[str, float]]:
     for num_proc in (1, 2):
         with tempfile.TemporaryDirectory() as cache:
             t0 = time.perf_counter()
-            build_dataset(convs, a.data, tok, eot, a.max_length, None, cache, num_proc if num_proc > 1 else None)
-            out.append((f"ours: full dataset preparation (datasets.map, num_proc {num_proc})",
+            build_dataset([a.data], tok, eot, a.max_length, None, cache, num_proc if num_proc > 1 else None)
+            out.append((f"ours: full dataset preparation (stream + Arrow shard, {num_proc} process(es))",
                         len(msgs) / (time.perf_counter() - t0)))
     return out
 

@@ -49,10 +49,24 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    data_path: Optional[str] = field(
-        default=None, metadata={"help": "Training data: a JSON list file or a JSONL file of conversations (required)."}
+    data_path: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "Training data (required): one or more sources, each a .json (list) or .jsonl file "
+                  "(optionally .gz/.bz2/.xz/.zst), a .parquet file or a datasets save_to_disk folder. Several "
+                  "sources are concatenated, or mixed by --data_weights."},
     )
-    eval_data_path: Optional[str] = field(default=None, metadata={"help": "Evaluation data, same format."})
+    data_weights: Optional[list[float]] = field(
+        default=None,
+        metadata={"help": "Mixing weights, one per --data_path source (e.g. 0.7 0.3): the mix has as many samples "
+                  "as the sources together, a share w_i / sum(w) from source i (whole passes plus a subset drawn "
+                  "with --seed). Unset: every sample of every source once."},
+    )
+    data_timeout: float = field(
+        default=14400.0,
+        metadata={"help": "Seconds a rank waits for the other ranks' data shards (completion markers in the cache "
+                  "folder) before it stops; independent of --ddp_timeout, so a long preparation does not end the job."},
+    )
+    eval_data_path: Optional[str] = field(default=None, metadata={"help": "Evaluation data: one source, same formats."})
     lazy_preprocess: bool = field(
         default=False,
         metadata={"help": "Tokenize each sample when it is read instead of preparing the whole dataset up front."},
@@ -74,10 +88,11 @@ class DataArguments:
     )
     data_cache_dir: Optional[str] = field(
         default=None,
-        metadata={"help": "Where tokenized datasets are cached (default: $SFT_CACHE_DIR or ~/.cache/sft/datasets)."},
+        metadata={"help": "Where tokenized data shards are cached (default: $SFT_CACHE_DIR or ~/.cache/sft/datasets); "
+                  "a folder every node sees: each shard is prepared once per job, else once per node."},
     )
     preprocessing_num_workers: Optional[int] = field(
-        default=None, metadata={"help": "Processes used to tokenize the dataset (datasets.map num_proc)."}
+        default=None, metadata={"help": "Processes each rank tokenizes its data shard with (default 1)."}
     )
     long_conversations: Optional[str] = field(
         default=None,
@@ -303,6 +318,7 @@ def _yaml_to_argv(path: str, defaults: dict, parser) -> list[str]:
     (placed before the user's flags: the last occurrence of a flag wins)."""
     actions = {a.dest: a for a in parser._actions}
     argv, problems = [], []
+    defaults = _data_sources(path, defaults)
     for key, value in defaults.items():
         if value is None:
             continue  # null = keep the default
@@ -329,6 +345,26 @@ def _yaml_to_argv(path: str, defaults: dict, parser) -> list[str]:
     if problems:
         raise ConfigError(problems)
     return argv
+
+
+def _data_sources(path: str, defaults: dict) -> dict:
+    """YAML ``data_path`` as a list of ``{path: ..., weight: ...}`` mappings -> ``data_path`` + ``data_weights``."""
+    sources = defaults.get("data_path")
+    if not (isinstance(sources, list) and any(isinstance(x, dict) for x in sources)):
+        return defaults
+    bad = [x for x in sources if not (isinstance(x, dict) and set(x) <= {"path", "weight"} and "path" in x)]
+    if bad:
+        raise ConfigError([f"--config {path}: 'data_path' entries must all be mappings with 'path' and optionally "
+                           f"'weight' (found {json.dumps(bad[0], default=str)[:80]})"])
+    if defaults.get("data_weights") is not None:
+        raise ConfigError([f"--config {path}: weights given both in 'data_path' and in 'data_weights'; keep one"])
+    weighted = [x for x in sources if "weight" in x]
+    if weighted and len(weighted) != len(sources):
+        raise ConfigError([f"--config {path}: 'data_path': give every source a 'weight', or none"])
+    out = dict(defaults, data_path=[x["path"] for x in sources])
+    if weighted:
+        out["data_weights"] = [x["weight"] for x in sources]
+    return out
 
 
 def _yaml_scalar(v) -> str:

@@ -249,8 +249,10 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
 
     def body():
-        from .chat import visualize, with_system
-        from .data import load_conversations
+        from .chat import visualize
+        import itertools
+
+        from .data import RecordCheck, iter_conversations
         from .dataset import encode_samples
         from .modeling import load_tokenizer
 
@@ -259,13 +261,14 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
             raise SFTError(f"{a.model_dir}: not a model folder (no config.json or tokenizer.json)")
         if a.model_max_length < 8:
             raise SFTError(f"--model_max_length {a.model_max_length}: must be at least 8")
-        convs = load_conversations(a.data_file, "skip")
-        if not 0 <= a.index < len(convs):
-            raise SFTError(f"--index {a.index}: the file has {len(convs)} valid records")
+        if a.index < 0:
+            raise SFTError(f"--index {a.index}: must be 0 or more (it counts valid records from 0)")
+        check = RecordCheck(a.data_file)  # streamed up to the record asked for: a huge file is not loaded
+        c = next(itertools.islice(iter_conversations(a.data_file, check), a.index, None), None)
+        if c is None:
+            raise SFTError(f"--index {a.index}: the file has {check.valid} valid records")
         tok, eot, _ = load_tokenizer(a.model_dir)
-        c = convs[a.index]
-        samples = encode_samples(tok, [with_system(c.messages, a.system_message)], eot, a.model_max_length,
-                                 a.long_conversations)[0]
+        samples = encode_samples(tok, [c.messages], eot, a.model_max_length, a.system_message, a.long_conversations)[0]
         for k, ex in enumerate(samples):
             part = f" sample {k + 1} of {len(samples)}:" if len(samples) > 1 else ""
             print(f"record {c.index} id={c.id}:{part} {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"

@@ -1,28 +1,31 @@
 """Read and validate conversation records.
 
 Accepted files: a JSON file holding a list of records, or JSONL (one record per line). Files are
-always read as UTF-8; a leading BOM is accepted.
+always read as UTF-8; a leading BOM is accepted. The formats (JSON, JSONL, compressed, Parquet, datasets
+folders) are read by :mod:`sft.sources`.
 
 Record forms (both may be mixed in one file):
 
 * Qwen: ``{"id": ..., "conversations": [{"from": "user"|"assistant"|"system", "value": str}, ...]}``
   with the aliases ``human`` -> user and ``gpt`` -> assistant.
 * OpenAI: ``{"id": ... (optional), "messages": [{"role": ..., "content": str}, ...]}``.
+* Alpaca: ``{"instruction": str, "input": str (optional, may be empty), "output": str, "system": str (optional)}``:
+  one user turn (the instruction, then a blank line and the input when there is one) and one assistant turn.
 
 Rules: an optional leading system turn, then turns alternating user, assistant, ... starting with
 user and ending with assistant (at least one assistant turn). Every value is a non-empty string.
 
-The output of this module is a list of :class:`Conversation` with roles normalised to
-``system``/``user``/``assistant``; nothing downstream looks at the raw records again.
+The output of this module is a stream of :class:`Conversation` with roles normalised to
+``system``/``user``/``assistant`` (:func:`iter_conversations`, memory bounded by the capped list of problems);
+nothing downstream looks at the raw records again.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
 
 from .errors import DataError
 
@@ -65,111 +68,6 @@ class Problem:
         return f"{', '.join(where)}: {self.what}; {self.fix}"
 
 
-def _decode(path: str, raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}: line {line} (byte {e.start}): bytes that are not UTF-8 ({raw[e.start:e.start + 4]!r}); "
-                        "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
-
-
-def read_raw_records(path: str) -> tuple[list[tuple[int, Any]], list[Problem]]:
-    """Read ``path`` into ``[(index, record)]`` without checking the records' contents.
-
-    The format is decided by the content, not the file name: a file starting with ``[`` is a JSON
-    list; one starting with ``{`` is a single JSON record or, if it holds more, JSONL. In JSONL an
-    unparsable or undecodable line is a :class:`Problem` of that record (so ``skip`` can drop it); in a
-    JSON list a syntax error stops everything.
-
-    Raises:
-        DataError: missing file, directory, empty file, not JSON, JSON syntax error in a list file,
-            wrong top-level type, or bytes that are not UTF-8 in a list file.
-    """
-    if os.path.isdir(path):
-        raise DataError(f"{path}: is a directory; give a .json or .jsonl file")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise DataError(f"{path}: cannot be read ({e.strerror}); check the path and permissions") from None
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise DataError(f"{path}: the file is UTF-16; re-save it as UTF-8 (e.g. iconv -f utf-16 -t utf-8)")
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
-    if not raw.strip():
-        raise DataError(f"{path}: the file is empty; it must hold a JSON list of records or JSONL lines")
-    head = raw.lstrip()[:1]
-    if head == b"{":
-        try:
-            return _top_level(path, _json_loads(path, raw.decode("utf-8"))), []
-        except (UnicodeDecodeError, DataError):
-            lines = [x for x in raw.split(b"\n", 64)[:64] if x.strip()]
-            # JSONL: the first line looks like a whole object and some early line is one (a pretty-printed
-            # object starts with a lone "{" and is reported with its own syntax error below)
-            if len(lines) > 1 and lines[0].strip().endswith(b"}") and any(_parses(x) for x in lines[:8]):
-                return _read_jsonl(path, raw)
-            _json_loads(path, _decode(path, raw))  # one (pretty-printed) object: report its own syntax error
-    if head != b"[":
-        raise DataError(f"{path}: does not start with '[' or '{{', so it is neither a JSON list nor JSONL; "
-                        "write a JSON list of records or one JSON object per line")
-    return _top_level(path, _json_loads(path, _decode(path, raw))), []
-
-
-def _json_loads(path: str, text: str, where: str = "") -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: {where}line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the syntax") from None
-    except RecursionError:
-        raise DataError(f"{path}: {where}JSON nested too deeply to read; records are objects holding a list of turns") from None
-
-
-def _parses(line: bytes) -> bool:
-    try:
-        json.loads(line.decode("utf-8"))
-        return True
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return False
-
-
-def _top_level(path: str, data: Any) -> list[tuple[int, Any]]:
-    if isinstance(data, dict):
-        return [(0, data)]  # one JSON object = one record (a one-line JSONL file, or a pretty-printed record)
-    if not isinstance(data, list):
-        raise DataError(f"{path}: the top level is a JSON {type(data).__name__}; it must be a list of records "
-                        '[{"id": ..., "conversations": [...]}, ...] (or JSONL, one record per line)')
-    if not data:
-        raise DataError(f"{path}: the list holds no records")
-    return list(enumerate(data))
-
-
-def _read_jsonl(path: str, raw: bytes) -> tuple[list[tuple[int, Any]], list[Problem]]:
-    problems: list[Problem] = []
-    records: list[tuple[int, Any]] = []
-    index = 0
-    for lineno, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            problems.append(Problem(path, index, None, f"line {lineno}: bytes that are not UTF-8 "
-                                    f"(at column {e.start + 1})", "re-save the file as UTF-8", kind="not UTF-8"))
-            index += 1
-            continue
-        try:
-            records.append((index, json.loads(text)))
-        except json.JSONDecodeError as e:
-            problems.append(Problem(path, index, None, f"line {lineno}, column {e.colno}: not valid JSON ({e.msg})",
-                                    "each line must be one complete JSON object", kind="bad JSON"))
-        except RecursionError:
-            problems.append(Problem(path, index, None, f"line {lineno}: JSON nested too deeply to read",
-                                    "a record is an object holding a list of turns", kind="bad JSON"))
-        index += 1
-    return records, problems
-
-
 def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Problem]:
     """Check one record; return a :class:`Conversation` or the list of its problems."""
     if not isinstance(rec, dict):
@@ -178,9 +76,12 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
     rid = rec.get("id")
     rid = None if rid is None else str(rid)
     forms = [k for k in FORMS if k in rec]
+    if not forms and ("instruction" in rec or "output" in rec):
+        return _alpaca(path, index, rid, rec)
     if not forms:
         return [Problem(path, index, rid, "missing key 'conversations' (or 'messages')",
-                        'add "conversations": [{"from": "user", "value": ...}, {"from": "assistant", "value": ...}]',
+                        'add "conversations": [{"from": "user", "value": ...}, {"from": "assistant", "value": ...}] '
+                        '(or an Alpaca record\'s "instruction" and "output")',
                         kind="missing key")]
     if len(forms) == 2:
         return [Problem(path, index, rid, "has both 'conversations' and 'messages'", "keep only one of them",
@@ -257,84 +158,173 @@ def _check_order(path, index, rid, messages) -> Conversation | list[Problem]:
     return Conversation(id=rid if rid is not None else f"#{index}", index=index, messages=clean)
 
 
-def _report_problems(path: str, problems: list[Problem], total: int, on_bad_record: str) -> None:
-    """``error``: raise one DataError listing the problems; ``skip``: log counts per kind and the ids."""
-    if not problems:
-        return
-    bad = sorted({(p.index if p.index is not None else -1, p.record_id) for p in problems}, key=lambda x: x[0])
-    if on_bad_record == "error":
-        shown = "\n".join(f"  - {p}" for p in problems[:MAX_PROBLEMS_SHOWN])
-        more = f"\n  ... and {len(problems) - MAX_PROBLEMS_SHOWN} more" if len(problems) > MAX_PROBLEMS_SHOWN else ""
-        raise DataError(f"{path}: {len(bad)} invalid record(s) of {total}:\n"
-                        f"{shown}{more}\nFix them, or pass --on_bad_record skip to train without them.")
-    kinds = Counter(p.kind for p in problems)
-    ids = ", ".join(rid if rid is not None else f"#{i}" for i, rid in bad[:50])
-    logger.warning("%s: skipped %d invalid record(s) (%s); ids: %s%s", path, len(bad),
-                   ", ".join(f"{k}: {n}" for k, n in kinds.most_common()), ids, " ..." if len(bad) > 50 else "")
 
 
-def load_conversations(path: str, on_bad_record: str = "error") -> list[Conversation]:
-    """Read and validate every record of ``path``.
+def _alpaca(path: str, index: int, rid: Optional[str], rec: dict) -> Conversation | list[Problem]:
+    problems = []
+    for key, required in (("instruction", True), ("output", True), ("input", False), ("system", False)):
+        val = rec.get(key)
+        if key not in rec:
+            if required:
+                problems.append(Problem(path, index, rid, f"missing key '{key}' (an Alpaca record needs 'instruction' "
+                                        "and 'output')", f"add \"{key}\": ...", kind="missing key"))
+        elif not isinstance(val, str):
+            problems.append(Problem(path, index, rid, f"'{key}' is {json.dumps(val)[:40]}, not a string",
+                                    f"give '{key}' a string value", kind="not a string"))
+        elif required and not val.strip():
+            problems.append(Problem(path, index, rid, f"empty '{key}'", f"give '{key}' some text", kind="empty value"))
+        elif not _encodable(val):
+            problems.append(Problem(path, index, rid, f"'{key}' holds an unpaired UTF-16 surrogate (a \\ud800-"
+                                    "\\udfff escape)", "fix the text's encoding", kind="invalid unicode"))
+    if problems:
+        return problems
+    user = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input", "").strip() else "")
+    messages = [{"role": "system", "content": rec["system"]}] if rec.get("system", "").strip() else []
+    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"]}]
+    return Conversation(id=rid if rid is not None else f"#{index}", index=index, messages=messages)
+
+
+def _control_problem(path: str, conv: Conversation, control_tokens: Sequence[str]) -> Optional[Problem]:
+    for t, m in enumerate(conv.messages):
+        found = [tok for tok in control_tokens if tok in m["content"]]
+        if found:
+            return Problem(path, conv.index, conv.id, f"the {m['role']} text contains the control token(s) "
+                           f"{', '.join(found)}", "remove them or write them differently (they would become real "
+                           "chat-template tokens)", t, kind="control token in text")
+    return None
+
+
+@dataclass
+class RecordCheck:
+    """What validating one source (or one shard of it) found; memory is capped, not per record.
+
+    ``records`` counts every record read (valid or not), ``valid`` the conversations passed on; ``problems``
+    keeps the first :data:`MAX_PROBLEMS_SHOWN` problems, ``bad_ids`` the first 50 bad records' ids (``#index``
+    when a record has none), ``kinds`` counts problems per kind. A plain-JSON dict (:meth:`to_dict`) so that
+    ranks can exchange it through the cache folder and :meth:`merge` the shards of one source.
+    """
+
+    path: str
+    records: int = 0
+    valid: int = 0
+    n_bad: int = 0
+    n_problems: int = 0
+    problems: list = field(default_factory=list)
+    bad_ids: list = field(default_factory=list)
+    kinds: dict = field(default_factory=dict)
+
+    def add(self, problems: list[Problem]) -> None:
+        self.n_bad += 1
+        self.n_problems += len(problems)
+        self.problems += [(p.index if p.index is not None else -1, str(p)) for p in problems][:MAX_PROBLEMS_SHOWN - len(self.problems)]
+        if len(self.bad_ids) < 50:
+            p = problems[0]
+            self.bad_ids.append((p.index if p.index is not None else -1, p.record_id if p.record_id is not None else f"#{p.index}"))
+        for p in problems:
+            self.kinds[p.kind] = self.kinds.get(p.kind, 0) + 1
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def merge(cls, path: str, parts: Sequence[dict]) -> "RecordCheck":
+        """One check of the whole source from its shards' :meth:`to_dict` (problems and ids in record order)."""
+        out = cls(path)
+        for d in parts:
+            for k in ("records", "valid", "n_bad", "n_problems"):
+                setattr(out, k, getattr(out, k) + d[k])
+            out.problems += [tuple(x) for x in d["problems"]]
+            out.bad_ids += [tuple(x) for x in d["bad_ids"]]
+            for k, n in d["kinds"].items():
+                out.kinds[k] = out.kinds.get(k, 0) + n
+        out.problems = sorted(out.problems, key=lambda x: x[0])[:MAX_PROBLEMS_SHOWN]
+        out.bad_ids = sorted(out.bad_ids, key=lambda x: x[0])[:50]
+        return out
+
+    def error(self) -> Optional[DataError]:
+        """The one error listing the problems (``--on_bad_record error``), or None when there are none."""
+        if not self.n_bad:
+            return None
+        shown = "\n".join(f"  - {text}" for _, text in self.problems)
+        more = f"\n  ... and {self.n_problems - len(self.problems)} more" if self.n_problems > len(self.problems) else ""
+        return DataError(f"{self.path}: {self.n_bad} invalid record(s) of {self.records}:\n{shown}{more}\n"
+                         "Fix them, or pass --on_bad_record skip to train without them.")
+
+    def finish(self, on_bad_record: str, log: bool = True) -> None:
+        """``error``: raise :meth:`error`; ``skip``: log counts per kind and the ids. Then refuse an empty source.
+
+        Raises:
+            DataError: problems with ``error``, or no valid record left.
+        """
+        if self.n_bad and on_bad_record == "error":
+            raise self.error()
+        if self.n_bad and log:
+            kinds = ", ".join(f"{k}: {n}" for k, n in Counter(self.kinds).most_common())
+            ids = ", ".join(rid for _, rid in self.bad_ids)
+            logger.warning("%s: skipped %d invalid record(s) (%s); ids: %s%s", self.path, self.n_bad, kinds, ids,
+                           " ..." if self.n_bad > len(self.bad_ids) else "")
+        if not self.valid:
+            raise DataError(f"{self.path}: no valid record left")
+
+
+def iter_conversations(path: str, check: RecordCheck, control_tokens: Sequence[str] = (), shard: int = 0,
+                       n_shards: int = 1, stop_at_problem: bool = False) -> Iterator[Conversation]:
+    """Validated conversations of shard ``shard`` of ``n_shards`` of ``path``, as a stream; every problem (the
+    record's structure, and text that spells one of ``control_tokens``: the tokenizer would turn it into the
+    real token, letting a user turn fake an assistant turn) is recorded in ``check``, never raised here.
+    ``stop_at_problem``: stop after the first bad record's problems (a check that will fail anyway).
+
+    Raises:
+        DataError: file-level problems (see :func:`sft.sources.iter_raw`).
+    """
+    from .sources import iter_raw
+
+    for item in iter_raw(path, shard, n_shards):
+        check.records += 1
+        if isinstance(item, Problem):
+            out = [item]
+        else:
+            out = normalize_record(path, *item)
+            if isinstance(out, Conversation):
+                bad = _control_problem(path, out, control_tokens) if control_tokens else None
+                if bad is None:
+                    check.valid += 1
+                    yield out
+                    continue
+                out = [bad]
+        check.add(out)
+        if stop_at_problem:
+            return
+
+
+def warn_duplicate_ids(path: str, ids: Sequence[str]) -> None:
+    dup = [i for i, n in Counter(ids).items() if n > 1]
+    if dup:
+        logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
+                       path, len(dup), ", ".join(map(repr, dup[:5])))
+
+
+def load_conversations(path: str, on_bad_record: str = "error", control_tokens: Sequence[str] = ()) -> list[Conversation]:
+    """Every valid record of ``path`` as a list (for tools that want a few records, e.g. ``sft-show-sample``;
+    training streams them with :func:`iter_conversations`).
 
     Args:
         on_bad_record: ``"error"`` raises listing the problems; ``"skip"`` drops bad records and logs a
             summary (counts per kind of problem, and the ids).
+        control_tokens: text forms of the chat template's special tokens, refused in any text.
 
     Raises:
         DataError: the file cannot be read or parsed, a record is invalid (``error``), or no record is left.
     """
-    raw, problems = read_raw_records(path)
-    convs: list[Conversation] = []
-    for index, rec in raw:
-        out = normalize_record(path, index, rec)
-        if isinstance(out, Conversation):
-            convs.append(out)
-        else:
-            problems.extend(out)
-    total = len(raw) + sum(1 for p in problems if p.kind in ("bad JSON", "not UTF-8"))
-    _report_problems(path, problems, total, on_bad_record)
-    if not convs:
-        raise DataError(f"{path}: no valid record left")
-    dup = [i for i, n in Counter(c.id for c in convs).items() if n > 1]
-    if dup:
-        logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
-                       path, len(dup), ", ".join(map(repr, dup[:5])))
+    check = RecordCheck(path)
+    convs = list(iter_conversations(path, check, control_tokens))
+    check.finish(on_bad_record)
+    warn_duplicate_ids(path, [c.id for c in convs])
     return convs
 
 
-def reject_control_tokens(convs: list[Conversation], control_tokens: list[str], path: str,
-                          on_bad_record: str = "error") -> list[Conversation]:
-    """Refuse text that spells a control token of the chat template (``<|im_end|>``, ``<|im_start|>`` ...).
-
-    The tokenizer turns such text into the real special token, so a user turn could fake a new turn
-    and a reply would train a stray end-of-turn token. ``skip`` drops those records (logged).
-
-    Raises:
-        DataError: with ``error``, listing every record, turn and token found.
-    """
-    problems = []
-    for c in convs:
-        for t, m in enumerate(c.messages):
-            found = [tok for tok in control_tokens if tok in m["content"]]
-            if found:
-                problems.append(Problem(path, c.index, c.id, f"the {m['role']} text contains the control token(s) "
-                                        f"{', '.join(found)}", "remove them or write them differently (they would "
-                                        "become real chat-template tokens)", t, kind="control token in text"))
-                break
-    _report_problems(path, problems, len(convs), on_bad_record)
-    bad = {p.index for p in problems}
-    kept = [c for c in convs if c.index not in bad]
-    if not kept:
-        raise DataError(f"{path}: no valid record left")
-    return kept
-
-
 def file_sha256(path: str) -> str:
-    """Hex sha256 of a file's bytes (used in the dataset cache key)."""
-    import hashlib
+    """Hex sha256 of a file's bytes, or of a dataset folder's files (used in cache keys and fingerprints)."""
+    from .sources import source_sha256
 
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return source_sha256(path)

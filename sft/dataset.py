@@ -1,36 +1,39 @@
-"""Tokenized datasets (cached, prepared once) and the padding collator.
+"""Tokenized datasets (memory-mapped Arrow, prepared by every rank, cached) and the padding collator.
 
-Eager mode (default): every conversation is encoded once with HF ``datasets``; one longer than
-``model_max_length`` is split at turn boundaries into several samples (``--long_conversations split``,
-:mod:`sft.long_conversations`) or truncated (``truncate``); samples left with no supervised token are dropped, and the result is saved
-under ``<cache>/<key>`` where the key hashes the data file's bytes, the tokenizer (vocabulary,
-special tokens, chat template), the settings and this package's version. Global rank 0 prepares
-it; the other ranks wait at a barrier and load it from disk (if the cache folder is not shared
-between nodes, a rank that cannot see it prepares its own copy and says so).
+Eager mode (default): the records of each source are streamed and validated (:mod:`sft.data`), encoded per
+conversation (:func:`encode_samples`: ids and labels built together; one longer than ``model_max_length`` is
+split at turn boundaries into several samples, ``--long_conversations split``, :mod:`sft.long_conversations`, or
+truncated, ``truncate``), samples left with no supervised token are dropped, and the samples are written as Arrow shards under
+``<cache>/<key>`` where the key hashes the source's bytes, the tokenizer (vocabulary, special tokens, chat
+template), the settings and this package's version. Every global rank prepares its shard and then
+memory-maps all of them (:mod:`sft.shards`: completion markers, ``--data_timeout``); no rank holds the
+records as Python objects. Several sources are concatenated, or mixed by weight (:func:`mix`).
 
-Lazy mode (``--lazy_preprocess``, truncation only): a sample is encoded when the sampler asks for it; truncation is
-counted as samples are met, and a sample with no supervised token left is replaced by the next one
-(logged by id) so that a batch never has zero supervised tokens.
+Lazy mode (``--lazy_preprocess``, truncation only): the shards hold the validated records (``id``, ``messages``) instead, and a
+sample is encoded when the sampler asks for it; truncation is counted as samples are met, and a sample with no
+supervised token left is replaced by the next one (logged by id) so that a batch never has zero supervised tokens.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Optional
+from dataclasses import replace as dataclass_replace
+from typing import Optional, Sequence
 
 import torch
 from transformers import DataCollatorForSeq2Seq
 
 from . import __version__
 from .chat import IGNORE_INDEX, encode_conversations, with_system
-from .data import Conversation, file_sha256
+from .data import RecordCheck, iter_conversations
 from .errors import DataError
+from .eval_split import empty_side_error, in_eval, record_key
 from .long_conversations import split_conversation
+from .shards import JobView, Plan, agree, prepare_shard, read_marker, wait_for_shards
+from .sources import source_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +42,14 @@ CACHE_FORMAT = 3  # bump when the cached columns or their meaning change
 
 @dataclass
 class TruncationReport:
-    """What fitting into ``model_max_length`` cost: counts are samples (conversations for ``conversations`` and
-    ``split``), tokens are supervised tokens. ``mode`` is the ``--long_conversations`` setting; with ``split``,
-    ``truncated`` counts the replies that do not fit even alone (their samples are truncated)."""
+    """What truncation to ``model_max_length`` cost: counts are samples, lost tokens are supervised tokens."""
 
     samples: int = 0
     truncated: int = 0
     supervised_tokens: int = 0
     supervised_tokens_lost: int = 0
-    dropped_ids: list = field(default_factory=list)
+    dropped_ids: list = field(default_factory=list)  # the first 50
+    n_dropped: int = 0
     conversations: int = 0
     split: int = 0
     user_turns_cut: int = 0
@@ -55,7 +57,37 @@ class TruncationReport:
 
     @property
     def kept(self) -> int:
-        return self.samples - len(self.dropped_ids)
+        return self.samples - self.n_dropped
+
+    def count(self, ex: dict, sample_id: str) -> None:
+        """Add one encoded sample (a :func:`truncate` dict) to the counts."""
+        self.samples += 1
+        self.truncated += int(ex["truncated"])
+        self.supervised_tokens += ex["n_supervised"]
+        self.supervised_tokens_lost += ex["n_lost"]
+        if ex["n_supervised"] == 0:
+            self.n_dropped += 1
+            if len(self.dropped_ids) < 50:
+                self.dropped_ids.append(sample_id)
+
+    def count_conversation(self, samples: Sequence[dict], sample_id: str) -> None:
+        """Add the samples of one conversation (:func:`encode_samples`) to the counts."""
+        self.conversations += 1
+        self.split += int(len(samples) > 1)
+        self.user_turns_cut += samples[0].get("user_cut", 0)
+        for ex in samples:
+            self.count(ex, sample_id)
+
+    @classmethod
+    def merge(cls, parts: Sequence[dict]) -> "TruncationReport":
+        out = cls()
+        for d in parts:
+            for k in ("samples", "truncated", "supervised_tokens", "supervised_tokens_lost", "n_dropped",
+                      "conversations", "split", "user_turns_cut"):
+                setattr(out, k, getattr(out, k) + d[k])
+            out.mode = d["mode"]
+            out.dropped_ids += d["dropped_ids"][:50 - len(out.dropped_ids)]
+        return out
 
     def lines(self, name: str, max_len: int) -> list[str]:
         source = f" from {self.conversations} conversations" if self.conversations else ""
@@ -76,9 +108,9 @@ class TruncationReport:
             out.append(f"{name}: {self.truncated} of {self.samples} samples longer than --model_max_length "
                        f"{max_len} were truncated; {self.supervised_tokens_lost} supervised tokens lost "
                        "(--long_conversations split keeps them)")
-        if self.dropped_ids:
-            ids = ", ".join(map(str, self.dropped_ids[:50])) + (" ..." if len(self.dropped_ids) > 50 else "")
-            out.append(f"{name}: dropped {len(self.dropped_ids)} sample(s) left with no supervised token after "
+        if self.n_dropped:
+            ids = ", ".join(map(str, self.dropped_ids)) + (" ..." if self.n_dropped > len(self.dropped_ids) else "")
+            out.append(f"{name}: dropped {self.n_dropped} sample(s) left with no supervised token after "
                        f"truncation: {ids} (raise --model_max_length to keep them)")
         return out
 
@@ -96,27 +128,29 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
             "truncated": len(ids) > max_len}
 
 
-def encode_samples(tokenizer, conversations, eot_id: int, max_len: int, long_conversations: str = "split"
-                   ) -> list[list[dict]]:
-    """The samples of each conversation (default system prompt already applied), each a :func:`truncate` dict.
+def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, max_len: int,
+                   system_message: Optional[str], long_conversations: str = "split") -> list[list[dict]]:
+    """The training samples of each conversation (default system prompt applied), one batched tokenizer call.
 
     ``long_conversations``: ``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries
     (:func:`sft.long_conversations.split_conversation`; only a reply too long by itself is then truncated);
-    ``"truncate"`` keeps its first ``max_len`` tokens. One list of samples per conversation, in order; the first
-    sample's ``user_cut`` counts the conversation's user turns cut from the start (0 in the others).
+    ``"truncate"`` keeps its first ``max_len`` tokens. Returns one list of samples per conversation, in order;
+    each sample is a :func:`truncate` dict, and the first sample's ``user_cut`` counts the conversation's user
+    turns cut from the start (0 in the others). This is the one place where a conversation becomes samples.
     """
+    conversations = [with_system(m, system_message) for m in conversations]
     out = []
     for messages, full in zip(conversations, encode_conversations(tokenizer, conversations, eot_id)):
-        pieces, cut = ((([full], 0) if long_conversations != "split" or len(full[0]) <= max_len
-                        else split_conversation(tokenizer, messages, eot_id, max_len, full)))
+        pieces, cut = (([full], 0) if long_conversations != "split" or len(full[0]) <= max_len
+                       else split_conversation(tokenizer, messages, eot_id, max_len, full))
         out.append([dict(truncate(ids, labels, max_len), user_cut=cut if k == 0 else 0)
                     for k, (ids, labels) in enumerate(pieces)])
     return out
 
 
 def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str]) -> dict:
-    """Encode one conversation (default system prompt applied) and :func:`truncate` it."""
-    return encode_samples(tokenizer, [with_system(conv_messages, system_message)], eot_id, max_len, "truncate")[0][0]
+    """The first sample of one conversation (see :func:`encode_samples`)."""
+    return encode_samples(tokenizer, [conv_messages], eot_id, max_len, system_message, "truncate")[0][0]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -130,8 +164,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def cache_key(data_path: str, tokenizer, settings: dict) -> str:
+    """24 hex digits naming a source's cache folder: its bytes, the tokenizer, ``settings``, the version."""
     h = hashlib.sha256()
-    for part in (file_sha256(data_path), tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True),
+    for part in (source_sha256(data_path), tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True),
                  __version__, str(CACHE_FORMAT)):
         h.update(part.encode())
         h.update(b"\0")
@@ -142,129 +177,251 @@ def default_cache_dir() -> str:
     return os.environ.get("SFT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sft", "datasets")
 
 
-def _prepare(convs: list[Conversation], tokenizer, eot_id, max_len, system_message, num_proc, path: str,
-             data_path: str, long_conversations: str):
+ENCODE_BATCH = 256  # conversations per tokenizer call
+
+
+def _features(lazy: bool):
     import datasets
 
-    ds = datasets.Dataset.from_list([{"id": c.id, "messages": c.messages} for c in convs])
-
-    def fn(batch):
-        per_conv = encode_samples(tokenizer, [with_system(m, system_message) for m in batch["messages"]], eot_id,
-                                  max_len, long_conversations)
-        rows = [dict(r, id=rid, piece=k) for rid, samples in zip(batch["id"], per_conv) for k, r in enumerate(samples)]
-        return {k: [r[k] for r in rows] for k in rows[0]}
-
-    # new_fingerprint: the cache key already covers data, tokenizer and settings; it also spares
-    # datasets from hashing the tokenizer inside ``fn``. A split conversation gives several rows, so every
-    # input column is removed and ``id`` returned by ``fn``.
-    ds = ds.map(fn, batched=True, batch_size=256, remove_columns=["id", "messages"], num_proc=num_proc,
-                desc="tokenizing", load_from_cache_file=False, new_fingerprint=os.path.basename(path))
-    pieces = ds["piece"]
-    report = TruncationReport(
-        samples=len(ds), truncated=int(sum(ds["truncated"])), supervised_tokens=int(sum(ds["n_supervised"])),
-        supervised_tokens_lost=int(sum(ds["n_lost"])),
-        dropped_ids=[i for i, n in zip(ds["id"], ds["n_supervised"]) if n == 0],
-        conversations=len(convs), split=sum(1 for k in pieces if k == 1), user_turns_cut=int(sum(ds["user_cut"])),
-        mode=long_conversations,
-    )
-    ds = ds.filter(lambda n: n > 0, input_columns=["n_supervised"], load_from_cache_file=False)
-    if len(ds) == 0:  # nothing to cache (an empty saved dataset cannot be loaded back either)
-        raise DataError(f"{data_path}: no sample has a supervised token within --model_max_length {max_len} "
-                        f"({len(convs)} samples, all cut before their first reply ends); raise --model_max_length")
-    ds = ds.remove_columns(["n_lost", "truncated", "piece", "user_cut"])
-    tmp = f"{path}.tmp-{os.getpid()}"
-    ds.save_to_disk(tmp)
-    with open(os.path.join(tmp, "sft_report.json"), "w") as f:
-        json.dump(report.__dict__, f)
-    if os.path.exists(path):  # another process finished first; keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, path)  # atomic: a half-written cache is never loaded
+    if lazy:
+        return datasets.Features({"id": datasets.Value("string"), "messages": datasets.List(
+            {"role": datasets.Value("string"), "content": datasets.Value("string")})})
+    return datasets.Features({"id": datasets.Value("string"), "input_ids": datasets.List(datasets.Value("int32")),
+                              "labels": datasets.List(datasets.Value("int32")), "n_supervised": datasets.Value("int32")})
 
 
-def _load(path: str):
-    import datasets
+@dataclass
+class _Job:
+    """What one preparation process needs (inherited by forked --preprocessing_num_workers processes)."""
 
-    ds = datasets.load_from_disk(path)
-    with open(os.path.join(path, "sft_report.json")) as f:
-        report = TruncationReport(**json.load(f))
-    return ds, report
+    path: str
+    tokenizer: object
+    eot_id: int
+    max_len: int
+    system_message: Optional[str]
+    on_bad_record: str
+    control_tokens: Sequence[str]
+    lazy: bool
+    long_conversations: str = "split"
+    holdout: Optional[tuple] = None  # (ratio, seed, keep_held): --eval_split_ratio, this side's records only
+    folder: str = ""
+    shard: int = 0
+    n_shards: int = 1
+    n_parts: int = 1
 
 
-def build_dataset(convs: list[Conversation], data_path: str, tokenizer, eot_id: int, max_len: int,
-                  system_message: Optional[str] = None, cache_dir: Optional[str] = None,
-                  num_proc: Optional[int] = None, name: str = "train",
-                  main_process_first: Callable[..., ContextManager] = None, rank: int = 0,
-                  long_conversations: str = "split"):
-    """Return ``(dataset, TruncationReport)`` for ``convs`` read from ``data_path``.
+_JOB: Optional[_Job] = None  # set before forking the part workers
 
-    ``long_conversations`` (``"split"`` or ``"truncate"``): what becomes of a conversation longer than ``max_len``
-    (:func:`encode_samples`).
 
-    Rank coordination: ``main_process_first(desc=...)`` is a context manager under which global rank 0 runs
-    first and the others wait (the Trainer's ``TrainingArguments.main_process_first(local=False)``); ``rank`` is
-    this process's global rank. Defaults: a single process.
+def _write_part(p: int, job: Optional[_Job] = None) -> dict:
+    """Write part ``p`` of ``job``'s shard (records ``index % (n_shards*n_parts) == shard + p*n_shards``);
+    the forked workers find the job in ``_JOB``."""
+    import pyarrow as pa
 
-    The dataset has columns ``id`` (str; the samples of a split conversation share it), ``input_ids`` and
-    ``labels`` (int lists, equal lengths, at most ``max_len``) and ``n_supervised`` (int). No ``length`` column: the Trainer drops columns the
-    model's forward does not take before building its sampler, so ``--group_by_length`` measures
-    ``input_ids`` itself.
+    job = job or _JOB
+    schema = _features(job.lazy).arrow_schema
+    check, report, name = RecordCheck(job.path), TruncationReport(mode=job.long_conversations), f"part-{p:02d}.arrow"
+    rows: dict = {k: [] for k in schema.names}
+
+    def flush(writer, batch):
+        if job.lazy:
+            for c in batch:
+                rows["id"].append(c.id)
+                rows["messages"].append(c.messages)
+        elif batch:
+            for c, samples in zip(batch, encode_samples(job.tokenizer, [c.messages for c in batch], job.eot_id,
+                                                        job.max_len, job.system_message, job.long_conversations)):
+                report.count_conversation(samples, c.id)
+                for ex in samples:
+                    if ex["n_supervised"] > 0:
+                        for k in schema.names:
+                            rows[k].append(c.id if k == "id" else ex[k])
+        if rows["id"]:
+            writer.write_batch(pa.RecordBatch.from_pydict(rows, schema=schema))
+        for v in rows.values():
+            v.clear()
+
+    batch = []
+    with pa.OSFile(os.path.join(job.folder, name), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for conv in iter_conversations(job.path, check, job.control_tokens, job.shard + p * job.n_shards,
+                                       job.n_shards * job.n_parts):
+            if check.n_bad and job.on_bad_record == "error":
+                continue  # this shard fails: only the rest of its problems are still counted
+            if job.holdout and in_eval(record_key(conv), job.holdout[0], job.holdout[1]) != job.holdout[2]:
+                continue  # the other side of the --eval_split_ratio split
+            batch.append(conv)
+            if len(batch) == ENCODE_BATCH:
+                flush(writer, batch)
+                batch = []
+        flush(writer, batch)
+    return {"part": name, "check": check.to_dict(), "report": report.__dict__}
+
+
+def _write_shard(job: _Job, folder: str, shard: int, n_shards: int, n_parts: int) -> dict:
+    global _JOB
+    job = dataclass_replace(job, folder=folder, shard=shard, n_shards=n_shards, n_parts=n_parts)
+    if n_parts == 1:
+        parts = [_write_part(0, job)]
+    else:  # fork: the workers inherit the tokenizer instead of unpickling it (what datasets.map does too)
+        import multiprocessing
+
+        _JOB = job
+        try:
+            with multiprocessing.get_context("fork").Pool(n_parts) as pool:
+                parts = pool.map(_write_part, range(n_parts))
+        finally:
+            _JOB = None
+    check = RecordCheck.merge(job.path, [x["check"] for x in parts])
+    if check.n_bad and job.on_bad_record == "error":
+        raise check.error()
+    return {"parts": [x["part"] for x in parts], "check": check.to_dict(),
+            "report": TruncationReport.merge([x["report"] for x in parts]).__dict__}
+
+
+def prepare_source(job: _Job, cache_root: str, plan: Plan, num_proc: Optional[int], data_timeout: float):
+    """Prepare this rank's shards of one source (those without a completion marker), wait for every shard,
+    and memory-map them. Returns ``(datasets.Dataset, TruncationReport)``; see :func:`build_dataset`.
 
     Raises:
-        DataError: no sample has a supervised token left after truncation.
+        DataError: a record problem (``error``; this rank's or the first failed rank's message), no valid record
+            or no supervised sample left, or a shard not ready within ``data_timeout`` seconds.
     """
-    settings = {"max_len": max_len, "system_message": system_message, "ids": [c.id for c in convs],
-                "long_conversations": long_conversations}
-    key = cache_key(data_path, tokenizer, settings)
-    root = cache_dir or default_cache_dir()
-    os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, key)
-    first = main_process_first or (lambda desc: contextlib.nullcontext())
-    with first(desc=f"preparing {name} dataset"):
-        if not os.path.exists(path):
-            if rank != 0:
-                logger.warning("rank %d: dataset cache %s is not visible here (cache folder not shared?); "
-                               "preparing a local copy", rank, path)
-            _prepare(convs, tokenizer, eot_id, max_len, system_message, num_proc, path, data_path, long_conversations)
-        ds, report = _load(path)
-    logger.info("%s dataset: %s (cache %s)", name, data_path, path)
+    import datasets
+
+    settings = {"max_len": job.max_len, "system_message": job.system_message, "on_bad_record": job.on_bad_record,
+                "control_tokens": list(job.control_tokens), "lazy": job.lazy,
+                "long_conversations": job.long_conversations,
+                "holdout": list(job.holdout) if job.holdout else None}
+    key_dir = os.path.join(cache_root, cache_key(job.path, job.tokenizer, settings))
+    os.makedirs(key_dir, exist_ok=True)
+    n = plan.view.world_size
+    for k in plan.mine(n):
+        if read_marker(key_dir, k, n) is None:
+            prepare_shard(key_dir, k, n, plan, lambda folder, k=k: _write_shard(job, folder, k, n, num_proc or 1))
+    markers = wait_for_shards(key_dir, n, plan, data_timeout, job.path)
+    check = RecordCheck.merge(job.path, [m["check"] for m in markers])
+    check.finish(job.on_bad_record, log=plan.view.rank == 0)
+    ds = datasets.concatenate_datasets([datasets.Dataset.from_file(os.path.join(key_dir, m["dir"], part))
+                                        for m in markers for part in m["parts"]])
+    report = TruncationReport.merge([m["report"] for m in markers]) if not job.lazy else TruncationReport()
+    if len(ds) == 0 and job.holdout and (job.lazy or report.conversations == 0):
+        raise empty_side_error(job.path, job.holdout[0], check.valid, held_all=not job.holdout[2])
+    if len(ds) == 0:
+        raise DataError(f"{job.path}: no sample has a supervised token within --model_max_length {job.max_len} "
+                        f"({report.samples} samples, all cut before their first reply ends); raise --model_max_length")
+    if plan.view.rank == 0:
+        _warn_duplicate_ids(job.path, ds)
+    logger.info("%s: %d records, %d shard(s) in %s", job.path, check.records, n, key_dir)
     return ds, report
 
+
+def _warn_duplicate_ids(path: str, ds) -> None:
+    import pyarrow.compute as pc
+
+    counts = pc.value_counts(ds.data.column("id"))
+    dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values").to_pylist()
+    if dup:
+        logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
+                       path, len(dup), ", ".join(map(repr, dup[:5])))
+
+
+def mix(parts: Sequence, weights: Optional[Sequence[float]], seed: int, paths: Sequence[str]):
+    """Concatenate the sources' datasets, or mix them by ``weights``.
+
+    With weights, the mix has as many samples as the sources together (``total``), and source i contributes
+    ``round(total * w_i / sum(w))`` of them: whole passes over the source plus a random subset of it drawn with
+    ``seed`` (numpy, deterministic), so a 70/30 mix of any two sources has 70% and 30% of its samples from them.
+    Returns a ``datasets.Dataset`` (an index mapping over the memory-mapped sources; nothing is copied).
+    """
+    import datasets
+    import numpy as np
+
+    if not weights:
+        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(list(parts))
+    total, wsum = sum(len(d) for d in parts), float(sum(weights))
+    chosen = []
+    for i, (d, w, path) in enumerate(zip(parts, weights, paths)):
+        target = int(round(total * w / wsum))
+        passes, rest = divmod(target, len(d))
+        rng = np.random.default_rng([seed, i])
+        idx = np.concatenate([np.tile(np.arange(len(d)), passes), np.sort(rng.choice(len(d), rest, replace=False))])
+        logger.info("mixing: %s: %d samples (weight %g: %.2f passes over its %d)", path, target, w, target / len(d), len(d))
+        chosen.append(d.select(idx))
+    return datasets.concatenate_datasets(chosen)
+
+
+def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, max_len: int, system_message: Optional[str] = None,
+                  cache_dir: Optional[str] = None, num_proc: Optional[int] = None, *, on_bad_record: str = "error",
+                  control_tokens: Sequence[str] = (), weights: Optional[Sequence[float]] = None, seed: int = 42,
+                  lazy: bool = False, data_timeout: float = 14400.0, view: Optional[JobView] = None,
+                  plan: Optional[Plan] = None, long_conversations: str = "split", holdout: Optional[tuple] = None):
+    """Return ``(dataset, TruncationReport)`` for the sources ``paths`` (files or dataset folders).
+
+    ``long_conversations`` (``"split"`` or ``"truncate"``; lazy: truncation only): what becomes of a conversation
+    longer than ``max_len`` (:func:`encode_samples`). ``holdout`` ``(ratio, seed, keep_held)``: keep only the records
+    that :func:`sft.eval_split.in_eval` holds out (``keep_held`` True, the evaluation side) or only the others.
+
+    Every rank of the job (``view``, default: from the environment) calls this at the same point: each prepares
+    its shards (``num_proc`` processes each), then waits for the others' on the file system for up to
+    ``data_timeout`` seconds (:mod:`sft.shards`); ``plan`` reuses an earlier :func:`sft.shards.agree`.
+
+    The dataset has columns ``id`` (str; the samples of a split conversation share it), ``input_ids`` and ``labels`` (int32 lists, equal lengths, at most
+    ``max_len``; labels -100 where not supervised) and ``n_supervised`` (int32), memory-mapped; with ``lazy`` it
+    has ``id`` and ``messages`` and is wrapped in :class:`LazySupervisedDataset`. No ``length`` column: the
+    Trainer drops columns the model's forward does not take before building its sampler, so
+    ``--group_by_length`` measures ``input_ids`` itself.
+
+    Raises:
+        DataError: as :func:`prepare_source`.
+    """
+    root = cache_dir or default_cache_dir()
+    os.makedirs(root, exist_ok=True)
+    plan = plan or agree(root, view or JobView.from_env())
+    out, reports = [], []
+    for path in paths:
+        job = _Job(path, tokenizer, eot_id, max_len, system_message, on_bad_record, tuple(control_tokens), lazy,
+                   "truncate" if lazy else long_conversations, holdout)
+        ds, report = prepare_source(job, root, plan, num_proc, data_timeout)
+        out.append(ds)
+        reports.append(report.__dict__)
+    ds = mix(out, weights, seed, paths)
+    if lazy:
+        return LazySupervisedDataset(ds, tokenizer, eot_id, max_len, system_message, ", ".join(paths)), None
+    return ds, TruncationReport.merge(reports)
 
 class LazySupervisedDataset(torch.utils.data.Dataset):
     """Encodes a conversation when it is indexed (``--lazy_preprocess``).
 
-    ``__getitem__`` returns ``{"input_ids", "labels"}`` (lists of int). A sample left with no supervised
-    token after truncation is logged by id and replaced by the next index (mod len), so the loss of a
-    batch never divides by zero.
+    ``records`` is a sequence of ``{"id": str, "messages": [{"role", "content"}, ...]}`` (the memory-mapped
+    records dataset of :func:`build_dataset`, or validated conversations as dicts). ``__getitem__`` returns
+    ``{"input_ids", "labels"}`` (lists of int). A sample left with no supervised token after truncation is
+    logged by id and replaced by the next index (mod len), so the loss of a batch never divides by zero.
     """
 
-    def __init__(self, convs: list[Conversation], tokenizer, eot_id: int, max_len: int, system_message: Optional[str],
+    def __init__(self, records, tokenizer, eot_id: int, max_len: int, system_message: Optional[str],
                  data_path: str = "data"):
-        self.convs, self.tokenizer, self.eot_id, self.data_path = convs, tokenizer, eot_id, data_path
+        self.records, self.tokenizer, self.eot_id, self.data_path = records, tokenizer, eot_id, data_path
         self.max_len, self.system_message = max_len, system_message
-        self.report = TruncationReport(samples=len(convs))
+        self.report = TruncationReport()
         self._seen: set[int] = set()
 
     def __len__(self) -> int:
-        return len(self.convs)
+        return len(self.records)
 
     def __getitem__(self, i: int) -> dict:
-        if not -len(self.convs) <= i < len(self.convs):
+        n = len(self.records)
+        if not -n <= i < n:
             raise IndexError(i)  # ends plain iteration (``for x in dataset``), e.g. in LengthGroupedSampler
-        for step in range(len(self.convs)):
-            j = (i + step) % len(self.convs)
-            conv = self.convs[j]
-            ex = encode_truncated(self.tokenizer, conv.messages, self.eot_id, self.max_len, self.system_message)
+        for step in range(n):
+            j = (i + step) % n
+            rec = self.records[j]
+            ex = encode_truncated(self.tokenizer, rec["messages"], self.eot_id, self.max_len, self.system_message)
             if j not in self._seen:
                 self._seen.add(j)
-                self.report.truncated += int(ex["truncated"])
-                self.report.supervised_tokens_lost += ex["n_lost"]
-                self.report.supervised_tokens += ex["n_supervised"]
+                self.report.count(ex, rec["id"])
                 if ex["n_supervised"] == 0:
-                    self.report.dropped_ids.append(conv.id)
                     logger.warning("sample id=%s has no supervised token within --model_max_length %d; using the "
-                                   "next sample instead", conv.id, self.max_len)
+                                   "next sample instead", rec["id"], self.max_len)
             if ex["n_supervised"] > 0:
                 return {"input_ids": ex["input_ids"], "labels": ex["labels"]}
         raise DataError(f"{self.data_path}: no sample has a supervised token within --model_max_length "

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Sequence
-
 from .data import Conversation
 from .errors import DataError
 
@@ -30,20 +28,10 @@ def in_eval(key: str, ratio: float, seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") < ratio * 2**64
 
 
-def split_records(convs: Sequence[Conversation], ratio: float, seed: int, path: str
-                  ) -> tuple[list[Conversation], list[Conversation]]:
-    """``(train, eval)``: ``convs`` divided by :func:`in_eval`, each side in file order.
-
-    Raises:
-        DataError: one side would be empty (naming ``path``, the record count and the fix).
-    """
-    train, held = [], []
-    for c in convs:
-        (held if in_eval(record_key(c), ratio, seed) else train).append(c)
-    if not held:
-        raise DataError(f"{path}: --eval_split_ratio {ratio} held out none of its {len(convs)} records; raise the "
-                        "ratio, change --eval_split_seed, or give --eval_data_path")
-    if not train:
-        raise DataError(f"{path}: --eval_split_ratio {ratio} held out all {len(convs)} records, leaving none to "
-                        "train on; lower the ratio or give --eval_data_path")
-    return train, held
+def empty_side_error(path: str, ratio: float, n_records: int, held_all: bool) -> DataError:
+    """The error for a split of ``path``'s ``n_records`` valid records that holds out none or (``held_all``) all."""
+    if held_all:
+        return DataError(f"{path}: --eval_split_ratio {ratio} held out all {n_records} records, leaving none to "
+                         "train on; lower the ratio or give --eval_data_path")
+    return DataError(f"{path}: --eval_split_ratio {ratio} held out none of its {n_records} records; raise the "
+                     "ratio, change --eval_split_seed, or give --eval_data_path")

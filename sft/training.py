@@ -1,7 +1,6 @@
 """One training run: data -> tokenizer -> datasets -> model (LoRA) -> transformers.Trainer -> save."""
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Callable, Optional, Sequence
@@ -11,13 +10,11 @@ import transformers
 from .callbacks import install as install_throughput_callback
 from .chat import chat_control_tokens, visualize
 from .checkpoint import run_info
-from .data import load_conversations, reject_control_tokens
-from .dataset import LazySupervisedDataset, build_dataset, make_collator
+from .dataset import build_dataset, make_collator
 from .distributed.failures import raise_if_peer_lost
 from .distributed.fingerprints import check_same_inputs
 from .distributed.rendezvous import preflight_enabled
 from .errors import ConfigError
-from .eval_split import split_records
 from .logs import setup_logging
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer, torch_dtype
 from .packing import PackedCollator, check_packing_support, pack_dataset
@@ -39,74 +36,111 @@ def log_run_shape(world_size: int, micro_batch: int, grad_accum: int, n_train: i
     return {"global_batch": global_batch, "optimizer_steps": total}
 
 
-def load_records(data_files: dict[str, Optional[str]], on_bad_record: str, tok,
-                 system_message: Optional[str] = None, eval_split_ratio: Optional[float] = None,
-                 eval_split_seed: int = 0) -> dict[str, Optional[list]]:
-    """Validated conversations of each named file (``{"train": path, "eval": path or None}``), with the chat
-    template's control tokens refused in every text (``tok``'s template decides which). With
-    ``eval_split_ratio`` and no eval file, ``"eval"`` is the records of the train file held out by
-    :func:`sft.eval_split.split_records` (and ``"train"`` the rest).
+def data_sources(data_args) -> dict[str, list[str]]:
+    """``{"train": [--data_path sources], "eval": [--eval_data_path] or []}``; with ``--eval_split_ratio`` (and no
+    ``--eval_data_path``) ``"eval"`` is the ``--data_path`` sources too, of which :func:`load_records` keeps the
+    held-out records."""
+    train = data_args.data_path
+    train = [train] if isinstance(train, str) else list(train or [])
+    split = train if data_args.eval_split_ratio is not None else []
+    return {"train": train, "eval": [data_args.eval_data_path] if data_args.eval_data_path else split}
+
+
+def control_tokens_for(tok, system_message: Optional[str]) -> list[str]:
+    """The chat template's control tokens (refused in every text of the data).
 
     Raises:
-        ConfigError: ``system_message`` holds a control token.
-        DataError: a file or record problem (``on_bad_record`` "error"), no record left, or a split that leaves
-            one side empty.
+        ConfigError: ``system_message`` holds one.
     """
     control = chat_control_tokens(tok)
     found = [t for t in control if t in (system_message or "")]
     if found:
         raise ConfigError([f"--system_message contains the control token(s) {', '.join(found)}; remove them (they "
                            "would become real chat-template tokens in every sample)"])
+    return control
+
+
+def load_records(sources: dict[str, list[str]], tok, eot: int, *, max_len: int, on_bad_record: str = "error",
+                 system_message: Optional[str] = None, lazy: bool = False, cache_dir: Optional[str] = None,
+                 num_proc: Optional[int] = None, weights=None, seed: int = 42, data_timeout: float = 14400.0,
+                 long_conversations: str = "split", eval_split_ratio: Optional[float] = None,
+                 eval_split_seed: int = 0) -> dict:
+    """The train / eval datasets of the named sources (``{"train": [paths], "eval": [paths] or []}``): streamed,
+    validated (control tokens refused), prepared by every rank into memory-mapped shards and, for train, mixed
+    by ``weights`` (:func:`sft.dataset.build_dataset`). The one place that decides which records train and which
+    evaluate: with ``eval_split_ratio`` (the eval sources being the train sources, :func:`data_sources`) a record is
+    held out by :func:`sft.eval_split.in_eval` of its id and ``eval_split_seed``, in the stream, so each side is
+    prepared from its own records only. Every sample keeps its record's ``id`` column (eager mode). Returns ``{name: (dataset, report) or
+    None}``; every rank of the job calls it at the same point.
+
+    Raises:
+        ConfigError: ``system_message`` holds a control token.
+        DataError: a file or record problem (``on_bad_record`` "error"), no record left, a split that leaves one
+            side empty, or a shard not ready within ``data_timeout`` seconds.
+    """
+    from .shards import JobView, agree
+    from .dataset import default_cache_dir
+
+    control = control_tokens_for(tok, system_message)
+    root = cache_dir or default_cache_dir()
+    os.makedirs(root, exist_ok=True)
+    plan = agree(root, JobView.from_env())
+    split = eval_split_ratio is not None and sources.get("eval") == sources["train"]
     out = {}
-    for name, path in data_files.items():
-        convs = load_conversations(path, on_bad_record) if path else None
-        out[name] = reject_control_tokens(convs, control, path, on_bad_record) if convs is not None else None
-    if eval_split_ratio is not None and out.get("eval") is None:
-        out["train"], out["eval"] = split_records(out["train"], eval_split_ratio, eval_split_seed, data_files["train"])
+    for name, paths in sources.items():
+        out[name] = build_dataset(paths, tok, eot, max_len, system_message, root, num_proc,
+                                  on_bad_record=on_bad_record, control_tokens=control, lazy=lazy, plan=plan,
+                                  weights=weights if name == "train" else None, seed=seed,
+                                  data_timeout=data_timeout, long_conversations=long_conversations,
+                                  holdout=(eval_split_ratio, eval_split_seed, name == "eval") if split else None
+                                  ) if paths else None
     return out
-
-
-def data_paths(data_args) -> dict[str, Optional[str]]:
-    """The file each dataset is read from: ``--eval_data_path``, or ``--data_path`` itself with ``--eval_split_ratio``."""
-    split = data_args.data_path if data_args.eval_split_ratio is not None else None
-    return {"train": data_args.data_path, "eval": data_args.eval_data_path or split}
 
 
 def check_data(model_args, data_args, training_args) -> list[str]:
     """What ``sft-check`` and the launchers check before starting several processes: the tokenizer loads and every
-    record of ``--data_path`` / ``--eval_data_path`` is valid. Returns one summary line per file.
+    record of ``--data_path`` / ``--eval_data_path`` is valid (streamed in one process: memory does not grow
+    with the records). Returns one summary line per source.
 
     Raises:
-        SFTError: as :func:`load_records` and :func:`sft.modeling.load_tokenizer`.
+        SFTError: as :func:`control_tokens_for`, :func:`sft.data.RecordCheck.finish` and
+            :func:`sft.modeling.load_tokenizer`.
     """
+    from .data import RecordCheck, iter_conversations
+
     tok, _, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir)
-    files = {"train": data_args.data_path, "eval": data_args.eval_data_path}
-    convs = load_records(files, data_args.on_bad_record, tok, data_args.system_message, data_args.eval_split_ratio,
-                         data_args.eval_split_seed)
-    if data_args.eval_split_ratio is not None and not data_args.eval_data_path:
-        n_train, n_eval = len(convs["train"]), len(convs["eval"])
-        return [f"{files['train']}: {n_train + n_eval} valid conversations ({n_train} for training, {n_eval} held out "
-                f"for evaluation by --eval_split_ratio {data_args.eval_split_ratio})"]
-    return [f"{files[name]}: {len(c)} valid conversations" for name, c in convs.items() if c is not None]
+    control = control_tokens_for(tok, data_args.system_message)
+    from .eval_split import empty_side_error, in_eval, record_key
+
+    lines, ratio = [], data_args.eval_split_ratio
+    split = ratio is not None and not data_args.eval_data_path
+    sources = data_sources(data_args)
+    for path in sources["train"] + ([] if split else sources["eval"]):
+        check, held = RecordCheck(path), 0
+        for conv in iter_conversations(path, check, control):
+            held += split and in_eval(record_key(conv), ratio, data_args.eval_split_seed)
+        check.finish(data_args.on_bad_record)
+        if not split:
+            lines.append(f"{path}: {check.valid} valid conversations")
+            continue
+        if held in (0, check.valid):
+            raise empty_side_error(path, ratio, check.valid, held_all=held > 0)
+        lines.append(f"{path}: {check.valid} valid conversations ({check.valid - held} for training, {held} held out "
+                     f"for evaluation by --eval_split_ratio {ratio})")
+    return lines
 
 
-def make_dataset(name: str, convs, path: str, tok, eot: int, *, max_len: int, system_message: Optional[str] = None,
-                 lazy: bool = False, cache_dir: Optional[str] = None, num_proc: Optional[int] = None,
-                 main_process_first=None, rank: int = 0, long_conversations: str = "split"):
-    """The tokenized dataset for ``convs`` (lazy, or cached: see :func:`sft.dataset.build_dataset` for the rank
-    coordination), with its report logged."""
-    if lazy:
-        logger.info("%s: %d conversations, tokenized on access (--lazy_preprocess)", name, len(convs))
-        return LazySupervisedDataset(convs, tok, eot, max_len, system_message, path)
-    ds, report = build_dataset(convs, path, tok, eot, max_len, system_message, cache_dir, num_proc, name,
-                               main_process_first, rank, long_conversations)
+def log_dataset(name: str, ds, report, tok, max_len: int) -> None:
+    """The truncation report and, for train, the first sample with its supervised tokens marked."""
+    if report is None:  # lazy: counted as samples are met
+        logger.info("%s: %d conversations, tokenized on access (--lazy_preprocess)", name, len(ds))
+        return
     for line in report.lines(name, max_len):
         logger.info("%s", line)
     if name == "train":
         shown = visualize(tok, ds[0]["input_ids"], ds[0]["labels"])
         more = f"\n... ({len(shown) - 1200} more characters; sft-show-sample prints it all)" if len(shown) > 1200 else ""
         logger.info("first training sample (supervised tokens in «»):\n%s%s", shown[:1200], more)
-    return ds
 
 
 def pack_datasets(train_ds, eval_ds, max_len: int):
@@ -149,18 +183,19 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     Returns ``(trainer, tokenizer, eot_id)``."""
     tok, eot, grew = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code,
                                     training_args.cache_dir)
-    files = {"train": data_args.data_path, "eval": data_args.eval_data_path}
-    convs = load_records(files, data_args.on_bad_record, tok, data_args.system_message, data_args.eval_split_ratio,
-                         data_args.eval_split_seed)
-    files = data_paths(data_args)  # the eval dataset of a split is read from --data_path
-    ranks = {"main_process_first": functools.partial(training_args.main_process_first, local=False),
-             "rank": training_args.process_index}
-    datasets = {name: make_dataset(name, convs[name], files[name], tok, eot, max_len=training_args.model_max_length,
-                                   system_message=data_args.system_message, lazy=data_args.lazy_preprocess,
-                                   cache_dir=data_args.data_cache_dir, num_proc=data_args.preprocessing_num_workers,
-                                   long_conversations=data_args.long_conversations_mode, **ranks)
-                if convs[name] is not None else None
-                for name in ("train", "eval")}
+    prepared = load_records(data_sources(data_args), tok, eot, max_len=training_args.model_max_length,
+                            on_bad_record=data_args.on_bad_record, system_message=data_args.system_message,
+                            lazy=data_args.lazy_preprocess, cache_dir=data_args.data_cache_dir,
+                            num_proc=data_args.preprocessing_num_workers, weights=data_args.data_weights,
+                            seed=training_args.data_seed if training_args.data_seed is not None else training_args.seed,
+                            data_timeout=data_args.data_timeout,
+                            long_conversations=data_args.long_conversations_mode,
+                            eval_split_ratio=data_args.eval_split_ratio, eval_split_seed=data_args.eval_split_seed)
+    datasets = {}
+    for name, got in prepared.items():
+        datasets[name] = got[0] if got else None
+        if got:
+            log_dataset(name, *got, tok, training_args.model_max_length)
     train_ds, eval_ds = datasets["train"], datasets["eval"]
     collator = make_collator(tok)
     if data_args.packing:
@@ -231,8 +266,10 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
     peers: dict = {}
     try:
         if preflight_enabled():  # several processes: same data, model config, tokenizer and version everywhere
-            peers = check_same_inputs(model_args.model_name_or_path, {"--data_path": data_args.data_path,
-                                                                      "--eval_data_path": data_args.eval_data_path})
+            sources = data_sources(data_args)
+            files = {f"--data_path {p}" if len(sources["train"]) > 1 else "--data_path": p for p in sources["train"]}
+            files.update({"--eval_data_path": p for p in sources["eval"]})
+            peers = check_same_inputs(model_args.model_name_or_path, files)
         resume = resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint,
                                 training_args.overwrite_output_dir)
         callbacks = [install(training_args), preemption]

@@ -47,19 +47,39 @@ def _check_model(m: Optional[str]) -> list[str]:
     return [f"--model_name_or_path {m}: no such folder; give an existing model folder"]
 
 
+def _check_source(flag: str, path: str) -> list[str]:
+    from .sources import folder_problem
+
+    if os.path.isdir(path):
+        why = folder_problem(path)
+        return [f"{flag} {path}: {why}"] if why else []
+    if not os.path.exists(path):
+        return [f"{flag} {path}: no such file"]
+    if not os.path.isfile(path):
+        return [f"{flag} {path}: not a regular file (a pipe or device?); give a .json, .jsonl or .parquet file"]
+    return []
+
+
 def _check_data(data_args, training_args) -> list[str]:
     p = []
-    for flag, path, required in (("--data_path", data_args.data_path, True),
-                                 ("--eval_data_path", data_args.eval_data_path, False)):
-        if not path:
-            if required:
-                p.append(f"{flag} is required: a .json (list of records) or .jsonl file of conversations")
-        elif os.path.isdir(path):
-            p.append(f"{flag} {path}: is a directory; give a .json or .jsonl file")
-        elif not os.path.exists(path):
-            p.append(f"{flag} {path}: no such file")
-        elif not os.path.isfile(path):
-            p.append(f"{flag} {path}: not a regular file (a pipe or device?); give a .json or .jsonl file")
+    paths = data_args.data_path or []
+    paths = [paths] if isinstance(paths, str) else paths  # set in code rather than parsed
+    if not paths:
+        p.append("--data_path is required: a .json (list of records) or .jsonl file of conversations (or several "
+                 "sources: .parquet files, datasets save_to_disk folders)")
+    for path in paths:
+        p += _check_source("--data_path", path)
+    if data_args.eval_data_path:
+        p += _check_source("--eval_data_path", data_args.eval_data_path)
+    w = data_args.data_weights
+    if w is not None:
+        if len(w) != len(paths):
+            p.append(f"--data_weights {' '.join(map(str, w))}: {len(w)} weight(s) for {len(paths)} --data_path "
+                     "source(s); give one weight per source, in the same order")
+        elif not all(math.isfinite(x) and x > 0 for x in w):
+            p.append(f"--data_weights {' '.join(map(str, w))}: every weight must be a number > 0 (e.g. 0.7 0.3)")
+    if not (math.isfinite(data_args.data_timeout) and data_args.data_timeout > 0):
+        p.append(f"--data_timeout {data_args.data_timeout}: must be a number of seconds > 0 (default 14400)")
     p += _check_eval(data_args, training_args)
     cache = data_args.data_cache_dir
     if cache and os.path.exists(cache) and not os.path.isdir(cache):

@@ -260,3 +260,26 @@ def test_node_killed_mid_run(make_hosts, job, tmp_path, tiny_model_dir, data):
         assert re.search(r"error: training stopped: another process of the job went away; the peer at 10\.213\.0\.[23] "
                          r"is node rank [12] \(node[12], global rank\(s\) [12]\)", text), job.tails()
     assert any("the peer at 10.213.0.3 is node rank 2 (node2, global rank(s) 2)" in t for t in texts), job.tails()
+
+
+def test_node_waits_for_a_slow_shard_longer_than_ddp_timeout(make_hosts, job, tmp_path, tiny_model_dir):
+    """Node 0's shard (the even records) takes long to tokenize, node 1's is quick: node 1 waits on the shared
+    cache's completion markers far longer than --ddp_timeout 5 s, and the job still trains."""
+    long_turn = "many words in a long question " * 1500  # ~7,500 tokens, cut at --model_max_length
+    rows = []
+    for i in range(800):
+        r = TOY[i % len(TOY)]
+        if i % 2 == 0:
+            r = {"id": f"long{i}", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                                                 {"role": "user", "content": long_turn}, {"role": "assistant", "content": "Ok."}]}
+        rows.append(dict(r, id=f"{r['id']}-{i}"))
+    slow = write_jsonl(tmp_path / "slow.jsonl", rows)
+    hosts = make_hosts(2)
+    start_by_hand(job, hosts, 2, tiny_model_dir, slow, tmp_path / "out",
+                  extra=["--ddp_timeout", "5", "--data_cache_dir", str(tmp_path / "cache"), "--model_max_length", "128"])
+    assert job.wait() == [0, 0], job.tails()
+    text = job.text(1)
+    assert f"rank 1: waiting for shard(s) 0 of 2 of {slow} from node(s) 0 (rank(s) 0)" in text, job.tails()
+    waited = float(re.search(r"rank 1: every shard of \S+ is ready after waiting (\d+) s", text).group(1))
+    assert waited > 5, job.tails()
+    assert "shared by every node" in job.text(0)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from sft.data import load_conversations
-from sft.eval_split import split_records
+from sft.eval_split import in_eval, record_key
 from tests.helpers.data import TOY, write_jsonl
 
 
@@ -22,7 +22,9 @@ def long_record(k):
 
 def test_split_and_held_out_eval_train_with_loss_before_and_after(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", TOY + [long_record(k) for k in range(6)])
-    train_convs, eval_convs = split_records(load_conversations(data), 0.25, 0, data)
+    convs = load_conversations(data)
+    eval_convs = [c for c in convs if in_eval(record_key(c), 0.25, 0)]
+    train_convs = [c for c in convs if not in_eval(record_key(c), 0.25, 0)]
     assert train_convs and eval_convs
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "sft", "train", "--model_name_or_path", tiny_model_dir, "--data_path", data,

@@ -4,7 +4,6 @@ import os
 import torch
 
 from sft.chat import IGNORE_INDEX
-from sft.data import load_conversations
 from sft.dataset import LazySupervisedDataset, build_dataset, make_collator
 from tests.helpers.data import TOY, write_jsonl
 
@@ -18,8 +17,7 @@ def test_truncation_is_counted_and_empty_samples_dropped(tmp_path, qwen_tok):
     long_reply = {"id": "long-reply", "messages": [{"role": "user", "content": "go"},
                                                     {"role": "assistant", "content": "word " * 200}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_user, long_reply])
-    convs = load_conversations(path)
-    ds, report = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
+    ds, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
     assert report.truncated == 2 and report.dropped_ids == ["long-question"]
     assert report.samples == 3 and report.kept == 2 and list(ds["id"]) == ["add", "long-reply"]
     assert report.supervised_tokens_lost > 150  # most of the 200-word reply
@@ -31,26 +29,26 @@ def test_truncation_is_counted_and_empty_samples_dropped(tmp_path, qwen_tok):
 def test_cache_is_reused_and_keyed_on_settings(tmp_path, qwen_tok):
     tok, eot = qwen_tok
     path = write_jsonl(tmp_path / "d.jsonl", TOY)
-    convs = load_conversations(path)
     cache = tmp_path / "c"
-    build_dataset(convs, path, tok, eot, 128, None, str(cache))
-    build_dataset(convs, path, tok, eot, 128, None, str(cache))
+    build_dataset([path], tok, eot, 128, None, str(cache))
+    build_dataset([path], tok, eot, 128, None, str(cache))
     assert len(os.listdir(cache)) == 1
-    build_dataset(convs, path, tok, eot, 64, None, str(cache))
-    build_dataset(convs, path, tok, eot, 128, "Be brief.", str(cache))
-    assert len(os.listdir(cache)) == 3
-    write_jsonl(tmp_path / "d.jsonl", TOY[:3])  # different content, same path
-    build_dataset(load_conversations(path), path, tok, eot, 128, None, str(cache))
+    build_dataset([path], tok, eot, 64, None, str(cache))
+    build_dataset([path], tok, eot, 128, "Be brief.", str(cache))
+    build_dataset([path], tok, eot, 128, None, str(cache), on_bad_record="skip")
     assert len(os.listdir(cache)) == 4
+    write_jsonl(tmp_path / "d.jsonl", TOY[:3])  # different content, same path
+    build_dataset([path], tok, eot, 128, None, str(cache))
+    assert len(os.listdir(cache)) == 5
 
 
 def test_lazy_equals_eager_and_skips_empty(tmp_path, qwen_tok):
     tok, eot = qwen_tok
     long_user = {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_user, TOY[2]])
-    convs = load_conversations(path)
-    ds, _ = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
-    lazy = LazySupervisedDataset(convs, tok, eot, 64, None)  # lazy mode truncates
+    ds, _ = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
+    lazy, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), lazy=True)
+    assert isinstance(lazy, LazySupervisedDataset) and report is None and len(lazy) == 3
     assert lazy[0]["input_ids"] == ds[0]["input_ids"] and lazy[0]["labels"] == ds[0]["labels"]
     assert lazy[1]["input_ids"] == ds[1]["input_ids"]  # "long" replaced by the next sample
     assert lazy.report.dropped_ids == ["long"]

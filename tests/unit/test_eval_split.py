@@ -8,7 +8,7 @@ import pytest
 from sft.cli import check_main, train_main
 from sft.data import Conversation, load_conversations
 from sft.errors import DataError
-from sft.eval_split import record_key, split_records
+from sft.eval_split import empty_side_error, in_eval, record_key
 from sft.training import log_eval_change
 from tests.helpers.data import TOY, write_jsonl
 
@@ -23,17 +23,23 @@ def ids(cs):
     return [c.id for c in cs]
 
 
+def split_records(records, ratio, seed):
+    """(train, held): the records on each side of the split, as the data pipeline decides it per record."""
+    held = [c for c in records if in_eval(record_key(c), ratio, seed)]
+    return [c for c in records if not in_eval(record_key(c), ratio, seed)], held
+
+
 def test_split_is_by_id_stable_under_reordering_and_growth():
     records = convs(2000)
-    train, held = split_records(records, 0.1, 0, "d.jsonl")
+    train, held = split_records(records, 0.1, 0)
     assert 140 < len(held) < 260 and len(train) + len(held) == 2000  # about 10%, chosen per record
     assert not set(ids(train)) & set(ids(held))
     shuffled = records[:]
     random.Random(1).shuffle(shuffled)
-    assert sorted(ids(split_records(shuffled, 0.1, 0, "d.jsonl")[1])) == sorted(ids(held))  # reordered: same set
-    _, held_grown = split_records(records + convs(500, start=2000), 0.1, 0, "d.jsonl")
+    assert sorted(ids(split_records(shuffled, 0.1, 0)[1])) == sorted(ids(held))  # reordered: same set
+    _, held_grown = split_records(records + convs(500, start=2000), 0.1, 0)
     assert set(ids(held)) <= set(ids(held_grown)) and set(ids(held_grown)) - set(ids(held))  # grown: old ones stay
-    assert set(ids(split_records(records, 0.1, 1, "d.jsonl")[1])) != set(ids(held))  # another seed, another set
+    assert set(ids(split_records(records, 0.1, 1)[1])) != set(ids(held))  # another seed, another set
 
 
 def test_records_without_id_are_keyed_on_their_text(tmp_path):
@@ -47,10 +53,11 @@ def test_records_without_id_are_keyed_on_their_text(tmp_path):
 
 
 def test_a_split_that_leaves_one_side_empty_is_an_error():
-    with pytest.raises(DataError, match="held out none of its 3 records; raise the ratio"):
-        split_records(convs(3), 1e-9, 0, "d.jsonl")
-    with pytest.raises(DataError, match="held out all 3 records, leaving none to train on; lower the ratio"):
-        split_records(convs(3), 1 - 1e-9, 0, "d.jsonl")
+    assert split_records(convs(3), 1e-9, 0)[1] == [] and split_records(convs(3), 1 - 1e-9, 0)[0] == []
+    err = empty_side_error("d.jsonl", 1e-9, 3, held_all=False)
+    assert isinstance(err, DataError) and "held out none of its 3 records; raise the ratio" in str(err)
+    err = empty_side_error("d.jsonl", 0.99, 3, held_all=True)
+    assert "held out all 3 records, leaving none to train on; lower the ratio" in str(err)
 
 
 def test_eval_change_line():
@@ -101,7 +108,7 @@ def test_check_reports_the_split(data, tiny_model_dir, capsys):
     rc = check_main(["--model_name_or_path", tiny_model_dir, "--data_path", data, "--output_dir",
                      os.path.join(os.path.dirname(data), "out"), "--eval_split_ratio", "0.3"])
     out = capsys.readouterr()
-    held = len(split_records(load_conversations(data), 0.3, 0, data)[1])
+    held = len(split_records(load_conversations(data), 0.3, 0)[1])
     assert rc == 0, out.err[-2000:]
     assert f"d.jsonl: 8 valid conversations ({8 - held} for training, {held} held out for evaluation by " \
            "--eval_split_ratio 0.3)" in out.out + out.err

@@ -3,7 +3,7 @@ vocabulary (ChatML fallback) and the real SmolLM2 tokenizer (its own template an
 import pytest
 
 from sft.chat import IGNORE_INDEX, encode_conversation, with_system
-from sft.data import load_conversations, normalize_record
+from sft.data import normalize_record
 from sft.dataset import build_dataset
 from sft.long_conversations import split_conversation
 from tests.helpers.data import TOY, write_jsonl
@@ -103,8 +103,7 @@ def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok):
     question = {"id": "long-question", "messages": [{"role": "user", "content": "word " * 200},
                                                      {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_rec, question])
-    convs = load_conversations(path)
-    ds, report = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"))  # split is the default
+    ds, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"))  # split is the default
     assert report.mode == "split" and report.conversations == 3 and report.split == 1
     ids = list(ds["id"])
     assert ids[0] == "add" and ids.count("long") > 3 and ids[-1] == "long-question"  # its question cut, "ok" trained
@@ -117,7 +116,7 @@ def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok):
     assert "1 of 3 conversations longer than --model_max_length 64 were split at turn boundaries" in lines
     assert "1 user turns too long to fit with their reply within --model_max_length 64 were cut" in lines
     assert "1 replies are too long for --model_max_length 64 by themselves" in lines
-    cut, cut_report = build_dataset(convs, path, tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
+    cut, cut_report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
     assert list(cut["id"]) == ["add", "long"] and cut_report.split == 0 and cut_report.truncated == 2
     assert cut_report.dropped_ids == ["long-question"]
     assert cut_report.supervised_tokens < report.supervised_tokens
