@@ -69,6 +69,52 @@ def start(cmd, log):
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc; Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process below it, then wait until they are gone: torchrun starts
+    each worker in a session of its own (torch 2.13 elastic ``SubprocessHandler``), so killing torchrun's group
+    alone would leave the workers training on (a crash of the node kills them all)."""
+    below = descendants(pid)
+    for target in [pid, *below]:
+        try:
+            os.killpg(target, signal.SIGKILL)  # each worker leads its own group (its data loader workers too)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{q}") and not _is_zombie(q) for q in below) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def run_to_end(cmd, log_path) -> int:
     with open(log_path, "ab") as log:
         return start(cmd, log).wait()
@@ -76,7 +122,8 @@ def run_to_end(cmd, log_path) -> int:
 
 def kill_at_random(cmd, out, log_path, rng, steps, sig=signal.SIGKILL) -> str:
     """Start ``cmd``; once ``checkpoint-k`` (random k) exists, wait a random delay, then send ``sig``: SIGKILL to
-    the whole process group (a crash), any other signal to the top process only (as a scheduler does)."""
+    every process of the run (a crash, :func:`kill_tree`), any other signal to the top process only (as a
+    scheduler does)."""
     from sft.checkpoint import checkpoint_dirs, is_complete
 
     k = rng.randint(1, steps - 1)
@@ -95,7 +142,7 @@ def kill_at_random(cmd, out, log_path, rng, steps, sig=signal.SIGKILL) -> str:
         if p.poll() is not None:
             return f"finished before the kill (rc {p.returncode})"
         if sig == signal.SIGKILL:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_tree(p.pid)
             p.wait()
             how = "killed"
         else:
