@@ -149,6 +149,7 @@ class Cluster:
             self._spawn(f"slurmd-{h}", [f"{SBIN}/slurmd", "-D", "-N", h, "-f", self.conf], host=i)
         self._start_sshd()
         self._wait_for(self._all_idle, "every node idle in sinfo", "slurmctld")
+        self._wait_for(self._all_ssh, "ssh login on every host", "sshd-" + self.hosts.hostnames[-1])
 
     def _start_sshd(self) -> None:
         s = os.path.join(self.dir, "ssh")
@@ -168,6 +169,15 @@ class Cluster:
         r = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False)
         states = dict(line.split() for line in r.stdout.splitlines() if line.strip())
         return all(states.get(h) == "idle" for h in self.hosts.hostnames)
+
+    def _all_ssh(self) -> bool:
+        """Every host's sshd accepts the key: ``ssh -F config nodeI true`` from host 0 succeeds for each."""
+        for h in self.hosts.hostnames:
+            r = subprocess.run(self.hosts.cmd(0, ["ssh", "-F", self.ssh_config, h, "true"]), capture_output=True,
+                               timeout=30)
+            if r.returncode != 0:
+                return False
+        return True
 
     def _wait_for(self, ok, what: str, log: str, limit: float = 60) -> None:
         deadline = time.monotonic() + limit
