@@ -6,48 +6,20 @@ truth; here we only refuse what would silently change the run.
 """
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 from typing import Optional
 
+from .json_config import SHIPPED, load_json_flag
 
 # The shipped configs are package data (sft/configs/; finetune/ds_config_*.json link to them).
-SHIPPED = str(importlib.resources.files("sft") / "configs")
 EXAMPLE = os.path.join(SHIPPED, "ds_config_zero2.json")
 # blocks that transformers or DeepSpeed read as objects; any other type crashes inside them
 OBJECT_BLOCKS = ("fp16", "bf16", "zero_optimization", "optimizer", "scheduler", "checkpoint")
 
 
 def _load(value: str) -> tuple[Optional[object], str, list[str]]:
-    """Parse ``--deepspeed VALUE``: a file path, or inline JSON text (``{...}``, as a YAML mapping becomes).
-    Returns ``(parsed or None, name for messages, problems)``."""
-    inline = value.lstrip().startswith("{")
-    flag = "--deepspeed (inline JSON)" if inline else f"--deepspeed {value}"
-    if not inline:
-        if not os.path.exists(value):
-            what = (f"a symlink to the missing {os.readlink(value)}" if os.path.islink(value) else "no such file")
-            shipped = os.path.join(SHIPPED, os.path.basename(value))
-            if not os.path.isabs(value) and os.path.isfile(shipped):
-                return None, flag, [f"{flag}: {what} (relative to the working directory {os.getcwd()}); the shipped "
-                                    f"{os.path.basename(value)} is {shipped}"]
-            return None, flag, [f"{flag}: {what}; give a DeepSpeed JSON config such as {EXAMPLE}"]
-        if not os.path.isfile(value):
-            return None, flag, [f"{flag}: not a file; give a DeepSpeed JSON config such as {EXAMPLE}"]
-    try:
-        if inline:
-            return json.loads(value), flag, []
-        with open(value, encoding="utf-8") as f:
-            return json.load(f), flag, []
-    except UnicodeDecodeError as e:
-        return None, flag, [f"{flag}: not UTF-8 text (byte {e.start}); save it as UTF-8 JSON"]
-    except json.JSONDecodeError as e:
-        return None, flag, [f"{flag}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; fix the file "
-                            f"({EXAMPLE} is a valid example)"]
-    except RecursionError:
-        return None, flag, [f"{flag}: JSON nested too deeply to be a DeepSpeed config; fix the file"]
-    except OSError as e:
-        return None, flag, [f"{flag}: cannot read the file ({e.strerror})"]
+    return load_json_flag("--deepspeed", value, "a DeepSpeed", EXAMPLE)
 
 
 def _zero_problems(flag: str, zero: dict) -> list[str]:

@@ -11,13 +11,13 @@ other problem. Nothing here changes any state.
 from __future__ import annotations
 
 import difflib
-import importlib.resources
 import json
 import os
 from typing import Optional
 
+from .json_config import SHIPPED, load_json_flag
+
 # The shipped configs are package data (sft/configs/; finetune/fsdp_config_*.json link to them).
-SHIPPED = str(importlib.resources.files("sft") / "configs")
 EXAMPLE = os.path.join(SHIPPED, "fsdp_config_full_shard.json")
 
 # The keys transformers 5.24 reads for FSDP2 (after stripping "fsdp_"), with the values each may take
@@ -54,32 +54,7 @@ def normalize_fsdp_flag(value) -> tuple[object, list[str]]:
 
 
 def _load(value: str) -> tuple[Optional[object], str, list[str]]:
-    inline = value.lstrip().startswith("{")
-    flag = "--fsdp_config (inline JSON)" if inline else f"--fsdp_config {value}"
-    if not inline:
-        if not os.path.exists(value):
-            what = f"a symlink to the missing {os.readlink(value)}" if os.path.islink(value) else "no such file"
-            shipped = os.path.join(SHIPPED, os.path.basename(value))
-            if not os.path.isabs(value) and os.path.isfile(shipped):
-                return None, flag, [f"{flag}: {what} (relative to the working directory {os.getcwd()}); the "
-                                    f"shipped {os.path.basename(value)} is {shipped}"]
-            return None, flag, [f"{flag}: {what}; give an FSDP JSON config such as {EXAMPLE}"]
-        if not os.path.isfile(value):
-            return None, flag, [f"{flag}: not a file; give an FSDP JSON config such as {EXAMPLE}"]
-    try:
-        if inline:
-            return json.loads(value), flag, []
-        with open(value, encoding="utf-8") as f:
-            return json.load(f), flag, []
-    except UnicodeDecodeError as e:
-        return None, flag, [f"{flag}: not UTF-8 text (byte {e.start}); save it as UTF-8 JSON"]
-    except json.JSONDecodeError as e:
-        return None, flag, [f"{flag}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; fix the file "
-                            f"({EXAMPLE} is a valid example)"]
-    except RecursionError:
-        return None, flag, [f"{flag}: JSON nested too deeply to be an FSDP config; fix the file"]
-    except OSError as e:
-        return None, flag, [f"{flag}: cannot read the file ({e.strerror})"]
+    return load_json_flag("--fsdp_config", value, "an FSDP", EXAMPLE)
 
 
 def read_fsdp_config(value) -> tuple[Optional[dict], list[str]]:
