@@ -44,7 +44,7 @@ if sys.argv[8] == "after":
     from sft.shards import JobView, Plan
     plan = Plan(JobView(rank=rank, world_size=world, local_rank=rank, local_world_size=world), run, True, [0] * world)
     t1 = time.perf_counter()
-    ds, report = build_dataset([data], tok, eot, max_len, None, cache, plan=plan)
+    ds, report = build_dataset([data], tok, eot, max_len, None, cache, plan=plan, long_conversations=sys.argv[9])
 else:  # an older sft: load every record, then build (rank 0 prepares)
     from sft.data import load_conversations
     t1 = time.perf_counter()
@@ -66,7 +66,8 @@ def write_data(src: str, n: int, out: str) -> None:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
-def run_ranks(world: int, data: str, model: str, cache: str, max_len: int, mode: str, pythonpath: str) -> dict:
+def run_ranks(world: int, data: str, model: str, cache: str, max_len: int, mode: str, pythonpath: str,
+              long_conversations: str = "split") -> dict:
     env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     # cwd = the checkout measured: ``python -c`` puts the working directory first on the module path. Each rank
@@ -74,7 +75,7 @@ def run_ranks(world: int, data: str, model: str, cache: str, max_len: int, mode:
     # session share one CPU share, so on a machine shared with other work P ranks of one session get no more CPU
     # than one (measured: 0.98x); separate sessions get what separate jobs get, as ranks do on their own cores.
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), data, model, cache, "bench",
-                               str(max_len), mode], env=env, stdout=subprocess.PIPE, text=True, cwd=pythonpath,
+                               str(max_len), mode, long_conversations], env=env, stdout=subprocess.PIPE, text=True, cwd=pythonpath,
                               start_new_session=True)
              for r in range(world)]
     outs = [p.communicate()[0] for p in procs]
@@ -116,6 +117,8 @@ def main() -> int:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--data", default=DEFAULT_DATA, help="conversations to repeat")
     ap.add_argument("--max_length", type=int, default=512)
+    ap.add_argument("--long_conversations", choices=["split", "truncate"], default="split",
+                    help="as the training flag (the 'before' checkout always truncates)")
     ap.add_argument("--plain_sample", type=int, default=20000, help="conversations for the plain tokenizer() figure")
     ap.add_argument("--before", default=None, help="a checkout whose sft is measured too (1 process)")
     ap.add_argument("--runs", nargs="+", default=["one", "many", "before"], choices=["one", "many", "before"],
@@ -137,7 +140,7 @@ def main() -> int:
         single = None
         for mode, world, repo in configs:
             cache = os.path.join(work, f"cache-{mode}-{world}")
-            r = run_ranks(world, data, a.model, cache, a.max_length, mode, repo)
+            r = run_ranks(world, data, a.model, cache, a.max_length, mode, repo, a.long_conversations)
             prep = max(x["prepare_s"] for x in r["ranks"])  # from the tokenizer loaded to every shard mapped
             rate = a.conversations / prep
             single = rate if (mode, world) == ("after", 1) else single
