@@ -242,6 +242,40 @@ def check_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwri
     return problems, inside or (only_checkpoints and not explicit)
 
 
+# DeepSpeed's ZeRO optimizer shards, one per data-parallel rank R (and model-parallel rank M), in a checkpoint's
+# global_stepN folder: [bf16_]zero_pp_rank_R_mp_rank_M_optim_states.pt (deepspeed 0.18 engine._get_zero_ckpt_name).
+_ZERO_SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+def zero_world_size(path: str) -> Optional[int]:
+    """The data-parallel world size a DeepSpeed ZeRO checkpoint was written at: the number of distinct ranks R
+    among ``path/global_step*/*zero_pp_rank_R_mp_rank_M_optim_states.pt``; None when there are none (not a
+    DeepSpeed checkpoint)."""
+    ranks = set()
+    for sub in os.listdir(path) if os.path.isdir(path) else []:
+        if sub.startswith("global_step") and os.path.isdir(os.path.join(path, sub)):
+            ranks |= {m.group(1) for m in map(_ZERO_SHARD.search, os.listdir(os.path.join(path, sub))) if m}
+    return len(ranks) or None
+
+
+def check_zero_world_size(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool,
+                          world_size: int) -> list[str]:
+    """A run under DeepSpeed ZeRO cannot resume a ZeRO checkpoint written at another world size: DeepSpeed 0.18
+    does not re-partition the optimizer state (``engine._load_zero_checkpoint`` raises ZeRORuntimeException after
+    the model has loaded). ``world_size``: this run's number of processes. The problem line, or none."""
+    resume = resolve_resume(output_dir, resume_from_checkpoint, overwrite_output_dir)
+    saved = zero_world_size(resume) if resume else None
+    if saved is None or saved == world_size:
+        return []
+    explicit = resume_from_checkpoint is not None and str(resume_from_checkpoint).strip().lower() not in AUTO_VALUES
+    which = f"--resume_from_checkpoint {resume}" if explicit else \
+        f"--output_dir {output_dir}: its newest complete checkpoint {resume}"
+    return [f"{which} was written by DeepSpeed ZeRO at world size {saved}, but this run has world size {world_size}: "
+            f"DeepSpeed cannot re-partition ZeRO optimizer state to another world size; run again with {saved} "
+            f"processes in all (nodes x processes per node, e.g. sbatch --nodes {saved} with 1 per node), or start "
+            "afresh (--overwrite_output_dir True, or another --output_dir)"]
+
+
 def _compare_with_checkpoint(path: str, use_lora: bool) -> list[str]:
     """A checkpoint of a LoRA run cannot be resumed as full fine-tuning and vice versa."""
     lora_files = any(os.path.exists(os.path.join(path, n)) for n in ("adapter_model.safetensors", "adapter_model.bin"))

@@ -241,6 +241,10 @@ def _check_output(t) -> list[str]:
 
     resume_problems, resuming_here = check_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir, t.use_lora)
     p += resume_problems
+    if t.deepspeed and "WORLD_SIZE" in os.environ:  # a training process (torchrun, Ray); a lone check cannot know
+        from .checkpoint import check_zero_world_size
+
+        p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]))
     if os.path.isdir(out) and os.listdir(out) and not t.overwrite_output_dir and not resuming_here:
         p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
                  "into it anyway, or choose another folder")

@@ -149,3 +149,48 @@ def test_group_by_length_order_depends_on_seed_and_epoch_only(tiny_model_dir, to
     assert order(ours, 1, 0) == order(ours, 1, 123) != order(ours, 2, 0)
     theirs = LengthGroupedSampler(8, lengths=lengths * 8)
     assert order(theirs, 1, 0) != order(theirs, 1, 123)  # why the replacement exists
+
+
+def zero_shards(path, ranks):
+    """DeepSpeed ZeRO optimizer shards (names as deepspeed 0.18 writes them) for ``ranks`` data-parallel ranks."""
+    step = os.path.join(path, "global_step4")
+    os.makedirs(step, exist_ok=True)
+    for r in range(ranks):
+        open(os.path.join(step, f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"), "wb").close()
+    open(os.path.join(step, "mp_rank_00_model_states.pt"), "wb").close()
+
+
+def test_zero_checkpoint_at_another_world_size_is_refused_with_the_way_on(tmp_path):
+    out = tmp_path / "out"
+    path = fake_checkpoint(out, 4)
+    assert ck.zero_world_size(path) is None  # no ZeRO shards: a DDP checkpoint resumes at any world size (warned)
+    assert ck.check_zero_world_size(str(out), None, False, 2) == []
+    zero_shards(path, 3)
+    assert ck.zero_world_size(path) == 3
+    assert ck.check_zero_world_size(str(out), None, False, 3) == []
+    assert ck.check_zero_world_size(str(out), None, True, 2) == []  # --overwrite_output_dir: a fresh start
+    [auto] = ck.check_zero_world_size(str(out), "auto", False, 2)
+    assert auto.startswith(f"--output_dir {out}: its newest complete checkpoint {path} was written by DeepSpeed "
+                           "ZeRO at world size 3, but this run has world size 2"), auto
+    assert "run again with 3 processes in all" in auto and "--overwrite_output_dir True" in auto
+    [named] = ck.check_zero_world_size(str(tmp_path / "new"), path, False, 1)
+    assert named.startswith(f"--resume_from_checkpoint {path} was written by DeepSpeed ZeRO at world size 3"), named
+
+
+def test_validate_refuses_a_zero_resume_at_another_world_size_before_loading(tmp_path, tiny_model_dir, toy_data,
+                                                                             monkeypatch):
+    from sft.arguments import parse_args, validate
+    from sft.errors import ConfigError
+    from tests.helpers.paths import ROOT
+
+    out = tmp_path / "out"
+    zero_shards(fake_checkpoint(out, 4), 3)
+    args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir", str(out),
+                       "--use_lora", "True", "--deepspeed", os.path.join(ROOT, "finetune", "ds_config_zero2.json"),
+                       "--report_to", "none"])[:4]
+    validate(*args)  # a lone process (sft-check before torchrun) does not know the job's world size
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    validate(*args)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun gives every rank of the smaller rerun
+    with pytest.raises(ConfigError, match="written by DeepSpeed ZeRO at world size 3, but this run has world size 2"):
+        validate(*args)
