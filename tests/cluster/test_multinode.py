@@ -109,8 +109,9 @@ def job(tmp_path):
     j.close()
 
 
-def start_by_hand(job, hosts, n, model, data, out, extra=(), ranks=None, master=None, envs=None, skip=()):
-    """Node i: NNODES=n NODE_RANK=ranks[i] MASTER_ADDR=... bash PRESET -m model -d data[i] ... in namespace i."""
+def start_by_hand(job, hosts, n, model, data, out, extra=(), ranks=None, master=None, envs=None, skip=(),
+                  preset=PRESET):
+    """Node i: NNODES=n NODE_RANK=ranks[i] MASTER_ADDR=... bash preset -m model -d data[i] ... in namespace i."""
     for i in range(n):
         if i in skip:
             continue
@@ -118,7 +119,7 @@ def start_by_hand(job, hosts, n, model, data, out, extra=(), ranks=None, master=
                     "MASTER_PORT": 6001, **(envs or {}).get(i, {})}
         env = node_env(**settings)
         d = data[i] if isinstance(data, list) else data
-        argv = ["bash", PRESET, "-m", model, "-d", d, "--output_dir", str(out), *TRAIN, *extra]
+        argv = ["bash", preset, "-m", model, "-d", d, "--output_dir", str(out), *TRAIN, *extra]
         job.start(hosts.cmd(i, argv), env, f"node{i}")
 
 
@@ -143,25 +144,25 @@ def assert_same_training(out, ref):
         torch.testing.assert_close(weights[k], ref_weights[k], atol=ATOL_WEIGHTS, rtol=0)
 
 
-_REFERENCE: dict[int, tuple] = {}
+_REFERENCE: dict[tuple[str, int], tuple] = {}
 
 
-def reference(n, make_hosts, tmp_path_factory, tiny_model_dir, data):
+def reference(n, make_hosts, tmp_path_factory, tiny_model_dir, data, preset=PRESET):
     """One host, NPROC_PER_NODE=n processes (world size n), same flags: the losses multi-node must reproduce."""
-    if n not in _REFERENCE:
+    if (preset, n) not in _REFERENCE:
         hosts = make_hosts(1)
         tmp = tmp_path_factory.mktemp(f"ref{n}")
         j = Job(tmp)
         try:
             out = tmp / "out"
-            j.start(hosts.cmd(0, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, "--output_dir", str(out), *TRAIN]),
+            j.start(hosts.cmd(0, ["bash", preset, "-m", tiny_model_dir, "-d", data, "--output_dir", str(out), *TRAIN]),
                     node_env(NPROC_PER_NODE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001), "ref")
             assert j.wait() == [0], j.tails()
             assert f"world size {n}" in j.text(0)
         finally:
             j.close()
-        _REFERENCE[n] = results(out)
-    return _REFERENCE[n]
+        _REFERENCE[preset, n] = results(out)
+    return _REFERENCE[preset, n]
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +187,29 @@ def test_by_hand_equals_one_host(n, make_hosts, job, tmp_path, tmp_path_factory,
     joined = job.text(0)
     assert all(f"rendezvous: node rank {i} (node{i}, {hosts.addrs[i]}) joined" in joined for i in range(1, n))
     assert f"joined; {n} of {n} nodes" in joined
+    assert_same_training(out, ref)
+
+
+def test_fsdp2_lora_by_hand_on_two_hosts_equals_one_host(make_hosts, job, tmp_path, tmp_path_factory, tiny_model_dir,
+                                                        data):
+    """finetune_lora_fsdp.sh (FSDP2 full shard, gloo) on 2 namespace hosts, 1 process each: the same per-step losses
+    and adapter as one host running 2 processes. The 2-host run goes through tests/helpers/dist_worker.py (trains and
+    saves as finetune.py does) to record on each rank that fully_shard really sharded the model (DTensor parameters),
+    i.e. that the run did not fall back to DDP."""
+    preset = os.path.join(ROOT, "finetune", "finetune_lora_fsdp.sh")
+    ref = reference(2, make_hosts, tmp_path_factory, tiny_model_dir, data, preset=preset)
+    hosts = make_hosts(2)
+    out, report = tmp_path / "out", tmp_path / "report"  # both shared by the nodes, as on a shared filesystem
+    report.mkdir()
+    worker = {"SFT_PROGRAM": os.path.join(ROOT, "tests", "helpers", "dist_worker.py"),
+              "SFT_TEST_REPORT_DIR": str(report), "PYTHONPATH": ROOT}
+    start_by_hand(job, hosts, 2, tiny_model_dir, data, out, preset=preset, envs={0: worker, 1: worker})
+    assert job.wait() == [0, 0], job.tails()
+    for i in range(2):
+        assert job.text(i).splitlines()[0].startswith(f"launch: node rank {i} of 2 nodes, 1 process(es) per node, "
+                                                      "world size 2"), job.tails()
+        rank = json.load(open(report / f"rank{i}.json"))
+        assert rank["world_size"] == 2 and rank["fsdp"] and rank["fsdp2_sharded"] and not rank["deepspeed"], rank
     assert_same_training(out, ref)
 
 

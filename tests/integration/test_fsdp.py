@@ -39,20 +39,23 @@ def test_accelerate_under_torchrun_on_cpu_keeps_fsdp_off(tmp_path):
         assert f"rank {rank} world 2 DistributedType.MULTI_CPU fsdp_plugin=False" in r.stdout, r.stdout
 
 
-def test_kill9_and_resume_under_fsdp2_is_bit_exact(tmp_path):
-    """LoRA under FSDP2 (2 processes, checkpoints every 2 steps, full state dicts): SIGKILL of the whole job
-    after a checkpoint, then the same command again: the adapter equals the uninterrupted run's bit for bit."""
+@pytest.mark.parametrize("mode,saved", [("lora", "adapter_model.safetensors"), ("full", "model.safetensors")])
+def test_kill9_and_resume_under_fsdp2_is_bit_exact(mode, saved, tmp_path):
+    """LoRA and full fine-tuning under FSDP2 (2 processes, checkpoints every 2 steps, full state dicts): SIGKILL of
+    the whole job after a checkpoint, then the same command again: the adapter (LoRA) or every weight of the
+    consolidated model (full) equals the uninterrupted run's bit for bit."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kill_resume_loop.py"), "--iterations", "1",
-                        "--steps", "6", "--save_steps", "2", "--nproc", "2", "--kill_seed", "4", "--workdir",
-                        str(tmp_path), "--extra", f"--fsdp --fsdp_config {os.path.join(FT, 'fsdp_config_full_shard.json')}"],
+                        "--mode", mode, "--steps", "6", "--save_steps", "2", "--nproc", "2", "--kill_seed", "4",
+                        "--workdir", str(tmp_path), "--extra",
+                        f"--fsdp --fsdp_config {os.path.join(FT, 'fsdp_config_full_shard.json')}"],
                        capture_output=True, text=True, timeout=900, cwd=ROOT, env=pythonpath_env())
     assert r.returncode == 0 and "exact: 1/1" in r.stdout, r.stdout + r.stderr[-3000:]
     assert "] killed " in r.stdout  # really killed, not finished before the kill
     log = open(tmp_path / "run0.log").read()
-    # kill seed 4: killed 0.15 s after checkpoint-2 was complete, so the resumed run trains steps 3-6 itself
+    # kill seed 4: killed 0.15 s after checkpoint-2 was complete, so the resumed run trains the last steps itself
     resumed = [line for line in log.splitlines() if "resuming from" in line]
     assert resumed and not resumed[0].endswith("checkpoint-6") and "Traceback" not in log, resumed
-    assert os.path.isfile(tmp_path / "run0" / "adapter_model.safetensors")
+    assert os.path.isfile(tmp_path / "run0" / saved)
 
 
 @pytest.mark.parametrize("flags,reason", [
