@@ -5,6 +5,7 @@ import pytest
 from sft.chat import IGNORE_INDEX, encode_conversation, end_of_turn_id, visualize, with_system
 from sft.data import normalize_record
 from sft.errors import TemplateError
+from tests.helpers.labels import supervised_spans
 
 CONVS = {
     "single": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 is 4."}],
@@ -16,20 +17,6 @@ CONVS = {
     "specials_in_text": [{"role": "user", "content": "Print <|endoftext|> please"},
                          {"role": "assistant", "content": "Here: <|endoftext|> done"}],
 }
-
-
-def supervised_spans(tok, ids, labels):
-    spans, run = [], []
-    for i, lab in zip(ids, labels):
-        if lab != IGNORE_INDEX:
-            assert lab == i
-            run.append(i)
-        elif run:
-            spans.append(tok.decode(run))
-            run = []
-    if run:
-        spans.append(tok.decode(run))
-    return spans
 
 
 def check(tok, eot, messages):

@@ -7,6 +7,7 @@ from sft.data import normalize_record
 from sft.dataset import build_dataset
 from sft.long_conversations import split_conversation
 from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.labels import supervised_spans
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
@@ -24,19 +25,6 @@ def long_chat(n_pairs, system=None, sizes=None):
     return msgs
 
 
-def supervised_runs(tok, ids, labels):
-    """Decoded runs of consecutive supervised tokens (one per supervised reply: content + end-of-turn)."""
-    runs, run = [], []
-    for i, lab in zip(ids, labels):
-        if lab != IGNORE_INDEX:
-            assert lab == i
-            run.append(i)
-        elif run:
-            runs.append(tok.decode(run))
-            run = []
-    return runs + ([tok.decode(run)] if run else [])
-
-
 def replies(msgs):
     return [m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant"]
 
@@ -50,7 +38,7 @@ def test_every_reply_is_supervised_exactly_once(which, system, qwen_tok, smol_to
     assert len(full_ids) > 3 * max_len
     samples = split_conversation(tok, msgs, eot, max_len).samples
     assert len(samples) > 3 and all(len(ids) == len(lab) <= max_len for ids, lab in samples)
-    spans = [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)]
+    spans = [s for ids, lab in samples for s in supervised_spans(tok, ids, lab)]
     assert spans == replies(msgs)  # all replies, in order, each exactly once
     head = tok.decode(full_ids[:8])  # the system prompt's first tokens (the template's own default without one)
     assert "You are" in head
@@ -77,8 +65,8 @@ def test_reply_too_long_by_itself_gets_its_own_sample(qwen_tok):
     samples, cut = split_conversation(tok, msgs, eot, 64)
     assert cut == 0  # its 3-word question already leaves the reply the first half of the sample
     over = [(ids, lab) for ids, lab in samples if len(ids) > 64]
-    assert len(over) == 1 and supervised_runs(tok, *over[0]) == [replies(msgs)[2]]
-    assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs)
+    assert len(over) == 1 and supervised_spans(tok, *over[0]) == [replies(msgs)[2]]
+    assert [s for ids, lab in samples for s in supervised_spans(tok, ids, lab)] == replies(msgs)
 
 
 @pytest.mark.parametrize("n_pairs", [1, 4])
@@ -90,7 +78,7 @@ def test_user_turn_too_long_for_its_reply_is_cut_from_the_start(qwen_tok, n_pair
     msgs[-2] = {"role": "user", "content": question}
     samples, cut = split_conversation(tok, msgs, eot, 64)
     assert cut == 1 and all(len(ids) <= 64 for ids, _ in samples)
-    assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs)
+    assert [s for ids, lab in samples for s in supervised_spans(tok, ids, lab)] == replies(msgs)
     text = tok.decode(samples[-1][0])
     kept = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
     assert question.endswith(" " + kept) and kept  # its last words, from a word boundary
@@ -109,7 +97,7 @@ def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok):
     assert ids[0] == "add" and ids.count("long") > 3 and ids[-1] == "long-question"  # its question cut, "ok" trained
     assert report.truncated == 1 and report.dropped_ids == [] and report.user_turns_cut == 1  # the 92-word reply
     assert all(len(x) <= 64 for x in ds["input_ids"])
-    sup = [s for row in ds if row["id"] == "long" for s in supervised_runs(tok, row["input_ids"], row["labels"])]
+    sup = [s for row in ds if row["id"] == "long" for s in supervised_spans(tok, row["input_ids"], row["labels"])]
     assert sup[:2] == replies(long_rec["messages"])[:2] and sup[3:] == replies(long_rec["messages"])[3:]
     assert replies(long_rec["messages"])[2].startswith(sup[2])  # the reply too long alone: its first tokens
     lines = "\n".join(report.lines("train", 64))
@@ -133,9 +121,9 @@ def test_chitchat_split_supervises_every_reply_once(smol_tok):
         msgs = normalize_record("chitchat", 0, rec).messages
         samples = split_conversation(tok, msgs, eot, 256).samples
         split += len(samples) > 1
-        assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs), rec["id"]
+        assert [s for ids, lab in samples for s in supervised_spans(tok, ids, lab)] == replies(msgs), rec["id"]
         for ids, lab in samples:  # only a reply too long even alone is over the limit, alone in its sample
-            assert len(ids) <= 256 or len(supervised_runs(tok, ids, lab)) == 1
+            assert len(ids) <= 256 or len(supervised_spans(tok, ids, lab)) == 1
         checked += all(len(ids) <= 256 for ids, _ in samples)
     assert split > 100 and checked > 250
 
@@ -159,7 +147,7 @@ def test_a_plan_that_overflows_when_encoded_is_made_again(qwen_tok, monkeypatch)
     samples = split_conversation(tok, msgs, eot, 200).samples
     assert len(budgets) > 1 and budgets[-1] < 200  # the first plan did not fit as encoded
     assert all(len(ids) <= 200 for ids, _ in samples)
-    assert [s for ids, lab in samples for s in supervised_runs(tok, ids, lab)] == replies(msgs)
+    assert [s for ids, lab in samples for s in supervised_spans(tok, ids, lab)] == replies(msgs)
 
 
 def test_show_sample_prints_every_sample_of_a_split_record(tmp_path, tiny_model_dir, capsys):
