@@ -16,6 +16,7 @@ import transformers
 
 from .errors import SFTError, explain_load_errors
 from .modeling import require_vocabulary
+from .peft_compat import without_gptqmodel
 from .quantized import loading_fix, merge_problem, read_quantization
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
     if len(tok) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tok))
     with explain_load_errors("adapter", adapter_dir, "check that it was trained on this base model"):
-        model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+        with without_gptqmodel():  # the base is 16-bit here (a quantized one is refused above)
+            model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     gen_path = os.path.join(adapter_dir, "generation_config.json")
     if os.path.isfile(gen_path):
         model.generation_config = transformers.GenerationConfig.from_pretrained(adapter_dir)

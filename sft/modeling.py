@@ -217,8 +217,11 @@ def _module_name(model, module) -> str:
 
 
 def _quant_linears(model) -> list:
-    """gptqmodel's quantized linear modules of ``model`` (empty without gptqmodel or on an unquantized model)."""
-    if getattr(model.config, "quantization_config", None) is None:
+    """gptqmodel's quantized linear modules of ``model`` (empty without gptqmodel or on a model not quantized with
+    GPTQ; gptqmodel is imported only for a GPTQ model, since importing it prints a banner and sets variables)."""
+    qc = getattr(model.config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if str(getattr(method, "value", method)).lower() != "gptq":
         return []
     try:
         from gptqmodel.nn_modules.qlinear import BaseQuantLinear
@@ -249,6 +252,8 @@ def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dr
     """
     from peft import LoraConfig, get_peft_model
 
+    from .peft_compat import without_gptqmodel
+
     mode = train_embeddings
     if mode == "auto":
         train_emb, reason = chat_tokens_are_new(model, tok, vocab_grew)
@@ -273,7 +278,8 @@ def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dr
     if activation_checkpointing:
         model.enable_input_require_grads()
     try:
-        model = get_peft_model(model, config)
+        with without_gptqmodel(not _quant_linears(model)):
+            model = get_peft_model(model, config)
     except ValueError as e:
         names = linear_module_names(model)
         raise SFTError(f"--lora_target_modules {' '.join(target_modules or ['all-linear'])}: "

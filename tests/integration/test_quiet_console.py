@@ -13,7 +13,9 @@ import textwrap
 
 from tests.helpers.paths import ROOT
 
-NOISE = ("gemm_4bit_forward", "kernels-community", "Setting accelerator to CPU", "real_accelerator.py")
+NOISE = ("gemm_4bit_forward", "kernels-community", "Setting accelerator to CPU", "real_accelerator.py",
+         # gptqmodel's import banner (peft's LoRA dispatch imports it when installed; sft.peft_compat keeps it out)
+         "GPT-QModel", "Auto setting PYTORCH_ALLOC_CONF", "Python GIL is enabled")
 
 
 def _env():
