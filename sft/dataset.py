@@ -197,15 +197,23 @@ def prepare_source(job: _Job, cache_root: str, plan: Plan, num_proc: Optional[in
         raise DataError(f"{job.path}: no sample has a supervised token within --model_max_length {job.max_len} "
                         f"({report.samples} samples, all cut before their first reply ends); raise --model_max_length")
     if plan.view.rank == 0:
-        _warn_duplicate_ids(job.path, ds)
+        _warn_duplicate_ids(job.path, ds, per_conversation_runs=not job.lazy)
     logger.info("%s: %d records, %d shard(s) in %s", job.path, check.records, n, key_dir)
     return ds, report
 
 
-def _warn_duplicate_ids(path: str, ds) -> None:
+def _warn_duplicate_ids(path: str, ds, per_conversation_runs: bool) -> None:
+    """Warn about ids that more than one record carries. With ``per_conversation_runs`` (eager datasets) the samples
+    of one conversation share its id and are written next to each other, so each run of equal ids counts once; two
+    copies of a record that land next to each other in one shard then count as one (not warned)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    counts = pc.value_counts(ds.data.column("id"))
+    ids = ds.data.column("id").combine_chunks()
+    if per_conversation_runs and len(ids) > 1:
+        starts = pa.concat_arrays([pa.array([True]), pc.not_equal(ids.slice(1), ids.slice(0, len(ids) - 1))])
+        ids = pc.filter(ids, starts)
+    counts = pc.value_counts(ids)
     dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values").to_pylist()
     if dup:
         logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",

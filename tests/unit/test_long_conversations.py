@@ -85,13 +85,15 @@ def test_user_turn_too_long_for_its_reply_is_cut_from_the_start(qwen_tok, n_pair
     assert len(samples[-1][0]) > 64 - 6  # as many as fit (a word here is at most 3 tokens)
 
 
-def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok):
+def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok, caplog):
     tok, eot = qwen_tok
     long_rec = {"id": "long", "messages": long_chat(10, sizes=[4, 4, 90, 4, 4, 4, 4, 4, 4, 4])}
     question = {"id": "long-question", "messages": [{"role": "user", "content": "word " * 200},
                                                      {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_rec, question])
-    ds, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"))  # split is the default
+    with caplog.at_level("WARNING"):
+        ds, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"))  # split is the default
+    assert "more than once" not in caplog.text  # the samples of a split conversation share its id: not duplicates
     assert report.mode == "split" and report.conversations == 3 and report.split == 1
     ids = list(ds["id"])
     assert ids[0] == "add" and ids.count("long") > 3 and ids[-1] == "long-question"  # its question cut, "ok" trained
