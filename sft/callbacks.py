@@ -78,8 +78,14 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: Optional[tor
     doubles from 256 while one product takes under a quarter of ``seconds`` (up to 2048 on CPU, 8192 on CUDA), so
     a dtype the CPU emulates slowly (bf16 without native kernels) does not take minutes. A measured peak, not
     the datasheet figure.
+
+    The operands come from a generator of its own, never from the global RNG: the size the timing picks varies
+    with the machine's load, and drawing from the global RNG on rank 0 (in ``on_train_begin``, after the
+    Trainer's seeding) gave that rank other dropout masks in every run whose load made it stop doubling at
+    another size, so two runs with the same seed trained differently (LoRA kill-and-resume, docs/fsdp.md).
     """
     device = torch.device(device or "cpu")
+    generator = torch.Generator(device=device).manual_seed(0)
 
     def sync():
         if device.type == "cuda":
@@ -92,7 +98,7 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: Optional[tor
         return time.perf_counter() - t0
 
     def operands(size):
-        return (torch.randn(size, size, device=device).to(dtype), torch.randn(size, size, device=device).to(dtype))
+        return tuple(torch.randn(size, size, device=device, generator=generator).to(dtype) for _ in range(2))
 
     if n is None:
         n, limit = 256, (8192 if device.type == "cuda" else 2048)
