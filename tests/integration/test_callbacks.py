@@ -58,3 +58,28 @@ def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data,
     import matplotlib.image
 
     assert matplotlib.image.imread(str(png)).shape[:2] == (400, 700)
+
+
+def test_nothing_draws_from_the_global_rng_between_the_seeding_and_the_first_step(tiny_model_dir, toy_data, tmp_path):
+    """Issue 17: rank 0's callbacks ran after the Trainer's seeding and drew from the global RNG (the matmul peak,
+    a load-dependent amount), so its LoRA dropout masks differed between same-seed runs. With every callback's
+    on_train_begin done (this one is added last), the RNG is where transformers.set_seed(seed) put it."""
+    import torch
+    import transformers
+
+    args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
+                       str(tmp_path / "out"), "--save_strategy", "no", "--report_to", "none", "--seed", "3",
+                       "--disable_tqdm", "True", "--use_lora", "True", "--lora_r", "4", "--max_steps", "1"])
+    validate(*args)
+    trainer, _, _ = build_trainer(*args)
+    assert trainer.args.should_save  # global rank 0, where the peak is measured
+    seen = {}
+
+    class Probe(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen["rng"] = torch.get_rng_state()
+
+    trainer.add_callback(Probe())
+    trainer.train()
+    transformers.set_seed(3)
+    assert torch.equal(seen["rng"], torch.get_rng_state())

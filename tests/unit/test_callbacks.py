@@ -1,11 +1,16 @@
 """Throughput callback (tokens, padding, MFU, memory, ETA; console + TensorBoard) and the loss-curve PNG: the FLOP
-convention, the matmul peak, the checks. The figures of a training run are in tests/integration/test_callbacks.py."""
+convention, the matmul peak (and that measuring it leaves the training's RNG alone), the checks. The figures of a
+training run are in tests/integration/test_callbacks.py."""
+import random
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from sft.arguments import parse_args, validate
-from sft.callbacks import format_eta, linear_weight_counts, measure_matmul_peak, model_flops_per_token, plot_loss_curve
+from sft.callbacks import ThroughputCallback, format_eta, linear_weight_counts, measure_matmul_peak, model_flops_per_token, plot_loss_curve
 from sft.errors import ConfigError
 
 # tests/helpers/assets.py tiny Qwen2: hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 151646, tied
@@ -30,6 +35,37 @@ def test_matmul_peak_and_eta_format():
     peak = measure_matmul_peak(torch.float32, n=256, seconds=0.05)
     assert 1e8 < peak < 1e15  # FLOP/s of a CPU core or more, and not absurd
     assert format_eta(3725.4) == "1:02:05" and format_eta(-3) == "0:00:00"
+
+
+def global_rng_states():
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+
+
+def assert_same_rng(before, after):
+    assert torch.equal(before[0], after[0]), "the global torch RNG was drawn from"
+    assert before[1] == after[1] and np.array_equal(before[2], after[2])
+
+
+@pytest.mark.parametrize("n,seconds", [(256, 0.01), (512, 0.01), (None, 0.02)], ids=["n256", "n512", "sized"])
+def test_matmul_peak_leaves_the_global_rng_alone(n, seconds):
+    """Issue 17: the peak was measured on operands from the global RNG, on rank 0 only and after the Trainer's
+    seeding; the size the timing picks varies with the load, so rank 0's dropout masks (LoRA) differed between
+    same-seed runs. Whatever size is used, the global RNG must be where it was."""
+    torch.manual_seed(0)
+    before = global_rng_states()
+    measure_matmul_peak(torch.float32, n=n, seconds=seconds)
+    assert_same_rng(before, global_rng_states())
+
+
+def test_throughput_callback_train_begin_on_rank_0_leaves_the_global_rng_alone():
+    """The seam where the draw happened: on_train_begin measures the peak on global rank 0 (no --peak_tflops)."""
+    cb = ThroughputCallback(torch.nn.Linear(4, 4))
+    torch.manual_seed(0)
+    before = global_rng_states()
+    cb.on_train_begin(SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(is_world_process_zero=True,
+                      global_step=0), None)
+    assert cb.peak_flops and cb.peak_flops > 0  # it did measure
+    assert_same_rng(before, global_rng_states())
 
 
 def test_loss_curve_needs_a_loss(tmp_path):
