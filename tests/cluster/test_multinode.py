@@ -124,12 +124,15 @@ def start_by_hand(job, hosts, n, model, data, out, extra=(), ranks=None, master=
 
 
 def results(out):
-    """Per-step losses (trainer_state.json) and the saved adapter tensors of a finished run."""
+    """Per-step losses (trainer_state.json) and the saved tensors of a finished run: the adapter, or the whole
+    consolidated model of a full fine-tuning run."""
     from safetensors.torch import load_file
 
     state = json.load(open(os.path.join(out, "trainer_state.json")))
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
-    return losses, load_file(os.path.join(out, "adapter_model.safetensors"))
+    saved = "adapter_model.safetensors" if os.path.isfile(os.path.join(out, "adapter_model.safetensors")) \
+        else "model.safetensors"
+    return losses, load_file(os.path.join(out, saved))
 
 
 def assert_same_training(out, ref):
@@ -190,13 +193,16 @@ def test_by_hand_equals_one_host(n, make_hosts, job, tmp_path, tmp_path_factory,
     assert_same_training(out, ref)
 
 
-def test_fsdp2_lora_by_hand_on_two_hosts_equals_one_host(make_hosts, job, tmp_path, tmp_path_factory, tiny_model_dir,
-                                                        data):
-    """finetune_lora_fsdp.sh (FSDP2 full shard, gloo) on 2 namespace hosts, 1 process each: the same per-step losses
-    and adapter as one host running 2 processes. The 2-host run goes through tests/helpers/dist_worker.py (trains and
-    saves as finetune.py does) to record on each rank that fully_shard really sharded the model (DTensor parameters),
-    i.e. that the run did not fall back to DDP."""
-    preset = os.path.join(ROOT, "finetune", "finetune_lora_fsdp.sh")
+@pytest.mark.parametrize("preset_name,saved", [("finetune_lora_fsdp.sh", "adapter_model.safetensors"),
+                                               ("finetune_fsdp.sh", "model.safetensors")], ids=["lora", "full"])
+def test_fsdp2_by_hand_on_two_hosts_equals_one_host(preset_name, saved, make_hosts, job, tmp_path, tmp_path_factory,
+                                                    tiny_model_dir, data):
+    """finetune_lora_fsdp.sh (LoRA) and finetune_fsdp.sh (full fine-tuning), FSDP2 full shard over gloo, on 2
+    namespace hosts, 1 process each: the same per-step losses and saved tensors (the adapter; every tensor of the
+    consolidated model) as one host running 2 processes. The 2-host run goes through tests/helpers/dist_worker.py
+    (trains and saves as finetune.py does) to record on each rank that fully_shard really sharded the model (DTensor
+    parameters), i.e. that the run did not fall back to DDP."""
+    preset = os.path.join(ROOT, "finetune", preset_name)
     ref = reference(2, make_hosts, tmp_path_factory, tiny_model_dir, data, preset=preset)
     hosts = make_hosts(2)
     out, report = tmp_path / "out", tmp_path / "report"  # both shared by the nodes, as on a shared filesystem
@@ -210,6 +216,7 @@ def test_fsdp2_lora_by_hand_on_two_hosts_equals_one_host(make_hosts, job, tmp_pa
                                                       "world size 2"), job.tails()
         rank = json.load(open(report / f"rank{i}.json"))
         assert rank["world_size"] == 2 and rank["fsdp"] and rank["fsdp2_sharded"] and not rank["deepspeed"], rank
+    assert os.path.isfile(out / saved)
     assert_same_training(out, ref)
 
 

@@ -1,6 +1,6 @@
 """FSDP2 on CPU through real processes: why sft.fsdp_compat exists (accelerate under torchrun with gloo drops the
-FSDP plugin), kill -9 and resume under FSDP2 bit for bit, and the Q-LoRA refusal through the preset. Training,
-saving and reloading each FSDP2 cell, and the loss curve against DDP, are in the support matrix
+FSDP plugin), kill -9 and resume under FSDP2 bit for bit (full and LoRA), and the Q-LoRA refusal through the preset.
+Training, saving and reloading each FSDP2 cell, and the loss curve against DDP, are in the support matrix
 (tests/integration/test_deepspeed.py); the settings checks in process are in tests/unit/test_fsdp.py.
 """
 import os
@@ -39,13 +39,13 @@ def test_accelerate_under_torchrun_on_cpu_keeps_fsdp_off(tmp_path):
         assert f"rank {rank} world 2 DistributedType.MULTI_CPU fsdp_plugin=False" in r.stdout, r.stdout
 
 
-# LoRA is not here: one of 4 LoRA kill-and-resumes under FSDP2 ended with a different adapter (docs/fsdp.md, "Open");
-# until that is diagnosed the suite does not claim it. DDP and ZeRO LoRA resumes are tested in test_resume.py.
-@pytest.mark.parametrize("mode,saved", [("full", "model.safetensors")])
+@pytest.mark.parametrize("mode,saved", [("full", "model.safetensors"), ("lora", "adapter_model.safetensors")])
 def test_kill9_and_resume_under_fsdp2_is_bit_exact(mode, saved, tmp_path):
-    """Full fine-tuning under FSDP2 (2 processes, checkpoints every 2 steps, full state dicts): SIGKILL of the whole
-    job after a checkpoint, then the same command again: every weight of the consolidated model equals the
-    uninterrupted run's bit for bit."""
+    """Full fine-tuning and LoRA (dropout 0.05) under FSDP2 (2 processes, checkpoints every 2 steps, full state
+    dicts): SIGKILL of the whole job after a checkpoint, then the same command again: every weight of the
+    consolidated model, or every adapter tensor, equals the uninterrupted run's bit for bit. (LoRA was not exact
+    in 1 of 4 runs until the matmul peak stopped drawing from the global RNG: issue 17, docs/fsdp.md; the
+    deterministic checks of that are in tests/unit/test_callbacks.py and tests/integration/test_callbacks.py.)"""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kill_resume_loop.py"), "--iterations", "1",
                         "--mode", mode, "--steps", "6", "--save_steps", "2", "--nproc", "2", "--kill_seed", "4",
                         "--workdir", str(tmp_path), "--extra",
