@@ -270,6 +270,14 @@ def _check_fsdp(t, lora_args) -> list[str]:
         p.append(f"--fsdp_config {t.fsdp_config_requested} \"cpu_offload\": true on CPU: FSDP2's offload pins host "
                  "memory for GPU copies and fails without a GPU, and on CPU the parameters are in CPU memory already; "
                  "use finetune/fsdp_config_full_shard.json (no offload)")
+    if config.get("state_dict_type") == "SHARDED_STATE_DICT":
+        # transformers 5.24 Trainer.save_model writes weights under FSDP for FULL_STATE_DICT only; measured with 2 CPU
+        # processes: exit 0, checkpoints of torch.distributed.checkpoint folders, and nothing but
+        # trainer_state.json and generation_config.json in --output_dir.
+        p.append(f"--fsdp_config {t.fsdp_config_requested} \"state_dict_type\": \"SHARDED_STATE_DICT\": transformers "
+                 "5.24 saves no weights at the end of training with it (the run would end with no adapter, model or "
+                 "tokenizer in --output_dir; its checkpoints hold per-rank torch.distributed.checkpoint shards only); "
+                 "use \"FULL_STATE_DICT\" (finetune/fsdp_config_full_shard.json)")
     if lora_args.q_lora:
         p.append(f"--q_lora True with {fsdp}: FSDP2 shards every weight as a DTensor, and bitsandbytes' packed 4-bit "
                  "weights can only be sharded when stored in the compute dtype (bnb_4bit_quant_storage), while this "

@@ -37,6 +37,8 @@ BAD = [
      'auto_wrap_policy must be one of TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP (got "LAYER_WRAP")'),
     ("bad-state-dict-type", '{"state_dict_type": "LOCAL_STATE_DICT"}', ["--fsdp", "--fsdp_config", "{c}"],
      "state_dict_type must be one of FULL_STATE_DICT, SHARDED_STATE_DICT"),
+    ("sharded-state-dict", '{"state_dict_type": "SHARDED_STATE_DICT"}', ["--fsdp", "--fsdp_config", "{c}"],
+     '"state_dict_type": "SHARDED_STATE_DICT": transformers 5.24 saves no weights at the end of training with it'),
     ("fsdp1", '{"fsdp_version": 1}', ["--fsdp", "--fsdp_config", "{c}"],
      'version 1: only FSDP2 ("version": 2, the default) is supported'),
     ("xla", '{"xla": true}', ["--fsdp", "--fsdp_config", "{c}"], "xla true: XLA FSDP (TPUs) is not supported"),
