@@ -77,7 +77,7 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: Optional[tor
     The best of repeated timed products over about ``seconds`` seconds after a warm-up. Without ``n`` the size
     doubles from 256 while one product takes under a quarter of ``seconds`` (up to 2048 on CPU, 8192 on CUDA), so
     a dtype the CPU emulates slowly (bf16 without native kernels) does not take minutes. A measured peak, not
-    the datasheet figure.
+    the datasheet figure. Leaves the global RNG untouched.
     """
     device = torch.device(device or "cpu")
 
@@ -91,8 +91,12 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: Optional[tor
         sync()
         return time.perf_counter() - t0
 
+    # A generator of its own: how many operands are drawn depends on the machine's speed at that moment, and the
+    # global RNG drawn from here would give LoRA dropout other masks in each run (no exact resume or rerun).
+    gen = torch.Generator(device=device).manual_seed(0)
+
     def operands(size):
-        return (torch.randn(size, size, device=device).to(dtype), torch.randn(size, size, device=device).to(dtype))
+        return tuple(torch.randn(size, size, device=device, generator=gen).to(dtype) for _ in range(2))
 
     if n is None:
         n, limit = 256, (8192 if device.type == "cuda" else 2048)
