@@ -11,7 +11,7 @@ are still in its node's page cache and without reading another node's files over
 
 * ``rng_state_R.pth`` (the Trainer, one per rank) and DeepSpeed's ``[bf16_]zero_pp_rank_R_mp_rank_M_
   {optim,model}_states.pt`` (one ZeRO shard per data-parallel rank R; pure data parallelism: R is the global
-  rank) are hashed by rank R;
+  rank) and torch.distributed.checkpoint's ``__R_K.distcp`` (FSDP2's sharded state) are hashed by rank R;
 * every other file (weights or adapter, optimizer and scheduler of DDP, ``trainer_state.json``, DeepSpeed's
   ``mp_rank_00_model_states.pt`` and ``latest``) by the saving process(es) (``TrainingArguments.should_save``:
   global rank 0, or local rank 0 of every node with ``--save_on_each_node True``).
@@ -32,7 +32,8 @@ from typing import Optional
 
 HASH = "xxh3_128"
 _CHUNK = 8 << 20  # bytes per read; large enough that the Python loop costs nothing next to the hashing
-_RANK_FILE = re.compile(r"^(?:rng_state_(\d+)\.pth|(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt)$")
+_RANK_FILE = re.compile(r"^(?:rng_state_(\d+)\.pth|(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt"
+                        r"|__(\d+)_\d+\.distcp)$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "storagefull", "os error 28")
 # torch.save's writer gives no errno on a full disk ("[enforce fail at inline_container.cc] unexpected pos ...",
@@ -58,17 +59,18 @@ def owner_rank(rel: str) -> Optional[int]:
     """The global rank that writes the checkpoint file ``rel`` (a path relative to the checkpoint folder), or None
     for a file the saving process writes (see the module docstring)."""
     m = _RANK_FILE.match(os.path.basename(rel))
-    return None if m is None else int(m.group(1) or m.group(2))
+    return None if m is None else int(next(g for g in m.groups() if g is not None))
 
 
 def checkpoint_files(path: str, skip: tuple[str, ...]) -> list[str]:
-    """Every file under ``path`` as a relative path, sorted, except names in ``skip`` and hidden temp files."""
+    """Every file under ``path`` as a relative path, sorted, except the names in ``skip`` and their temp files
+    (``.NAME.tmp``; other hidden files such as torch.distributed.checkpoint's ``.metadata`` are listed)."""
     out = []
     for root, dirs, names in os.walk(path):
         dirs.sort()
         for name in sorted(names):
             rel = os.path.relpath(os.path.join(root, name), path)
-            if rel not in skip and not name.startswith("."):
+            if rel not in skip and not any(name.startswith(f".{n}") for n in skip):
                 out.append(rel)
     return out
 

@@ -76,11 +76,15 @@ def test_each_rank_hashes_and_verifies_the_files_it_wrote():
     assert integrity.owner_rank("global_step4/bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt") == 12
     assert integrity.owner_rank("global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt") == 1  # ZeRO-3
     assert integrity.owner_rank("global_step4/mp_rank_00_model_states.pt") is None
+    assert integrity.owner_rank("pytorch_model_fsdp_0/__3_0.distcp") == 3  # FSDP2 sharded state
+    assert integrity.owner_rank("optimizer_0/.metadata") is None
     assert integrity.owner_rank("optimizer.pt") is None and integrity.owner_rank("latest") is None
 
 
 def test_marker_merges_the_ranks_checksums_and_lists_only_files_the_saver_sees(tmp_path):
     path = fake_checkpoint(tmp_path, 2, ranks=2, complete=False)
+    (tmp_path / "checkpoint-2" / f".{ck.MARKER}.tmp").write_text("{")  # a marker write cut short: not listed
+    (tmp_path / "checkpoint-2" / "global_step" / ".metadata").write_text("m")  # FSDP2's: listed
     skip = (ck.MARKER,)
     rank0 = integrity.hash_own_files(path, 0, True, skip)
     rank1 = integrity.hash_own_files(path, 1, False, skip)
@@ -92,7 +96,7 @@ def test_marker_merges_the_ranks_checksums_and_lists_only_files_the_saver_sees(t
     # rank 1's entry is used as given (not re-hashed here): a wrong recorded checksum shows up in verification
     rank1["rng_state_1.pth"] = {**rank1["rng_state_1.pth"], "xxh3_128": "f" * 32}
     files = ck.mark_complete(path, {}, {**rank0, **rank1, **elsewhere})
-    assert "rng_state_2.pth" not in files and len(files) == 6
+    assert "rng_state_2.pth" not in files and len(files) == 7 and "global_step/.metadata" in files
     assert ck.verify(path, rank=0, saver=True) is None  # rank 0 checks its own and the shared files only
     assert ck.verify(path, rank=1, saver=False).startswith("rng_state_1.pth (written by rank 1): its xxh3_128")
 
