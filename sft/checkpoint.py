@@ -268,7 +268,8 @@ def choose_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwr
     """The checkpoint this run resumes from, as :func:`resolve_resume`, except that ``auto`` takes the newest
     checkpoint that every rank verifies (:func:`verify` of the files ``rank`` wrote, and the shared ones when
     ``saver``; the ranks agree with one all-gather per candidate, so call it on every rank). A complete checkpoint
-    that fails is skipped with one warning naming it, the reason and the checkpoint resumed instead. A named
+    that fails is skipped with one warning (on global rank 0) naming it, the reason and the checkpoint resumed
+    instead. A named
     ``PATH`` is returned as given (validation refused it if it fails verification).
 
     Raises:
@@ -284,7 +285,7 @@ def choose_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwr
         has_marker = os.path.exists(os.path.join(path, MARKER))
         reasons = _gather(verify(path, rank, saver) if has_marker else "")
         if all(r is None for r in reasons):
-            for bad, why in rejected:
+            for bad, why in rejected if rank in (None, 0) else ():  # every rank knows; global rank 0 says it
                 logger.warning("not resuming from %s: %s; resuming from the previous complete checkpoint %s instead",
                                bad, why, path)
             return path

@@ -101,7 +101,7 @@ def test_marker_merges_the_ranks_checksums_and_lists_only_files_the_saver_sees(t
     assert ck.verify(path, rank=1, saver=False).startswith("rng_state_1.pth (written by rank 1): its xxh3_128")
 
 
-def test_auto_resume_falls_back_past_damaged_checkpoints_with_one_line_each(tmp_path, caplog):
+def test_auto_resume_falls_back_past_damaged_checkpoints_with_one_line_each(tmp_path, caplog, monkeypatch):
     out = tmp_path / "out"
     two = fake_checkpoint(out, 2)
     four = fake_checkpoint(out, 4)
@@ -118,7 +118,13 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_with_one_line_each(tmp_
         f"not resuming from {four}: global_step/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt (written by rank 0) has "
         f"139 bytes, the marker recorded 140 (truncated or rewritten); resuming from the previous complete checkpoint "
         f"{two} instead"], lines
-    assert ck.choose_resume(str(out), "auto", False) == two
+    caplog.clear()
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="sft"):
+        full = ck.verify
+        m.setattr(ck, "verify", lambda path, rank, saver: full(path))  # rank 1 of a two-rank job: both ranks find
+        m.setattr(ck, "_gather", lambda obj: [obj, obj])  # the same problems (one rank's files would do as well)
+        assert ck.choose_resume(str(out), "auto", False, rank=1, saver=False) == two
+    assert caplog.records == []  # the same choice on rank 1, said once by global rank 0
     assert ck.choose_resume(str(out), None, True) is None  # --overwrite_output_dir: a fresh start
     assert ck.choose_resume(str(out), six, False) == six  # named: validation decides (refused there)
     assert ck.choose_resume(str(tmp_path / "empty"), None, False) is None
