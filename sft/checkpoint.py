@@ -9,15 +9,19 @@ written only for its own SIGTERM checkpoints and not read by ``get_last_checkpoi
 Our rule (a completion marker, chosen over write-to-temp-and-rename because the Trainer, DeepSpeed and
 every rank write into the final folder name themselves):
 
-* after every rank has returned from the Trainer's save (a barrier), the saving process fsyncs the
-  folder's files and atomically writes :data:`MARKER` (temp file + ``os.replace``) listing every file
-  and its size;
-* a checkpoint is *complete* iff its marker exists, parses, and every listed file has its size;
-* ``auto`` resume takes the complete checkpoint with the highest step; incomplete ones are never used;
+* after every rank has returned from the Trainer's save (a barrier), every rank fsyncs and hashes the files
+  it wrote (:mod:`sft.integrity`: who hashes what, XXH3-128), and the saving process atomically writes
+  :data:`MARKER` (temp file + ``os.replace``) listing every file with its size and checksum;
+* a checkpoint is *complete* iff its marker exists, parses, and every listed file has its size (cheap:
+  :func:`is_complete`); it is *verified* when every file also has its checksum (:func:`verify`);
+* ``auto`` resume takes the verified checkpoint with the highest step (:func:`choose_resume`, the ranks agree):
+  incomplete ones are skipped, a complete one that fails verification is skipped with one log line saying
+  why; a checkpoint named by ``--resume_from_checkpoint PATH`` that fails verification is refused;
 * rotation (``--save_total_limit``) is ours (the Trainer's is switched off, because it runs before the
   marker exists and could delete the last complete checkpoint while the new one is still unmarked):
   it removes a checkpoint's marker first and then its files, never removes the newest complete
-  checkpoint or the best one (``state.best_model_checkpoint``), and clears incomplete leftovers.
+  checkpoint, the newest verified one or the best one (``state.best_model_checkpoint``), and clears
+  incomplete leftovers.
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ import shutil
 from typing import Optional
 
 from transformers import TrainerCallback
+
+from .errors import SFTError
+from .integrity import HASH, checkpoint_files, file_digest, hash_own_files, owner_rank, read_marker, verify_entries
 
 logger = logging.getLogger("sft")
 
@@ -50,14 +57,29 @@ def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+class CheckpointError(SFTError):
+    """A checkpoint cannot be resumed from (every complete one failed verification) or written (out of disk space)."""
+
+
 def is_complete(path: str) -> bool:
-    """True iff ``path`` holds a readable :data:`MARKER` and every file it lists exists with its recorded size."""
+    """True iff ``path`` holds a readable :data:`MARKER` and every file it lists exists with its recorded size
+    (no file is read: see :func:`verify` for the checksums)."""
+    data, _ = read_marker(path, MARKER)
     try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-            files = json.load(f)["files"]
-        return all(os.path.getsize(os.path.join(path, name)) == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return data is not None and all(
+            os.path.getsize(os.path.join(path, name)) == (e if isinstance(e, int) else e["size"])
+            for name, e in data["files"].items())
+    except (OSError, KeyError, TypeError):
         return False
+
+
+def verify(path: str, rank: Optional[int] = None, saver: bool = True) -> Optional[str]:
+    """None when checkpoint ``path`` is verified (marker readable, every file present with its size and XXH3-128
+    checksum), else one line saying why not. ``rank``/``saver``: check only the files that rank wrote (and the
+    shared ones when ``saver``), see :mod:`sft.integrity`; None checks every listed file. Reads each checked file
+    once (about 1 s per few GB from the page cache; bench/checkpoint_hash.py)."""
+    data, why = read_marker(path, MARKER)
+    return why if data is None else verify_entries(path, data["files"], rank, saver)
 
 
 def latest_complete(output_dir: str) -> Optional[str]:
@@ -78,29 +100,33 @@ def _fsync(path: str, directory: bool = False) -> None:
         os.close(fd)
 
 
-def mark_complete(path: str, info: dict) -> None:
-    """Flush every file under ``path`` to disk, then write :data:`MARKER` atomically.
+def mark_complete(path: str, info: dict, entries: Optional[dict] = None) -> dict:
+    """Write :data:`MARKER` atomically into ``path``, listing every file there with its size and checksum.
 
-    ``info`` (JSON-serializable) is stored next to the file list, e.g. world size and batch shape.
+    ``entries``: ``{relative path: {"size", HASH, "rank"}}`` already flushed and hashed by the ranks that wrote
+    the files (:func:`sft.integrity.hash_own_files`); any other file under ``path`` is flushed and hashed here.
+    Entries of files this process cannot see (another node's disk) are left out. ``info`` (JSON-serializable) is
+    stored next to the file list, e.g. world size and batch shape. Returns the file list written.
     """
+    entries = entries or {}
     files = {}
-    for root, dirs, names in os.walk(path):
-        dirs.sort()
-        for name in sorted(names):
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, path)
-            if rel == MARKER or name.startswith(f".{MARKER}"):
-                continue
+    for rel in checkpoint_files(path, (MARKER,)):
+        full = os.path.join(path, rel)
+        if rel in entries:
+            files[rel] = entries[rel]
+        else:
             _fsync(full)
-            files[rel] = os.path.getsize(full)
+            files[rel] = {"size": os.path.getsize(full), HASH: file_digest(full), "rank": owner_rank(rel)}
+    for root, _, _ in os.walk(path):
         _fsync(root, directory=True)
     tmp = os.path.join(path, f".{MARKER}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({**info, "files": files}, f, indent=1)
+        json.dump({**info, "hash": HASH, "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, MARKER))
     _fsync(path, directory=True)
+    return files
 
 
 def remove_checkpoint(path: str) -> None:
@@ -113,11 +139,13 @@ def remove_checkpoint(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def rotate(output_dir: str, limit: Optional[int], best: Optional[str]) -> list[str]:
+def rotate(output_dir: str, limit: Optional[int], best: Optional[str], verified: Optional[str] = None) -> list[str]:
     """Delete checkpoints beyond ``limit`` complete ones; return the deleted paths.
 
-    Kept: the newest complete checkpoint and ``best`` always (so up to ``limit`` or 2, whichever is
-    larger), then the newest complete others up to ``limit``. Incomplete folders are deleted whenever
+    Kept: the newest complete checkpoint, the newest verified one and ``best`` always (so up to ``limit`` or 3,
+    whichever is larger), then the newest complete others up to ``limit``. ``verified``: a checkpoint known to be
+    verified (the one just marked, whose files were hashed just now); without it the complete checkpoints are
+    verified newest first (:func:`verify`, reading their files) until one passes. Incomplete folders are deleted whenever
     a complete one exists (they can only be leftovers of a killed write; call this only right after
     :func:`mark_complete`, while no other process writes checkpoints here). ``limit`` None or <= 0
     deletes nothing.
@@ -129,7 +157,10 @@ def rotate(output_dir: str, limit: Optional[int], best: Optional[str]) -> list[s
     if not complete:
         return []
     best = os.path.realpath(best) if best else None
-    keep = {complete[-1]} | {p for p in complete if os.path.realpath(p) == best}
+    if verified is None:
+        verified = next((p for p in reversed(complete) if verify(p) is None), None)
+    verified = os.path.realpath(verified) if verified else None
+    keep = {complete[-1]} | {p for p in complete if os.path.realpath(p) in (best, verified)}
     for p in reversed(complete):
         if len(keep) >= limit:
             break
@@ -142,11 +173,28 @@ def rotate(output_dir: str, limit: Optional[int], best: Optional[str]) -> list[s
     return doomed
 
 
-def _barrier() -> None:
+def _distributed() -> bool:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        import torch.distributed as dist
+
         dist.barrier()
+
+
+def _gather(obj) -> list:
+    """``obj`` of every rank, by global rank (``[obj]`` without a process group). A collective."""
+    if not _distributed():
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class AtomicCheckpoints(TrainerCallback):
@@ -174,10 +222,13 @@ class AtomicCheckpoints(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         _barrier()  # every rank's files (RNG state, shards) are written
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        # Each rank hashes what it wrote, where it wrote it (sft.integrity); the saver lists what it can see.
+        mine = hash_own_files(path, args.process_index, args.should_save, (MARKER,)) if os.path.isdir(path) else {}
+        entries = {rel: e for part in _gather(mine) for rel, e in part.items()}
         if args.should_save:
-            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            mark_complete(path, {**self.info, "global_step": state.global_step})
-            rotate(args.output_dir, self.save_total_limit, state.best_model_checkpoint)
+            mark_complete(path, {**self.info, "global_step": state.global_step}, entries)
+            rotate(args.output_dir, self.save_total_limit, state.best_model_checkpoint, verified=path)
 
 
 def run_info(training_args) -> dict:
@@ -212,10 +263,51 @@ def resolve_resume(output_dir: str, resume_from_checkpoint: Optional[str], overw
     return value
 
 
+def choose_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool,
+                  rank: Optional[int] = None, saver: bool = True) -> Optional[str]:
+    """The checkpoint this run resumes from, as :func:`resolve_resume`, except that ``auto`` takes the newest
+    checkpoint that every rank verifies (:func:`verify` of the files ``rank`` wrote, and the shared ones when
+    ``saver``; the ranks agree with one all-gather per candidate, so call it on every rank). A complete checkpoint
+    that fails is skipped with one warning (on global rank 0) naming it, the reason and the checkpoint resumed
+    instead. A named
+    ``PATH`` is returned as given (validation refused it if it fails verification).
+
+    Raises:
+        CheckpointError: ``--output_dir`` has complete checkpoints but none verifies.
+    """
+    value = resume_from_checkpoint
+    if value is not None and str(value).strip().lower() not in AUTO_VALUES:
+        return value
+    if value is None and overwrite_output_dir:
+        return None
+    rejected = []
+    for _, path in reversed(checkpoint_dirs(output_dir)):
+        has_marker = os.path.exists(os.path.join(path, MARKER))
+        reasons = _gather(verify(path, rank, saver) if has_marker else "")
+        if all(r is None for r in reasons):
+            for bad, why in rejected if rank in (None, 0) else ():  # every rank knows; global rank 0 says it
+                logger.warning("not resuming from %s: %s; resuming from the previous complete checkpoint %s instead",
+                               bad, why, path)
+            return path
+        bad = [(r, why) for r, why in enumerate(reasons) if why]
+        if bad:  # "" (no marker: a save that did not finish) on every rank: skipped silently, as always
+            r, why = bad[0]
+            rejected.append((path, why if len(reasons) == 1 else f"on rank {r}: {why}"))
+    if rejected:
+        raise CheckpointError(
+            f"--output_dir {output_dir}: no checkpoint there passes verification ("
+            + "; ".join(f"{p}: {why}" for p, why in rejected) + "); restore the damaged files, name a checkpoint "
+            "copied from elsewhere with --resume_from_checkpoint PATH, or start afresh with --overwrite_output_dir "
+            "True (or another --output_dir)")
+    return None
+
+
 def check_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool,
-                 use_lora: bool) -> tuple[list[str], bool]:
+                 use_lora: bool, rank: Optional[int] = None, saver: bool = True) -> tuple[list[str], bool]:
     """Problems with the resume setting (``--resume_from_checkpoint``: None, ``auto``/``true`` or a folder), and
-    whether the run may write into a non-empty ``output_dir``.
+    whether the run may write into a non-empty ``output_dir``. A named folder with a completion marker must pass
+    :func:`verify` (``rank``/``saver``: the files this process checks; None: all); one without a marker (written
+    by another tool) is resumed with a warning (:func:`warn_if_different`).
 
     Returns:
         ``(problems, output_dir_ok)``: ``output_dir_ok`` is True when the run resumes from a checkpoint
@@ -232,6 +324,12 @@ def check_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwri
                             "give a checkpoint-N folder written by an earlier run, or 'auto' for the newest "
                             "complete one in --output_dir")
             return problems, False
+        if os.path.exists(os.path.join(value, MARKER)):
+            why = verify(value, rank, saver)
+            if why:
+                problems.append(f"--resume_from_checkpoint {value}: fails verification: {why}; it would not resume "
+                                "the run it saved; restore the file, name an earlier checkpoint-N, or pass 'auto' "
+                                "(the newest checkpoint in --output_dir that verifies)")
         problems += _compare_with_checkpoint(value, use_lora)
     resume = resolve_resume(output_dir, resume_from_checkpoint, overwrite_output_dir)
     if not os.path.isdir(out):

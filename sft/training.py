@@ -248,15 +248,17 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
     """Train and save (after :func:`sft.distributed.process_group.setup_runtime`). Returns the output folder.
 
     Compares the inputs of every rank first (:func:`sft.distributed.fingerprints.check_same_inputs`, unless
-    ``SFT_PREFLIGHT=0``), resumes from :func:`sft.checkpoint.resolve_resume` (``auto`` by default), writes
-    checkpoints with a completion marker (:mod:`sft.checkpoint`), and stops cleanly on SIGTERM/SIGINT or when
+    ``SFT_PREFLIGHT=0``), resumes from :func:`sft.checkpoint.choose_resume` (``auto`` by default: the newest
+    verified checkpoint), writes checkpoints with a completion marker and checksums (:mod:`sft.checkpoint`), and stops cleanly on SIGTERM/SIGINT or when
     one of ``step_checks`` (run on every rank at every optimizer step end) gives a reason (:mod:`sft.preemption`).
 
     Raises:
         Preempted: a signal stopped training after a checkpoint was saved (exit code 75).
         PeerLost: another process of the job went away or a collective timed out (exit code 1).
+        CheckpointError: no checkpoint in ``--output_dir`` verifies, or a save ran out of disk space (exit code 2).
     """
-    from .checkpoint import install, resolve_resume, warn_if_different
+    from .checkpoint import CheckpointError, choose_resume, install, latest_complete, warn_if_different
+    from .integrity import is_out_of_space, out_of_space_message
     from .preemption import Preempted, PreemptionHandler
 
     setup_logging()
@@ -270,8 +272,8 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
             files = {f"--data_path {p}" if len(sources["train"]) > 1 else "--data_path": p for p in sources["train"]}
             files.update({"--eval_data_path": p for p in sources["eval"]})
             peers = check_same_inputs(model_args.model_name_or_path, files)
-        resume = resolve_resume(training_args.output_dir, training_args.resume_from_checkpoint,
-                                training_args.overwrite_output_dir)
+        resume = choose_resume(training_args.output_dir, training_args.resume_from_checkpoint,
+                               training_args.overwrite_output_dir, training_args.process_index, training_args.should_save)
         callbacks = [install(training_args), preemption]
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)
         if resume:
@@ -286,6 +288,9 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
             log_eval_change(trainer.state.log_history, trainer.evaluate(), trainer.state.global_step)
         save(trainer, tok, eot, training_args.output_dir)
     except Exception as e:  # a lost node or a timed-out collective: say which node, not a 100-line traceback
+        if is_out_of_space(e, training_args.output_dir):  # the checkpoint being written has no marker: ignored
+            out = training_args.output_dir
+            raise CheckpointError(out_of_space_message(e, out, latest_complete(out))) from e
         raise_if_peer_lost(e, training_args.ddp_timeout, peers)
         raise
     finally:

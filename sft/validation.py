@@ -239,7 +239,10 @@ def _check_output(t) -> list[str]:
         p.append(f"--output_dir {out}: {parent} is not writable; choose a folder you can write to")
     from .checkpoint import check_resume
 
-    resume_problems, resuming_here = check_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir, t.use_lora)
+    # under torchrun each rank verifies the files it wrote (sft.integrity); a lone check verifies all of them
+    rank = t.process_index if "WORLD_SIZE" in os.environ else None
+    resume_problems, resuming_here = check_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir, t.use_lora,
+                                                  rank, t.should_save)
     p += resume_problems
     if t.deepspeed and "WORLD_SIZE" in os.environ:  # a training process (torchrun, Ray); a lone check cannot know
         from .checkpoint import check_zero_world_size
