@@ -7,6 +7,9 @@ adapter must equal one host with the same world size, global batch and seed (the
 tests/cluster/test_multinode.py). Preemption goes the way SLURM sends it before a time limit
 (``#SBATCH --signal=B:USR1@120``: SIGUSR1 to the batch shell) -> checkpoint -> exit 75 -> requeue -> the
 rerun resumes and ends where an uninterrupted run ends; its job log has to read cleanly.
+A host that dies mid-run (its slurmd and job processes SIGKILLed; kept last, it brings the host back)
+ends the run within SlurmdTimeout + KillWait + 30 s and the job is requeued (the rerun is not tested: see
+docs/multi-node.md).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import time
 
 import pytest
 
+from sft import checkpoint as ckpt
 from tests.cluster import test_multinode as mn
 from tests.cluster.test_multinode import data, make_hosts  # noqa: F401 - fixtures of the one-host references
 from tests.helpers import netns
@@ -234,3 +238,46 @@ def test_pbs_failing_node_stops_the_others_and_leaves_nothing_running(cluster, t
     while stray_processes(cluster) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not stray_processes(cluster), stray_processes(cluster)
+
+
+# ------------------------------------------------------------------------- a node lost under SLURM (kept last)
+
+_NODEFAIL_STEPS = 60  # long enough that the kill, after the first complete checkpoint, lands mid-run
+# The bound on ending the job after a host dies, from tests/helpers/slurm.py's slurm.conf: SlurmdTimeout (the
+# node is marked down ~15 s after the kill with 10) + KillWait (the other nodes' step is SIGKILLed at most this
+# long after its SIGTERM) + 30 s for a loaded 2-core machine (measured 23 s and 41 s from the kill to the requeue).
+_SLURMD_TIMEOUT_S, _KILL_WAIT_S = 10, 30
+_LOST_NODE_BOUND_S = _SLURMD_TIMEOUT_S + _KILL_WAIT_S + 30
+
+
+def test_lost_node_ends_the_job_in_time_and_requeues_it(cluster, tmp_path, tiny_model_dir, data):  # noqa: F811
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model_dir, data, steps=_NODEFAIL_STEPS, tqdm=False)
+    flags[flags.index("--save_strategy") + 1] = "steps"
+    flags += ["--save_steps", "2"]
+    jid, log = submit(cluster, tmp_path, flags, out, sbatch=("--requeue", "--nodes", "3"))
+    killed = []
+    try:
+        deadline = time.monotonic() + JOB_LIMIT_S
+        while ckpt.latest_complete(str(out)) is None:
+            state = cluster.job(jid).get("JobState")
+            assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (state, read(log)[-3000:])
+            time.sleep(0.3)
+        assert cluster.job(jid)["NodeList"] == "node[0-2]"
+        killed = cluster.crash(2)  # slurmd, slurmstepd, node2's launcher, torchrun and worker
+        t_kill = time.monotonic()
+        assert killed, "nothing ran on node2"
+        info = cluster.wait_job(jid, ("PENDING", "COMPLETED", "FAILED", "NODE_FAIL", "CANCELLED"), JOB_LIMIT_S)
+        ended = time.monotonic() - t_kill
+        first = read(log)
+        assert info["JobState"] == "PENDING" and info["Restarts"] == "1", (info, first[-3000:])
+        assert ended < _LOST_NODE_BOUND_S, f"the job ended {ended:.0f} s after node2 died"
+        print(f"\nlost node: the job was requeued {ended:.1f} s after node2 died")
+        # the log names the lost node: the survivors' message and SLURM's own line
+        assert "the peer at 10.213.0.3 is node rank 2 (node2, global rank(s) 2)" in first, first[-3000:]
+        assert "srun: error: Node failure on node2" in first, first[-3000:]
+        assert ckpt.latest_complete(str(out)) is not None  # what a rerun resumes from
+    finally:
+        cluster.run(["scancel", str(jid)], check=False)
+        if killed:
+            cluster.restart_slurmd(2)
