@@ -109,7 +109,10 @@ while :; do
   if (( rc > 128 )) && kill -0 "$CHILD" 2>/dev/null; then continue; fi
   break
 done
-if (( rc != 0 )) && { [[ -n "$SIGNALLED" ]] || grep -qx 75 "$SFT_EXIT_CODE_FILE"; }; then
+# Preempted: a worker saved a checkpoint and said so (75), or the signal ended torchrun (128 + N). Not when a
+# worker failed on its own (torchrun returns its code, e.g. 1 for a lost peer) and a signal came after it:
+# a node failure ends the others' steps that way, and that run did not stop for the signal.
+if (( rc != 0 )) && { grep -qx 75 "$SFT_EXIT_CODE_FILE" || { [[ -n "$SIGNALLED" ]] && (( rc > 128 )); }; }; then
   echo "launch: preempted; the checkpoint is in --output_dir; run the same command again to resume (exit 75)" >&2
   exit 75
 fi

@@ -1,0 +1,55 @@
+"""finetune/launch.sh's verdict after a signal: "preempted" (exit 75) only when the run stopped for it.
+
+torchrun is replaced by a stand-in (``PYTHON`` names a wrapper that runs the real interpreter for everything
+else) that waits for the launcher's SIGTERM and then ends the way the real one can: 128 + 15 (the signal
+ended it), 1 (a worker had failed on its own, e.g. a lost peer, and the signal came after: a node failure
+under SLURM), or 1 with a worker's 75 in SFT_EXIT_CODE_FILE (a worker saved a checkpoint)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.paths import ROOT
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+if [[ "$1 $2" == "-m sft.distributed.torchrun" ]]; then
+  trap 'kill "$nap"; if [[ -n "$FAKE_WORKER_SAVED" ]]; then echo 75 >> "$SFT_EXIT_CODE_FILE"; fi; exit "$FAKE_ON_TERM"' TERM
+  sleep 60 >/dev/null 2>&1 & nap=$!
+  touch "$FAKE_STARTED"; wait; exit 0
+fi
+if [[ "$1 $2 $3" == "-m sft check" ]]; then exit 0; fi
+exec {python} "$@"
+"""
+
+
+@pytest.mark.parametrize("on_term, saved, code, preempted", [
+    (143, "", 75, True),   # the signal ended torchrun
+    (1, "", 1, False),     # a worker had failed before the signal: its code, not a preemption
+    (1, "1", 75, True),    # a worker saved a checkpoint and said so
+])
+def test_preempted_only_when_the_run_stopped_for_the_signal(tmp_path, on_term, saved, code, preempted):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    started = tmp_path / "started"
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHON=str(fake), NPROC_PER_NODE="2", SFT_PREFLIGHT="0", FAKE_ON_TERM=str(on_term),
+               FAKE_WORKER_SAVED=saved, FAKE_STARTED=str(started))
+    p = subprocess.Popen(["bash", os.path.join(ROOT, "finetune", "launch.sh"), "-m", "M", "-d", "D"], env=env,
+                         stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else ""
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=60)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == code, err
+    assert ("launch: preempted" in err) == preempted, err
