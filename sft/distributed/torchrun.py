@@ -20,6 +20,7 @@ Every other outcome (success, a bad flag) is torchrun's own, unchanged.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from typing import Optional
@@ -69,10 +70,29 @@ def failure_line(err, argv: list[str]) -> tuple[str, int]:
     return line, code
 
 
+def _report(code: int) -> None:
+    """Append ``torchrun CODE`` to the file named by ``SFT_EXIT_CODE_FILE`` (finetune/launch.sh's): the
+    launcher's ``wait`` can lose a child's code when a signal arrives as the child exits."""
+    path = os.environ.get("SFT_EXIT_CODE_FILE")
+    if path:
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"torchrun {code}\n")
+        except OSError:
+            pass
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Runs torchrun with ``argv`` (default ``sys.argv[1:]``); its exit code: 0, 128 + signal number when a
-    signal stopped it, the first failed worker's code (one line on stderr says which). Raises SystemExit as
-    torchrun does for bad arguments."""
+    signal stopped it, the first failed worker's code (one line on stderr says which); also written as
+    ``torchrun CODE`` to ``SFT_EXIT_CODE_FILE`` when that is set. Raises SystemExit as torchrun does for bad
+    arguments."""
+    code = _run(argv)
+    _report(code)
+    return code
+
+
+def _run(argv: Optional[list[str]]) -> int:
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -85,6 +105,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SignalException as e:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
+        # the workers are gone; a signal now (a scheduler ending the other nodes' steps after this failure)
+        # must not turn the worker's code into torchrun's SignalException
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(s, signal.SIG_IGN)
         line, code = failure_line(e, argv)
         print(line, file=sys.stderr, flush=True)
         return code if code != 0 else 1

@@ -15,6 +15,10 @@ import pytest
 from tests.helpers.paths import ROOT
 
 FAKE_PYTHON = """#!/usr/bin/env bash
+if [[ "$1 $2" == "-m sft.distributed.torchrun" && -n "${{FAKE_SIGNAL_THEN_FAIL:-}}" ]]; then
+  # a worker failed: torchrun ends with its code 1 (a late signal does not change it) as the launcher gets SIGTERM
+  trap "" TERM; sleep 0.5; kill -TERM "$PPID"; echo "torchrun 1" >> "$SFT_EXIT_CODE_FILE"; exit 1
+fi
 if [[ "$1 $2" == "-m sft.distributed.torchrun" ]]; then
   trap 'kill "$nap"; if [[ -n "$FAKE_WORKER_SAVED" ]]; then echo 75 >> "$SFT_EXIT_CODE_FILE"; fi; exit "$FAKE_ON_TERM"' TERM
   sleep 60 >/dev/null 2>&1 & nap=$!
@@ -53,3 +57,17 @@ def test_preempted_only_when_the_run_stopped_for_the_signal(tmp_path, on_term, s
             p.wait()
     assert p.returncode == code, err
     assert ("launch: preempted" in err) == preempted, err
+
+
+def test_a_signal_just_after_a_failure_keeps_the_failure(tmp_path):
+    """torchrun ends with 1 while the launcher's SIGTERM arrives (either order): the launcher waits again for
+    torchrun's real code after its trap interrupted the wait, and exits 1, not 143 or "preempted"."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHON=str(fake), NPROC_PER_NODE="2", SFT_PREFLIGHT="0", FAKE_SIGNAL_THEN_FAIL="1")
+    for _ in range(5):
+        r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "launch.sh"), "-m", "M", "-d", "D"], env=env,
+                           capture_output=True, text=True, cwd=str(tmp_path), timeout=60)
+        assert r.returncode == 1 and "launch: preempted" not in r.stderr, (r.returncode, r.stderr)

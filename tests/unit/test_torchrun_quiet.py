@@ -1,5 +1,6 @@
 """sft.distributed.torchrun: torchrun's main with a quiet exit on a signal (finetune/launch.sh starts it)."""
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -55,9 +56,12 @@ def test_failed_worker_is_one_line_and_its_exit_code(tmp_path):
                       "if os.environ['RANK'] == '1':\n"
                       "    print('worker 1: giving up', file=sys.stderr, flush=True); sys.exit(3)\n"
                       "time.sleep(60)\n")
+    codes = tmp_path / "codes"
     r = subprocess.run([sys.executable, "-m", "sft.distributed.torchrun", "--nproc_per_node", "2",
-                        "--master_port", "0", str(script)], capture_output=True, text=True, timeout=120)
+                        "--master_port", "0", str(script)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "SFT_EXIT_CODE_FILE": str(codes)})
     assert r.returncode == 3, r.stderr
+    assert codes.read_text() == "torchrun 3\n"  # what finetune/launch.sh reads when its wait lost the code
     assert "Traceback" not in r.stderr and "FAILED" not in r.stderr and "failed (exitcode" not in r.stderr, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("torchrun: ")]
     assert len(lines) == 1, r.stderr
