@@ -116,8 +116,10 @@ if reported="$(grep -x 'torchrun [0-9]*' "$SFT_EXIT_CODE_FILE" | tail -n 1)" && 
   rc="${reported#torchrun }"
 fi
 # Preempted: a worker saved a checkpoint and said so (75), or the signal ended torchrun (128 + N). Not when a
-# worker failed on its own (torchrun returns its code, e.g. 1 for a lost peer) and a signal came after it:
-# a node failure ends the others' steps that way, and that run did not stop for the signal.
+# worker failed on its own (it wrote its code, e.g. 1 for a lost peer; torchrun returns it) and a signal came
+# as it did: a node failure ends the others' steps that way, and that run did not stop for the signal.
+FAILED_RANK_CODE="$(grep -x '[0-9]*' "$SFT_EXIT_CODE_FILE" | grep -vx 75 | head -n 1)" || true
+if (( rc > 128 )) && [[ -n "$FAILED_RANK_CODE" ]] && ! grep -qx 75 "$SFT_EXIT_CODE_FILE"; then rc="$FAILED_RANK_CODE"; fi
 if (( rc != 0 )) && { grep -qx 75 "$SFT_EXIT_CODE_FILE" || { [[ -n "$SIGNALLED" ]] && (( rc > 128 )); }; }; then
   echo "launch: preempted; the checkpoint is in --output_dir; run the same command again to resume (exit 75)" >&2
   exit 75

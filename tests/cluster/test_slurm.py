@@ -8,8 +8,9 @@ tests/cluster/test_multinode.py). Preemption goes the way SLURM sends it before 
 (``#SBATCH --signal=B:USR1@120``: SIGUSR1 to the batch shell) -> checkpoint -> exit 75 -> requeue -> the
 rerun resumes and ends where an uninterrupted run ends; its job log has to read cleanly.
 A host that dies mid-run (its slurmd and job processes SIGKILLed; kept last, it brings the host back)
-ends the run within SlurmdTimeout + KillWait + 30 s and the job is requeued (the rerun is not tested: see
-docs/multi-node.md).
+ends the run within SlurmdTimeout + KillWait + 30 s, SLURM requeues the job (the log names the node and
+says it was no preemption), and once the host's slurmd is back the rerun resumes from the last complete
+checkpoint and ends where an uninterrupted run ends.
 """
 from __future__ import annotations
 

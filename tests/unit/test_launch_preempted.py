@@ -2,8 +2,9 @@
 
 torchrun is replaced by a stand-in (``PYTHON`` names a wrapper that runs the real interpreter for everything
 else) that waits for the launcher's SIGTERM and then ends the way the real one can: 128 + 15 (the signal
-ended it), 1 (a worker had failed on its own, e.g. a lost peer, and the signal came after: a node failure
-under SLURM), or 1 with a worker's 75 in SFT_EXIT_CODE_FILE (a worker saved a checkpoint)."""
+ended it) or 1 (a failed worker's code, e.g. a lost peer's: the signal came after it, as a node failure under
+SLURM ends the other nodes' steps), with or without a worker's code in SFT_EXIT_CODE_FILE (75: it saved a
+checkpoint; 1: it failed on its own)."""
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ if [[ "$1 $2" == "-m sft.distributed.torchrun" && -n "${{FAKE_SIGNAL_THEN_FAIL:-
   trap "" TERM; sleep 0.5; kill -TERM "$PPID"; echo "torchrun 1" >> "$SFT_EXIT_CODE_FILE"; exit 1
 fi
 if [[ "$1 $2" == "-m sft.distributed.torchrun" ]]; then
-  trap 'kill "$nap"; if [[ -n "$FAKE_WORKER_SAVED" ]]; then echo 75 >> "$SFT_EXIT_CODE_FILE"; fi; exit "$FAKE_ON_TERM"' TERM
+  trap 'kill "$nap"; if [[ -n "$FAKE_WORKER_CODE" ]]; then echo "$FAKE_WORKER_CODE" >> "$SFT_EXIT_CODE_FILE"; fi; exit "$FAKE_ON_TERM"' TERM
   sleep 60 >/dev/null 2>&1 & nap=$!
   touch "$FAKE_STARTED"; wait; exit 0
 fi
@@ -29,19 +30,20 @@ exec {python} "$@"
 """
 
 
-@pytest.mark.parametrize("on_term, saved, code, preempted", [
-    (143, "", 75, True),   # the signal ended torchrun
-    (1, "", 1, False),     # a worker had failed before the signal: its code, not a preemption
-    (1, "1", 75, True),    # a worker saved a checkpoint and said so
+@pytest.mark.parametrize("on_term, worker_code, code, preempted", [
+    (143, "", 75, True),    # the signal ended torchrun
+    (1, "", 1, False),      # torchrun returned a failed worker's code: not a preemption
+    (1, "75", 75, True),    # a worker saved a checkpoint and said so
+    (143, "1", 1, False),   # the signal ended torchrun while a worker was failing on its own (it wrote 1)
 ])
-def test_preempted_only_when_the_run_stopped_for_the_signal(tmp_path, on_term, saved, code, preempted):
+def test_preempted_only_when_the_run_stopped_for_the_signal(tmp_path, on_term, worker_code, code, preempted):
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
     started = tmp_path / "started"
     env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHON=str(fake), NPROC_PER_NODE="2", SFT_PREFLIGHT="0", FAKE_ON_TERM=str(on_term),
-               FAKE_WORKER_SAVED=saved, FAKE_STARTED=str(started))
+               FAKE_WORKER_CODE=worker_code, FAKE_STARTED=str(started))
     p = subprocess.Popen(["bash", os.path.join(ROOT, "finetune", "launch.sh"), "-m", "M", "-d", "D"], env=env,
                          stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
     try:
