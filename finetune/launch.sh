@@ -99,17 +99,28 @@ trap 'rm -f "$SFT_EXIT_CODE_FILE"' EXIT
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --rdzv_conf "timeout=$RDZV_TIMEOUT" \
   "$PROGRAM" "${ARGS[@]}" &
 CHILD=$!
-SIGNALLED=""
-forward() { if [[ -z "$SIGNALLED" ]]; then SIGNALLED="$1"; kill -s "$1" "$CHILD" 2>/dev/null || true; fi; }
+SIGNALLED="" TRAPPED=""
+forward() { TRAPPED=1; if [[ -z "$SIGNALLED" ]]; then SIGNALLED="$1"; kill -s "$1" "$CHILD" 2>/dev/null || true; fi; }
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 while :; do
-  rc=0; wait "$CHILD" || rc=$?
-  # a trapped signal interrupts wait (rc > 128) while torchrun still runs: wait again for its real exit
-  if (( rc > 128 )) && kill -0 "$CHILD" 2>/dev/null; then continue; fi
+  TRAPPED=""; rc=0; wait "$CHILD" || rc=$?
+  # a trapped signal interrupts wait (rc > 128): wait again for torchrun's real exit code (also when it had
+  # already exited: bash keeps it until it is waited for)
+  if (( rc > 128 )) && [[ -n "$TRAPPED" ]]; then continue; fi
   break
 done
-if (( rc != 0 )) && { [[ -n "$SIGNALLED" ]] || grep -qx 75 "$SFT_EXIT_CODE_FILE"; }; then
+# torchrun's own record of its code (sft.distributed.torchrun writes it): bash's wait can lose a child's code
+# when a trapped signal arrives as the child exits (it then returns 143, or -1)
+if reported="$(grep -x 'torchrun [0-9]*' "$SFT_EXIT_CODE_FILE" | tail -n 1)" && [[ -n "$reported" ]]; then
+  rc="${reported#torchrun }"
+fi
+# Preempted: a worker saved a checkpoint and said so (75), or the signal ended torchrun (128 + N). Not when a
+# worker failed on its own (it wrote its code, e.g. 1 for a lost peer; torchrun returns it) and a signal came
+# as it did: a node failure ends the others' steps that way, and that run did not stop for the signal.
+FAILED_RANK_CODE="$(grep -x '[0-9]*' "$SFT_EXIT_CODE_FILE" | grep -vx 75 | head -n 1)" || true
+if (( rc > 128 )) && [[ -n "$FAILED_RANK_CODE" ]] && ! grep -qx 75 "$SFT_EXIT_CODE_FILE"; then rc="$FAILED_RANK_CODE"; fi
+if (( rc != 0 )) && { grep -qx 75 "$SFT_EXIT_CODE_FILE" || { [[ -n "$SIGNALLED" ]] && (( rc > 128 )); }; }; then
   echo "launch: preempted; the checkpoint is in --output_dir; run the same command again to resume (exit 75)" >&2
   exit 75
 fi

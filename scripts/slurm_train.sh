@@ -24,6 +24,11 @@
 # `scontrol requeue` and resumes from that checkpoint when it runs again (after SLURM's requeue hold, the
 # job credential's lifetime: 120 s by default, AuthInfo=...,cred_expire=S in slurm.conf); the output file
 # is appended to, not replaced.
+# A node that fails: SLURM ends the job (the other nodes stop at once: their peer went away) and, as the job
+# is requeue-able, requeues it itself; it runs again when enough nodes are up and resumes from the last
+# complete checkpoint. The SIGTERM that SLURM's end of the job then sends is no preemption: the log says
+# "slurm: ... node failure: NODE (DOWN...) lost; SLURM has ... requeued job ID itself", and this script does
+# not requeue the job a second time (nor after SLURM's own preemption by requeue).
 #SBATCH --job-name=sft
 #SBATCH --ntasks-per-node=1
 #SBATCH --requeue
@@ -68,35 +73,83 @@ echo "slurm: job $SLURM_JOB_ID, $NNODES node(s) ($SLURM_JOB_NODELIST), master $M
 # launcher one SIGTERM on the first SIGUSR1 or SIGTERM it gets itself; it exits with the launcher's code.
 # shellcheck disable=SC2016  # expanded by the task's bash
 TASK='export NODE_RANK="$SLURM_NODEID"
-stopped=""
-stop() { if [[ -z "$stopped" ]]; then stopped=1; kill -TERM "$child" 2>/dev/null || true; fi; }
+stopped="" trapped=""
+stop() { trapped=1; if [[ -z "$stopped" ]]; then stopped=1; kill -TERM "$child" 2>/dev/null || true; fi; }
 trap stop TERM USR1
 (trap "" USR1; exec bash "$0" "$@") &
 child=$!
-while :; do rc=0; wait "$child" || rc=$?; if (( rc > 128 )) && kill -0 "$child" 2>/dev/null; then continue; fi; break; done
+while :; do trapped=""; rc=0; wait "$child" || rc=$?; if (( rc > 128 )) && [[ -n "$trapped" ]]; then continue; fi; break; done
 exit "$rc"'
 # A signal to this shell: SIGUSR1 to srun, which passes it on to every process of the step (SIGUSR1 is
 # passed as is; a SIGTERM would be answered with SIGKILL), and each task turns it into one SIGTERM to its
 # launcher. Bash defers traps while a foreground command runs, hence srun in the background and wait.
-STOPPED="" SRUN=""
+# What SLURM did, from its own records (scontrol answers from slurmctld, which decided it): the job's Restarts
+# above this run's SLURM_RESTART_COUNT (SLURM has requeued it already: after a node failure, or its own
+# preemption) and nodes of the job DOWN / FAIL / NOT_RESPONDING (a node failure). slurm_ended prints what
+# happened, nothing when neither is so.
+slurm_ended() {
+  local job restarts state lost="" n info
+  job="$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null)" || return 0
+  restarts="$(sed -n 's/.*\bRestarts=\([0-9]*\).*/\1/p' <<<"$job")"
+  state="$(sed -n 's/.*\bJobState=\([A-Z_]*\).*/\1/p' <<<"$job")"
+  for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+    info="$(scontrol -o show node "$n" 2>/dev/null)" || continue
+    if [[ "$info" =~ State=([A-Z_+]*(DOWN|FAIL|NOT_RESPONDING)[A-Z_+]*) ]]; then
+      lost+="${lost:+, }$n (${BASH_REMATCH[1]}$([[ "$info" =~ Reason=([^[]*) ]] && echo ": ${BASH_REMATCH[1]% }"))"
+    fi
+  done
+  if (( ${restarts:-0} > ${SLURM_RESTART_COUNT:-0} )) && [[ -n "$lost" ]]; then
+    echo "node failure: $lost lost; SLURM has ended this run and requeued job $SLURM_JOB_ID itself (JobState=$state, Restarts=$restarts); it runs again when enough nodes are up and resumes from the last complete checkpoint in --output_dir"
+  elif (( ${restarts:-0} > ${SLURM_RESTART_COUNT:-0} )); then
+    echo "SLURM has requeued job $SLURM_JOB_ID itself (JobState=$state, Restarts=$restarts: preempted by SLURM or scontrol requeue); it resumes from the last complete checkpoint in --output_dir when it runs again"
+  elif [[ -n "$lost" || "$state" == NODE_FAIL ]]; then
+    echo "node failure: ${lost:-a node of the job} lost; SLURM has ended this run (JobState=$state) and does not requeue it (submitted with --no-requeue, or JobRequeue=0 in slurm.conf): submit the same command again to resume from the last complete checkpoint in --output_dir"
+  fi
+}
+STOPPED="" SRUN="" ENDED="" TOLD="" TRAPPED=""
 stop_nodes() {
+  TRAPPED=1
   if [[ -z "$STOPPED" ]]; then
     STOPPED="$1"
-    echo "slurm: SIG$1: asking every node to save a checkpoint and stop" >&2
+    if [[ "$1" == TERM ]]; then ENDED="$(slurm_ended)" || true; fi
+    if [[ -n "$ENDED" ]]; then
+      TOLD=1
+      echo "slurm: SIGTERM from SLURM ending the job: $ENDED" >&2
+    else
+      echo "slurm: SIG$1: asking every node to save a checkpoint and stop" >&2
+    fi
     if [[ -n "$SRUN" ]]; then kill -USR1 "$SRUN" 2>/dev/null || true; fi
   fi
 }
 trap 'stop_nodes USR1' USR1
 trap 'stop_nodes TERM' TERM
+# A rerun (SLURM_RESTART_COUNT >= 1) first runs one empty step on every node, so the training step is step 1,
+# not 0. Step numbers start again at 0 in a requeued job, and after a node failure slurmctld can deliver a
+# signal meant for the previous run's step 0 (srun --kill-on-bad-exit's "terminate step JOB.0", queued while
+# the node was down and retried 60 s later: slurmd logs `_rpc_signal_tasks: sending signal 991 to
+# StepId=JOB.0`) to the node once it is back, where it would SIGTERM the rerun's step 0 (SLURM 22.05).
+if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
+  echo "slurm: rerun $SLURM_RESTART_COUNT of job $SLURM_JOB_ID: an empty step 0 first (a late signal for the previous run's step 0 then reaches no launcher)" >&2
+  srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 true || true
+fi
 srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL \
   bash -c "$TASK" "$PRESET" "$@" &
 SRUN=$!
-while :; do
-  rc=0; wait "$SRUN" || rc=$?
-  if (( rc > 128 )) && kill -0 "$SRUN" 2>/dev/null; then continue; fi
+while :; do  # a trapped signal interrupts wait (rc > 128): wait again for srun's own exit code
+  TRAPPED=""; rc=0; wait "$SRUN" || rc=$?
+  if (( rc > 128 )) && [[ -n "$TRAPPED" ]]; then continue; fi
   break
 done
-if (( rc == PREEMPTED_EXIT_CODE )); then
+# Asked twice: SLURM's end of the job SIGTERMs every process of the batch step, the first scontrol too.
+for _ in 1 2; do
+  if (( rc == 0 )) || [[ -n "$ENDED" ]]; then break; fi
+  found="$(slurm_ended)" || true
+  if [[ -n "$found" ]]; then ENDED="$found"; fi
+done
+if [[ -n "$ENDED" ]]; then
+  # SLURM decided (and requeued a requeue-able job); a second `scontrol requeue` would count a second restart
+  if [[ -z "$TOLD" ]]; then echo "slurm: $ENDED" >&2; fi
+elif (( rc == PREEMPTED_EXIT_CODE )); then
   echo "slurm: preempted (exit $rc): requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"
 fi

@@ -7,6 +7,10 @@ adapter must equal one host with the same world size, global batch and seed (the
 tests/cluster/test_multinode.py). Preemption goes the way SLURM sends it before a time limit
 (``#SBATCH --signal=B:USR1@120``: SIGUSR1 to the batch shell) -> checkpoint -> exit 75 -> requeue -> the
 rerun resumes and ends where an uninterrupted run ends; its job log has to read cleanly.
+A host that dies mid-run (its slurmd and job processes SIGKILLed; kept last, it brings the host back)
+ends the run within SlurmdTimeout + KillWait + 30 s, SLURM requeues the job (the log names the node and
+says it was no preemption), and once the host's slurmd is back the rerun resumes from the last complete
+checkpoint and ends where an uninterrupted run ends.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import time
 
 import pytest
 
+from sft import checkpoint as ckpt
 from tests.cluster import test_multinode as mn
 from tests.cluster.test_multinode import data, make_hosts  # noqa: F401 - fixtures of the one-host references
 from tests.helpers import netns
@@ -116,8 +121,7 @@ def preempted(cluster, tmp_path_factory, tiny_model_dir, data):
     return jid, read(log), out, hold
 
 
-def test_preempted_job_is_requeued_and_resumes_to_the_uninterrupted_result(
-        preempted, make_hosts, tmp_path_factory, tiny_model_dir, data):  # noqa: F811
+def test_preempted_job_is_requeued_and_resumes_to_the_uninterrupted_result(preempted, uninterrupted):
     jid, text, out, hold = preempted
     first, rerun = text.split(f"slurm: preempted (exit 75): requeueing job {jid}")
     assert "slurm: SIGUSR1: asking every node to save a checkpoint and stop" in first, first[-3000:]
@@ -126,9 +130,15 @@ def test_preempted_job_is_requeued_and_resumes_to_the_uninterrupted_result(
     assert saved and 0 < int(saved.group(1)) < _PREEMPT_STEPS, first[-3000:]
     assert re.search(rf"resuming from \S*checkpoint-{saved.group(1)}\b", rerun), rerun[-3000:]
     assert hold < 60, f"the requeued job waited {hold:.0f} s (cred_expire=10 should make it ~10 s)"
-    # the uninterrupted run: one host, 3 processes, the same flags
+    assert_uninterrupted_result(out, uninterrupted)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model_dir, data):  # noqa: F811
+    """The uninterrupted run that a requeued job must end equal to: one host, 3 processes, the same flags
+    (``_PREEMPT_STEPS`` steps); its output folder."""
     ref_dir = tmp_path_factory.mktemp("uninterrupted")
-    hosts = make_hosts(1)
+    hosts = netns.Hosts(1, tag="ref")
     j = mn.Job(ref_dir)
     try:
         j.start(hosts.cmd(0, ["bash", mn.PRESET, *train_flags(tiny_model_dir, data, steps=_PREEMPT_STEPS, tqdm=False),
@@ -137,8 +147,14 @@ def test_preempted_job_is_requeued_and_resumes_to_the_uninterrupted_result(
         assert j.wait() == [0], j.tails()
     finally:
         j.close()
+        hosts.close()
+    return ref_dir / "out"
+
+
+def assert_uninterrupted_result(out, ref_out) -> None:
+    """Per-step losses within ATOL_LOSS and the adapter within ATOL_WEIGHTS of the uninterrupted run's."""
     losses, weights = mn.results(out)
-    ref_losses, ref_weights = mn.results(ref_dir / "out")
+    ref_losses, ref_weights = mn.results(ref_out)
     assert len(losses) == len(ref_losses) == _PREEMPT_STEPS
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= mn.ATOL_LOSS, (losses, ref_losses)
     import torch
@@ -234,3 +250,71 @@ def test_pbs_failing_node_stops_the_others_and_leaves_nothing_running(cluster, t
     while stray_processes(cluster) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not stray_processes(cluster), stray_processes(cluster)
+
+
+# ------------------------------------------------------------------------- a node lost under SLURM (kept last)
+
+# The bound on ending the job after a host dies, from tests/helpers/slurm.py's slurm.conf: SlurmdTimeout (the
+# node is marked down ~15 s after the kill with 10) + KillWait (the other nodes' step is SIGKILLed at most this
+# long after its SIGTERM) + 30 s for a loaded 2-core machine (measured 23-41 s from the kill to the requeue).
+_SLURMD_TIMEOUT_S, _KILL_WAIT_S = 10, 30
+_LOST_NODE_BOUND_S = _SLURMD_TIMEOUT_S + _KILL_WAIT_S + 30
+_LOST_NODE_SAVE_STEPS = 4
+
+
+def test_lost_node_requeues_the_job_and_the_rerun_resumes_to_the_uninterrupted_result(
+        cluster, tmp_path, tiny_model_dir, data, uninterrupted):  # noqa: F811
+    """SIGKILL to every SLURM and job process of node2 after the first complete checkpoint: the job ends within
+    the bound and SLURM requeues it (a node failure, not a preemption: the log says so, names node2 and has no
+    traceback); once node2's slurmd is back the rerun resumes from the last complete checkpoint and ends equal
+    to the uninterrupted run."""
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model_dir, data, steps=_PREEMPT_STEPS, tqdm=False)
+    flags[flags.index("--save_strategy") + 1] = "steps"
+    flags += ["--save_steps", str(_LOST_NODE_SAVE_STEPS)]
+    jid, log = submit(cluster, tmp_path, flags, out, sbatch=("--requeue", "--nodes", "3"))
+    killed = []
+    try:
+        deadline = time.monotonic() + JOB_LIMIT_S
+        while ckpt.latest_complete(str(out)) is None:
+            state = cluster.job(jid).get("JobState")
+            assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (state, read(log)[-3000:])
+            time.sleep(0.3)
+        assert cluster.job(jid)["NodeList"] == "node[0-2]"
+        killed = cluster.crash(2)  # slurmd, slurmstepd, node2's launcher, torchrun and worker
+        t_kill = time.monotonic()
+        assert killed, "nothing ran on node2"
+        info = cluster.wait_job(jid, ("PENDING", "COMPLETED", "FAILED", "NODE_FAIL", "CANCELLED"), JOB_LIMIT_S)
+        ended = time.monotonic() - t_kill
+        first = read(log)
+        assert info["JobState"] == "PENDING" and info["Restarts"] == "1", (info, first[-3000:])
+        assert ended < _LOST_NODE_BOUND_S, f"the job ended {ended:.0f} s after node2 died"
+        resume_from = ckpt.latest_complete(str(out))
+        assert resume_from is not None
+        # the log names the lost node (the survivors' message, SLURM's own line, the script's) and reads cleanly
+        assert "the peer at 10.213.0.3 is node rank 2 (node2, global rank(s) 2)" in first, first[-3000:]
+        assert "srun: error: Node failure on node2" in first, first[-3000:]
+        assert re.search(r"slurm: (SIGTERM from SLURM ending the job: )?node failure: node2 "
+                         rf"\(DOWN\S*: Not responding\) lost; SLURM has ended this run and requeued job {jid} itself",
+                         first), first[-3000:]
+        assert "slurm: preempted" not in first and "launch: preempted" not in first, first[-3000:]
+        assert "Traceback (most recent call last)" not in first and "ChildFailedError" not in first, first[-3000:]
+        assert re.search(r"torchrun: global rank [01] \(local rank 0 on this node, pid \d+\) exited with code 1; ",
+                         first), first[-3000:]
+        cluster.restart_slurmd(2)
+        killed = []
+        t_back = time.monotonic()
+        info = cluster.wait_job(jid, ("COMPLETED", "FAILED", "NODE_FAIL", "CANCELLED", "TIMEOUT"), JOB_LIMIT_S)
+        text = read(log)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+        print(f"\nlost node: requeued {ended:.1f} s after node2 died; the rerun ended {time.monotonic() - t_back:.0f} s "
+              "after node2's slurmd was back")
+        rerun = text[len(first):]
+        assert f"slurm: rerun 1 of job {jid}: an empty step 0 first" in rerun, rerun[-3000:]
+        assert re.search(rf"resuming from \S*{re.escape(os.path.basename(resume_from))}\b", rerun), rerun[-3000:]
+        assert "Traceback (most recent call last)" not in rerun, rerun[-3000:]
+        assert_uninterrupted_result(out, uninterrupted)
+    finally:
+        cluster.run(["scancel", str(jid)], check=False)
+        if killed:
+            cluster.restart_slurmd(2)

@@ -16,7 +16,8 @@ def write_tool(folder, name, text):
 
 def fake_slurm(folder):
     """srun: one task per host of SLURM_JOB_NODELIST, with SLURM_NODEID etc.; exits with the highest task exit
-    code. scontrol: 'show hostnames a,b,c' and 'requeue ID' (logged)."""
+    code. scontrol: 'show hostnames a,b,c', 'requeue ID' (logged), '-o show job ID' (FAKE_JOB) and
+    '-o show node NAME' (FAKE_DOWN names the one node that is down)."""
     write_tool(folder, "srun", f"""#!/usr/bin/env bash
 echo "srun $*" >> "$FAKE_LOG"
 while [[ "${{1:-}}" == -* ]]; do shift; done
@@ -37,6 +38,12 @@ echo "scontrol $*" >> "$FAKE_LOG"
 case "$1 $2" in
   "show hostnames") tr ',' '\\n' <<< "$3" ;;
   requeue*) ;;
+  "-o show")  # FAKE_JOB: the job's `scontrol -o show job` line; FAKE_DOWN: a node shown DOWN, not responding
+    if [[ "$3" == job && -n "${FAKE_JOB:-}" ]]; then echo "JobId=$4 $FAKE_JOB";
+    elif [[ "$3" == node && "$4" == "${FAKE_DOWN:-}" ]]; then
+      echo "NodeName=$4 Arch=x86_64 State=DOWN+NOT_RESPONDING ThreadsPerCore=1 Reason=Not responding [root@2026-12-01T15:23:42]";
+    elif [[ "$3" == node ]]; then echo "NodeName=$4 Arch=x86_64 State=ALLOCATED ThreadsPerCore=1";
+    else echo "fake scontrol: unsupported: $*" >&2; exit 1; fi ;;
   *) echo "fake scontrol: unsupported: $*" >&2; exit 1 ;;
 esac
 """)

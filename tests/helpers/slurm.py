@@ -245,6 +245,32 @@ class Cluster:
                 found.setdefault(os.path.basename(argv[0].decode().split()[0].rstrip(":")), []).append(int(pid))
         return found
 
+    # ------------------------------------------------------------------------------------- node crash
+
+    def crash(self, i: int) -> list[int]:
+        """What a crashed host does to SLURM: SIGKILL to host ``i``'s slurmd and to every other process in its
+        namespace (slurmstepd, the job's launcher, torchrun, the workers) except sshd (not SLURM's). The pids."""
+        keep = set(self.daemons().get("sshd", []))
+        pids = [p for p in self.hosts.pids(i) if p not in keep]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def restart_slurmd(self, i: int, limit: float = 90) -> None:
+        """Starts host ``i``'s slurmd again (after :meth:`crash`) and waits until every node is idle
+        (``ReturnToService=2``: a down node returns once its slurmd registers)."""
+        name = f"slurmd-{self.hosts.hostnames[i]}"
+        for entry in [e for e in self.procs if e[0] == name]:
+            if entry[1].poll() is None:
+                os.killpg(entry[1].pid, signal.SIGKILL)
+            entry[1].wait()
+            self.procs.remove(entry)
+        self._spawn(name, [f"{SBIN}/slurmd", "-D", "-N", self.hosts.hostnames[i], "-f", self.conf], host=i)
+        self._wait_for(self._all_idle, f"every node idle in sinfo after restarting {name}", name, limit)
+
     # ----------------------------------------------------------------------------------------- cleanup
 
     def close(self) -> None:

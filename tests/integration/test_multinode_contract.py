@@ -98,6 +98,30 @@ def test_slurm_ranks_master_and_requeue_on_preemption(tmp_path):
     assert r.returncode == 1 and "requeue" not in (tmp_path / "calls.log").read_text()
 
 
+def test_slurm_node_failure_is_named_and_not_requeued_twice(tmp_path):
+    """A node failure, as slurmctld shows it (the job's Restarts above SLURM_RESTART_COUNT: SLURM requeued it;
+    the node DOWN, not responding): the log names the node and the script does not requeue the job again,
+    also when a launcher exited 75. Without SLURM's requeue it says how to resume."""
+    env, bin_dir = scheduler_env(tmp_path, SLURM_JOB_ID=1234, SLURM_NNODES=3, SLURM_JOB_NODELIST="a1,b2,c3",
+                                 SFT_FAIL_RANK=1, SFT_FAIL_CODE=75, FAKE_DOWN="c3",
+                                 FAKE_JOB="JobName=sft JobState=COMPLETING Reason=None Requeue=1 Restarts=1 BatchFlag=1")
+    fake_slurm(bin_dir)
+    script = os.path.join(ROOT, "scripts", "slurm_train.sh")
+    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 75, r.stderr
+    assert ("slurm: node failure: c3 (DOWN+NOT_RESPONDING: Not responding) lost; SLURM has ended this run and "
+            "requeued job 1234 itself (JobState=COMPLETING, Restarts=1)") in r.stderr, r.stderr
+    assert "scontrol requeue" not in (tmp_path / "calls.log").read_text() and "preempted" not in r.stderr, r.stderr
+    env.update(FAKE_JOB="JobName=sft JobState=NODE_FAIL Reason=NodeDown Requeue=0 Restarts=0", SFT_FAIL_CODE="1")
+    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert ("slurm: node failure: c3 (DOWN+NOT_RESPONDING: Not responding) lost; SLURM has ended this run "
+            "(JobState=NODE_FAIL) and does not requeue it") in r.stderr, r.stderr
+    assert "submit the same command again to resume" in r.stderr, r.stderr
+
+
 def test_slurm_script_outside_slurm_and_bad_preset(tmp_path):
     env, _ = scheduler_env(tmp_path)
     for k in [k for k in env if k.startswith("SLURM_")]:

@@ -12,15 +12,17 @@ from sft.preemption import Preempted
     (Preempted("stopped by SIGTERM at step 3"), PREEMPTED_EXIT_CODE, "preempted: stopped by SIGTERM"),
     (PeerLost("training stopped: another process of the job went away"), 1, "error: training stopped"),
 ])
-def test_errors_become_one_paragraph_and_their_exit_code(err, code, label, capsys, monkeypatch):
+def test_errors_become_one_paragraph_and_their_exit_code(err, code, label, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("SFT_DEBUG", raising=False)
-    monkeypatch.delenv("SFT_EXIT_CODE_FILE", raising=False)
+    codes = tmp_path / "codes"  # finetune/launch.sh's SFT_EXIT_CODE_FILE: every rank's code of an error
+    monkeypatch.setenv("SFT_EXIT_CODE_FILE", str(codes))
 
     def body():
         raise err
     assert run_cli(body) == code
     err_text = capsys.readouterr().err
     assert err_text.startswith(label) and "Traceback" not in err_text
+    assert codes.read_text() == f"{code}\n"
 
 
 def test_debug_shows_the_traceback(monkeypatch):

@@ -1,5 +1,6 @@
 """sft.distributed.torchrun: torchrun's main with a quiet exit on a signal (finetune/launch.sh starts it)."""
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -45,3 +46,36 @@ def test_bad_arguments_exit_like_torchrun():
     r = subprocess.run([sys.executable, "-m", "sft.distributed.torchrun", "--nproc_per_node", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "the following arguments are required: training_script" in r.stderr, r.stderr
+
+
+def test_failed_worker_is_one_line_and_its_exit_code(tmp_path):
+    """A real torchrun whose rank 1 exits 3 (rank 0 waits to be stopped): no traceback, no "FAILED" report,
+    one line naming the rank, the code and where the worker's output is; torchrun's exit code is the worker's."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    print('worker 1: giving up', file=sys.stderr, flush=True); sys.exit(3)\n"
+                      "time.sleep(60)\n")
+    codes = tmp_path / "codes"
+    r = subprocess.run([sys.executable, "-m", "sft.distributed.torchrun", "--nproc_per_node", "2",
+                        "--master_port", "0", str(script)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "SFT_EXIT_CODE_FILE": str(codes)})
+    assert r.returncode == 3, r.stderr
+    assert codes.read_text() == "torchrun 3\n"  # what finetune/launch.sh reads when its wait lost the code
+    assert "Traceback" not in r.stderr and "FAILED" not in r.stderr and "failed (exitcode" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("torchrun: ")]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("torchrun: global rank 1 (local rank 1 on this node, pid "), lines[0]
+    assert "exited with code 3 (1 other worker(s) of this node stopped after it)" in lines[0], lines[0]
+    assert "above in this log" in lines[0], lines[0]
+    assert "worker 1: giving up" in r.stderr  # the worker's own words stay
+
+
+def test_worker_ended_by_a_signal_gives_128_plus_the_signal():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    err = ChildFailedError("finetune.py", {2: ProcessFailure(local_rank=0, pid=42, exitcode=-9, error_file="<N/A>")})
+    line, code = torchrun.failure_line(err, ["--log-dir", "/logs", "--nproc_per_node", "1", "finetune.py", "--x"])
+    assert code == 128 + 9
+    assert line == ("torchrun: global rank 2 (local rank 0 on this node, pid 42) was ended by SIGKILL; "
+                    "its output is under /logs (torchrun's --log-dir) and above in this log")
