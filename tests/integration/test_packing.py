@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from sft.attention import PACKED_ATTENTION
 from sft.chat import IGNORE_INDEX, encode_conversations
 from sft.data import load_conversations
 from sft.dataset import make_collator
@@ -43,7 +44,7 @@ def test_per_conversation_losses_equal_unpacked_run(smol_model, smol_tok, chitch
     convs = load_conversations(chitchat, "error")[:40]
     encoded = [(i[:72], l[:72]) for i, l in encode_conversations(tok, [c.messages for c in convs], eot)]
     encoded = [e for e in encoded if any(x != IGNORE_INDEX for x in e[1])][:4]
-    assert check_packing_support(smol_model) == "sdpa"
+    assert check_packing_support(smol_model) == PACKED_ATTENTION
     ds, report = pack_dataset([{"input_ids": i, "labels": l} for i, l in encoded], 1024)
     assert report.rows == 1
     batch = PackedCollator()(list(ds))
@@ -74,15 +75,16 @@ def test_trainer_with_packing_matches_unpacked_loss(tiny_model_dir, toy_data, tm
     args = train_args(tiny_model_dir, toy_data, tmp_path / "p", "--packing", "True", "--model_max_length", "64",
                       "--per_device_train_batch_size", "2", "--max_steps", "2")
     trainer, tok, _ = build_trainer(*args)
+    assert trainer.model.get_base_model().config._attn_implementation == PACKED_ATTENTION
     ds = trainer.train_dataset
     assert len(ds) < len(TOY) and sum(len(r["input_ids"]) for r in ds) == sum(
         len(c["input_ids"]) for r in ds for c in split_row(r))
     batch = next(iter(trainer.get_train_dataloader()))
-    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    assert batch["input_ids"].shape[0] == 2 and "attention_mask" not in batch  # one row per packed row
     convs = [c for r in [ds[i] for i in range(len(ds))] for c in split_row(r)]
     model = trainer.model.eval()
     with torch.no_grad():
-        packed = model(**PackedCollator()(list(ds))).loss  # every row at once: all conversations, no padding
+        packed = model(**PackedCollator(tok.pad_token_id)(list(ds))).loss  # every row at once, pad documents
         padded = make_collator(tok)(convs)
         unpacked = model(**padded, use_cache=False).loss
     assert padded["attention_mask"].sum() < padded["attention_mask"].numel()  # the unpacked batch has padding
