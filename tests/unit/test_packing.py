@@ -64,3 +64,23 @@ def train_args(model_dir, data, out, *extra):
 def test_packing_conflicts_are_reported(tiny_model_dir, toy_data, tmp_path, extra, msg):
     with pytest.raises(ConfigError, match=msg):
         train_args(tiny_model_dir, toy_data, tmp_path / "c", "--packing", "True", *extra)
+
+
+def test_packed_rows_count_the_same_supervised_tokens_as_padded_batches(qwen_tok, toy_data):
+    """The Trainer divides the summed loss by ``num_items_in_batch`` = labels[..., 1:] != -100 over the micro batches
+    of one optimizer step (and across ranks with average_tokens_across_devices): packed rows must count exactly the
+    padded batches' supervised tokens, so the loss is normalised as in the unpacked run."""
+    from sft.chat import encode_conversations
+    from sft.data import load_conversations
+    from sft.dataset import make_collator
+
+    tok, eot = qwen_tok
+    convs = [c.messages for c in load_conversations(toy_data, "error")]
+    samples = [{"input_ids": i, "labels": l} for i, l in encode_conversations(tok, convs, eot)]
+    ds, report = pack_dataset(samples, 96)
+    assert 1 < report.rows < len(samples)  # several conversations per row, several rows
+    packed = PackedCollator(tok.pad_token_id)(list(ds))
+    padded = make_collator(tok)(samples)
+    count = lambda b: int((b["labels"][..., 1:] != IGNORE_INDEX).sum())  # transformers 5.24 _get_num_items_in_batch
+    assert count(packed) == count(padded) == sum(sum(x != IGNORE_INDEX for x in s["labels"]) for s in samples)
+    assert count(padded) > 0
