@@ -10,8 +10,10 @@ Every system trains the same model (``--model``), on the same data (``--data``),
 maximum length, optimizer (AdamW, linear schedule, no warm-up) and number of optimizer steps, each in
 a fresh process (so peak RSS is its own):
 
-* ``ours``          -- sft defaults: dynamic padding to the batch's longest sample (multiple of 8);
-* ``ours-group``    -- ``--group_by_length True`` (length-grouped sampling, the non-packing alternative);
+* ``ours``          -- sft defaults: padding-free batches (``--padding_free True``: the micro batch's samples end to
+  end in one row, attention per sample without a mask, :mod:`sft.attention`);
+* ``ours-padded``   -- ``--padding_free False``: dynamic padding to the batch's longest sample (multiple of 8);
+* ``ours-group``    -- ``--group_by_length True --padding_free False`` (length-grouped sampling, padded);
 * ``ours-packing``  -- ``--packing True``: rows of up to ``--max_length`` tokens, one row per packed row, attention
   per conversation with no mask (:mod:`sft.attention`); the micro batch is set to carry about as many tokens as
   the others' (printed);
@@ -49,7 +51,7 @@ import sft  # noqa: F401  (first: holds library import notices that do not conce
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the example's .cache lives
 EXAMPLE = os.path.join(ROOT, ".cache", "example")
-SYSTEMS = ("ours", "ours-group", "ours-packing", "ours-packing-flat", "qwen-style", "trl")
+SYSTEMS = ("ours", "ours-padded", "ours-group", "ours-packing", "ours-packing-flat", "qwen-style", "trl")
 
 
 def marked_chatml_template(template: str) -> str:
@@ -83,6 +85,8 @@ def common_flags(a, system: str) -> list[str]:
         flags += ["--bf16", "True"]
     if system == "ours-group":
         flags += ["--group_by_length", "True"]
+    if system in ("ours-padded", "ours-group", "qwen-style"):
+        flags += ["--padding_free", "False"]
     if system in ("ours-packing", "ours-packing-flat"):
         flags += ["--packing", "True"]
     return flags
@@ -331,11 +335,11 @@ def print_table(a, results: dict, peaks: dict, device: str) -> None:
               f"{100 * v['mfu']:>7.2f}%{v['cb']:>16.1f}")
     got = dict((n, v) for n, v in rows if v)
     if "ours" in got:
-        for other in ("qwen-style", "trl"):
+        for other in ("ours-padded", "ours-group", "ours-packing", "qwen-style", "trl"):
             if other in got:
                 print(f"ours / {other}: {got['ours']['rate'] / got[other]['rate']:.2f}x real tokens/s"
                       + (f"  (ours-packing / {other}: {got['ours-packing']['rate'] / got[other]['rate']:.2f}x)"
-                         if "ours-packing" in got else ""))
+                         if "ours-packing" in got and other in ("qwen-style", "trl") else ""))
     for name, v in got.items():
         agree = abs(v["cb"] / v["rate"] - 1)
         if agree > 0.10:

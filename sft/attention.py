@@ -89,14 +89,19 @@ def packed_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     Returns:
         ``(attn_output [batch, q_len, heads, head_dim], None)``.
     Raises:
-        ValueError: a soft cap or position bias is requested, or a sliding window shorter than a document.
+        ValueError: a soft cap or position bias is requested, a sliding window shorter than a document, or no
+            ``position_ids`` reach the function while there is no mask (samples could not be told apart).
     """
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     position_ids = kwargs.get("position_ids")
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if attention_mask is not None or position_ids is None or q_len == 1 or q_len != key.shape[2] or not causal:
+    if position_ids is None and attention_mask is None and q_len > 1 and q_len == key.shape[2] and causal:
+        raise ValueError(f"attention '{PACKED_ATTENTION}': the model passes no position_ids to its attention "
+                         f"({type(module).__name__}), so packed samples cannot be told apart; load it with "
+                         "attn_implementation='sdpa' and pad each micro batch (--packing False --padding_free False)")
+    if attention_mask is not None or q_len == 1 or q_len != key.shape[2] or not causal:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:

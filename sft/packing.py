@@ -165,6 +165,24 @@ class PackedCollator:
                 "position_ids": torch.tensor(pos, dtype=torch.int64)}
 
 
+class PaddingFreeCollator:
+    """``--padding_free`` (without ``--packing``): a micro batch of samples -> one ``[1, total_tokens]`` row, no padding.
+
+    Output (``torch.int64``, each ``[1, total_tokens]``): ``input_ids``, ``labels`` (-100 = not supervised, and at
+    the first token of every sample) and ``position_ids`` (restarting at 0 per sample); no ``attention_mask``. Thin
+    wrapper over ``transformers.DataCollatorWithFlattening``; the model must run
+    :data:`sft.attention.PACKED_ATTENTION` (attention per sample, cost per sample's length squared).
+    """
+
+    def __init__(self):
+        from transformers import DataCollatorWithFlattening
+
+        self.flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
+
+    def __call__(self, features: list[dict]) -> dict:
+        return self.flatten([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features], return_tensors="pt")
+
+
 def attention_implementation(model) -> str:
     """The attention implementation the model runs with ("sdpa", "eager", "flash_attention_2", ...).
 

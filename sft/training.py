@@ -155,6 +155,23 @@ def pack_datasets(train_ds, eval_ds, max_len: int, pad_token_id: int = 0):
     return packed[0], packed[1], PackedCollator(pad_token_id)
 
 
+def padding_free_collator(model, padding_collator):
+    """``--padding_free True`` (the default, without ``--packing``): :class:`sft.packing.PaddingFreeCollator` when
+    the model can run :data:`sft.attention.PACKED_ATTENTION`; otherwise ``padding_collator`` (logged)."""
+    from .attention import use_packed_attention
+    from .packing import PaddingFreeCollator, attention_implementation
+
+    if use_packed_attention(model):
+        logger.info("padding-free batches: the samples of a micro batch end to end in one row, position ids restart "
+                    "per sample, attention '%s' per sample without a mask (--padding_free False pads instead)",
+                    PACKED_ATTENTION)
+        return PaddingFreeCollator()
+    logger.info("padding each micro batch to its longest sample: attention '%s' cannot keep samples apart without "
+                "a mask (padding-free batches need sdpa or flash_attention_2, no sliding window, no soft cap)",
+                attention_implementation(model))
+    return padding_collator
+
+
 def check_optimizer_and_scheduler(training_args, model) -> None:
     """Build the optimizer class and the LR scheduler once on a dummy parameter, so that a missing optional
     package or a scheduler without its required kwargs is reported before training starts.
@@ -222,6 +239,8 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
         logger.info("packing: attention implementation '%s' (%s)", impl,
                     "causal attention per conversation, split where position ids restart, no mask"
                     if impl == PACKED_ATTENTION else "block-diagonal causal mask from restarting position ids")
+    elif data_args.padding_free:
+        collator = padding_free_collator(model, collator)
     check_optimizer_and_scheduler(training_args, model)
     from .sampling import Trainer  # transformers.Trainer whose --group_by_length order resumes exactly
 

@@ -11,7 +11,7 @@ from sft.attention import PACKED_ATTENTION
 from sft.chat import IGNORE_INDEX, encode_conversations
 from sft.data import load_conversations
 from sft.dataset import make_collator
-from sft.packing import PackedCollator, check_packing_support, pack_dataset, split_row
+from sft.packing import PackedCollator, PaddingFreeCollator, check_packing_support, pack_dataset, split_row
 from sft.training import build_trainer
 from tests.helpers.data import TOY, write_jsonl
 from tests.unit.test_packing import train_args
@@ -93,3 +93,35 @@ def test_trainer_with_packing_matches_unpacked_loss(tiny_model_dir, toy_data, tm
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(0 < x < 100 for x in losses)
+
+
+def test_padding_free_default_learns_as_padded_batches(tiny_model_dir, toy_data, tmp_path):
+    """The default (--padding_free True): one [1, tokens] row per micro batch, no mask; the same loss and gradients
+    as the padded micro batch of the same samples (rtol 1e-5 / atol 1e-6 on the loss, rtol 1e-4 / atol 1e-6 on
+    gradients, fp32). --padding_free False restores the padded batches."""
+    args = train_args(tiny_model_dir, toy_data, tmp_path / "f", "--per_device_train_batch_size", "4",
+                      "--max_steps", "1")
+    trainer, tok, _ = build_trainer(*args)
+    assert trainer.model.get_base_model().config._attn_implementation == PACKED_ATTENTION
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    features = [{k: trainer.train_dataset[i][k] for k in ("input_ids", "labels")} for i in range(4)]
+    model = trainer.model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    free = model(**PaddingFreeCollator()(features)).loss
+    free_grads = torch.autograd.grad(free, params)
+    padded_batch = make_collator(tok)(features)
+    assert padded_batch["attention_mask"].sum() < padded_batch["attention_mask"].numel()  # there is padding
+    padded = model(**padded_batch).loss
+    padded_grads = torch.autograd.grad(padded, params)
+    torch.testing.assert_close(free, padded, rtol=1e-5, atol=1e-6)
+    for f, p in zip(free_grads, padded_grads):
+        torch.testing.assert_close(f, p, rtol=1e-4, atol=1e-6)
+    assert max(p.abs().max().item() for p in padded_grads) > 1e-4  # LoRA B starts at 0: A's gradients are 0, B's not
+    trainer.train()
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h][0] > 0
+    args = train_args(tiny_model_dir, toy_data, tmp_path / "p", "--per_device_train_batch_size", "4",
+                      "--max_steps", "1", "--padding_free", "False")
+    trainer, _, _ = build_trainer(*args)
+    assert "attention_mask" in next(iter(trainer.get_train_dataloader()))
+    assert trainer.model.get_base_model().config._attn_implementation == "sdpa"

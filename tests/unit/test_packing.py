@@ -8,7 +8,7 @@ import torch
 from sft.arguments import parse_args, validate
 from sft.chat import IGNORE_INDEX
 from sft.errors import ConfigError
-from sft.packing import PackedCollator, best_fit_decreasing, pack_dataset, split_row
+from sft.packing import PackedCollator, PaddingFreeCollator, best_fit_decreasing, pack_dataset, split_row
 
 
 def test_best_fit_decreasing_fills_bins_within_capacity():
@@ -81,6 +81,8 @@ def test_packed_rows_count_the_same_supervised_tokens_as_padded_batches(qwen_tok
     assert 1 < report.rows < len(samples)  # several conversations per row, several rows
     packed = PackedCollator(tok.pad_token_id)(list(ds))
     padded = make_collator(tok)(samples)
+    free = PaddingFreeCollator()(samples)  # --padding_free (the default): one row, no padding
+    assert free["input_ids"].shape == (1, sum(len(s["input_ids"]) for s in samples)) and "attention_mask" not in free
     count = lambda b: int((b["labels"][..., 1:] != IGNORE_INDEX).sum())  # transformers 5.24 _get_num_items_in_batch
-    assert count(packed) == count(padded) == sum(sum(x != IGNORE_INDEX for x in s["labels"]) for s in samples)
+    assert count(packed) == count(padded) == count(free) == sum(sum(x != IGNORE_INDEX for x in s["labels"]) for s in samples)
     assert count(padded) > 0
