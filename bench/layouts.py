@@ -81,12 +81,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="passes over the samples per layout (round 1 not timed)")
     a = p.parse_args(argv)
     import torch
-    from peft import LoraConfig, get_peft_model
-
     from sft.attention import register
     from sft.chat import IGNORE_INDEX, encode_conversations
     from sft.data import load_conversations
-    from sft.modeling import load_model, load_tokenizer
+    from sft.modeling import apply_lora, load_model, load_tokenizer
 
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     tok, eot, grew = load_tokenizer(a.model)
@@ -99,8 +97,7 @@ def main(argv=None) -> int:
         if len(samples) == a.samples:
             break
     model, _ = load_model(a.model, tok, grew, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, lora_dropout=0.0,
-                                             target_modules="all-linear", task_type="CAUSAL_LM")).train()
+    model = apply_lora(model, tok, grew, r=a.lora_r, alpha=2 * a.lora_r, dropout=0.0, train_embeddings="false").train()
     register()
     base = model.get_base_model()
     plan = layouts(samples, a.batch, a.rows, a.max_length, tok)
