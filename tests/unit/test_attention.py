@@ -143,3 +143,17 @@ def test_models_that_need_a_mask_keep_their_implementation(tiny_model_dir):
     model.config.use_sliding_window, model.config.sliding_window = True, 4
     assert use_packed_attention(model) is False and model.config._attn_implementation == "sdpa"
     assert model.config.use_cache is False
+
+
+def test_a_call_that_cannot_tell_samples_apart_is_refused():
+    """No mask and no position ids (a model that does not pass them to its attention): refused, never one sequence."""
+    from sft.attention import packed_attention_forward
+
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 3, 8).repeat(1, 1, 2, 1)  # two equal halves
+    with pytest.raises(ValueError, match="position_ids"):
+        packed_attention_forward(module, q, q, q, None)
+    out, _ = packed_attention_forward(module, q, q, q, None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    torch.testing.assert_close(out[:, 3:], out[:, :3])  # two equal documents, each attending only to itself
+    with pytest.raises(ValueError, match="sliding window"):
+        packed_attention_forward(module, q, q, q, None, position_ids=torch.arange(6)[None], sliding_window=4)
