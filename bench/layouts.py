@@ -19,8 +19,9 @@ the layouts interleaved round by round so that a change in the machine's load to
 * ``packed-flat-mask``  -- the packing path before :mod:`sft.attention`: the same rows flattened into one row
   per micro batch, plain ``sdpa`` with the block-diagonal mask transformers builds from the position ids.
 
-Prints, per layout, real (non-pad) tokens/s over the timed rounds (round 1 is warm-up), the positions computed
-per real token, and the machine's load (``uptime``) before and after.
+Prints, per layout, real (non-pad) tokens/s over the timed rounds (after one untimed micro batch with each
+attention implementation), the positions computed per real token, and the machine's load (``uptime``) before
+and after.
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=3, help="packed rows per micro batch")
     p.add_argument("--max_length", type=int, default=512)
     p.add_argument("--lora_r", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2, help="passes over the samples per layout (round 1 not timed)")
+    p.add_argument("--rounds", type=int, default=2, help="timed passes over the samples per layout (after one "
+                   "untimed micro batch with each attention implementation)")
     a = p.parse_args(argv)
     import torch
     from sft.attention import register
@@ -106,6 +108,11 @@ def main(argv=None) -> int:
         assert sum(real_tokens(b, tok.pad_token_id) for b in batches) == n_real, name  # every layout carries the same tokens
     print(f"{len(samples)} samples, {n_real} tokens (mean {n_real / len(samples):.0f}), length {a.max_length}, "
           f"LoRA r {a.lora_r}, fp32, {torch.get_num_threads()} threads", flush=True)
+    for name in ("padded", "padding-free"):  # warm-up of both attention implementations, not timed
+        plan_impl, batches = plan[name]
+        base.set_attn_implementation(plan_impl)
+        model(**batches[0]).loss.backward()
+        model.zero_grad(set_to_none=True)
     seconds = {name: 0.0 for name in plan}
     for rnd in range(a.rounds):
         order = list(plan)[rnd % len(plan):] + list(plan)[:rnd % len(plan)]
@@ -116,10 +123,9 @@ def main(argv=None) -> int:
             for b in batches:
                 model(**b).loss.backward()
             model.zero_grad(set_to_none=True)
-            if rnd > 0:
-                seconds[name] += time.perf_counter() - t0
+            seconds[name] += time.perf_counter() - t0
             print(f"  round {rnd + 1} {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    timed = max(1, a.rounds - 1)
+    timed = a.rounds
     print(f"\n{'layout':<18}{'micro batches':>14}{'positions / real token':>24}{'real tokens/s':>15}{'vs padded':>11}")
     for name, (_, batches) in plan.items():
         rate = timed * n_real / seconds[name] if seconds[name] else float("nan")
