@@ -10,10 +10,16 @@ Every system trains the same model (``--model``), on the same data (``--data``),
 maximum length, optimizer (AdamW, linear schedule, no warm-up) and number of optimizer steps, each in
 a fresh process (so peak RSS is its own):
 
-* ``ours``          -- sft defaults: dynamic padding to the batch's longest sample (multiple of 8);
-* ``ours-group``    -- ``--group_by_length True`` (length-grouped sampling, the non-packing alternative);
-* ``ours-packing``  -- ``--packing True``: rows of up to ``--max_length`` tokens; the micro batch is set to
-  carry about as many tokens as the others' (printed);
+* ``ours``          -- sft defaults: padding-free batches (``--padding_free True``: the micro batch's samples end to
+  end in one row, attention per sample without a mask, :mod:`sft.attention`);
+* ``ours-padded``   -- ``--padding_free False``: dynamic padding to the batch's longest sample (multiple of 8);
+* ``ours-group``    -- ``--group_by_length True --padding_free False`` (length-grouped sampling, padded);
+* ``ours-packing``  -- ``--packing True``: rows of up to ``--max_length`` tokens, one row per packed row, attention
+  per conversation with no mask (:mod:`sft.attention`); the micro batch is set to carry about as many tokens as
+  the others' (printed);
+* ``ours-packing-flat`` -- the packing path before :mod:`sft.attention`, for comparison: the same rows flattened
+  into one ``[1, total]`` row (``transformers.DataCollatorWithFlattening``) under plain ``sdpa``, whose
+  block-diagonal mask transformers builds from the position ids;
 * ``qwen-style``    -- stand-in for Qwen's finetune.py: our pipeline with every sample padded to
   ``--max_length`` (``DataCollatorForSeq2Seq(padding="max_length")``), all else equal;
 * ``trl``           -- ``trl.SFTTrainer`` from PyPI, ``assistant_only_loss=True``, ``max_length`` equal, no
@@ -45,7 +51,7 @@ import sft  # noqa: F401  (first: holds library import notices that do not conce
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the example's .cache lives
 EXAMPLE = os.path.join(ROOT, ".cache", "example")
-SYSTEMS = ("ours", "ours-group", "ours-packing", "qwen-style", "trl")
+SYSTEMS = ("ours", "ours-padded", "ours-group", "ours-packing", "ours-packing-flat", "qwen-style", "trl")
 
 
 def marked_chatml_template(template: str) -> str:
@@ -67,7 +73,7 @@ def marked_chatml_template(template: str) -> str:
 # ----------------------------------------------------------------------------------------------- workers
 
 def common_flags(a, system: str) -> list[str]:
-    batch = a.packing_batch if system == "ours-packing" else a.batch
+    batch = a.packing_batch if system.startswith("ours-packing") else a.batch
     flags = ["--model_name_or_path", a.model, "--data_path", a.data, "--use_lora", "True", "--lora_r", str(a.lora_r),
              "--lora_alpha", str(2 * a.lora_r), "--lora_dropout", "0.05", "--per_device_train_batch_size", str(batch),
              "--gradient_accumulation_steps", "1", "--model_max_length", str(a.max_length), "--max_steps",
@@ -79,7 +85,9 @@ def common_flags(a, system: str) -> list[str]:
         flags += ["--bf16", "True"]
     if system == "ours-group":
         flags += ["--group_by_length", "True"]
-    if system == "ours-packing":
+    if system in ("ours-padded", "ours-group", "qwen-style"):
+        flags += ["--padding_free", "False"]
+    if system in ("ours-packing", "ours-packing-flat"):
         flags += ["--packing", "True"]
     return flags
 
@@ -126,6 +134,14 @@ def build_ours(a, system: str, out_dir: str):
     if system == "qwen-style":  # every sample padded to model_max_length, as Qwen's preprocess() does
         trainer.data_collator = DataCollatorForSeq2Seq(tok, padding="max_length", max_length=a.max_length,
                                                        label_pad_token_id=-100, return_tensors="pt")
+    if system == "ours-packing-flat":  # one [1, total] row per micro batch, transformers' block-diagonal mask
+        from transformers import DataCollatorWithFlattening
+
+        from sft.packing import split_row
+
+        flat = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+        trainer.data_collator = lambda rows: flat([c for r in rows for c in split_row(r)], return_tensors="pt")
+        trainer.model.get_base_model().set_attn_implementation("sdpa")
     return trainer, {}
 
 
@@ -309,21 +325,21 @@ def print_table(a, results: dict, peaks: dict, device: str) -> None:
                             "mem": r["peak_mem_gib"], "mfu": r["flops_per_token"] * rate / peak,
                             "cb": r["callback_tokens_per_s"], "batch": r["batch"]}))
     mem_kind = "CUDA max alloc" if a.cuda else "peak RSS"
-    print(f"\n{'system':<14}{'micro batch':>12}{'real tok/s':>12}{'padding':>9}{'median step':>13}"
+    print(f"\n{'system':<18}{'micro batch':>12}{'real tok/s':>12}{'padding':>9}{'median step':>13}"
           f"{mem_kind + ' GiB':>20}{'MFU':>8}{'callback tok/s':>16}")
     for name, v in rows:
         if v is None:
-            print(f"{name:<14}{'(failed; see stderr)':>40}")
+            print(f"{name:<18}{'(failed; see stderr)':>40}")
             continue
-        print(f"{name:<14}{v['batch']:>12d}{v['rate']:>12.1f}{v['pad']:>9.3f}{v['median']:>11.2f} s{v['mem']:>20.2f}"
+        print(f"{name:<18}{v['batch']:>12d}{v['rate']:>12.1f}{v['pad']:>9.3f}{v['median']:>11.2f} s{v['mem']:>20.2f}"
               f"{100 * v['mfu']:>7.2f}%{v['cb']:>16.1f}")
     got = dict((n, v) for n, v in rows if v)
     if "ours" in got:
-        for other in ("qwen-style", "trl"):
+        for other in ("ours-padded", "ours-group", "ours-packing", "qwen-style", "trl"):
             if other in got:
                 print(f"ours / {other}: {got['ours']['rate'] / got[other]['rate']:.2f}x real tokens/s"
                       + (f"  (ours-packing / {other}: {got['ours-packing']['rate'] / got[other]['rate']:.2f}x)"
-                         if "ours-packing" in got else ""))
+                         if "ours-packing" in got and other in ("qwen-style", "trl") else ""))
     for name, v in got.items():
         agree = abs(v["cb"] / v["rate"] - 1)
         if agree > 0.10:
@@ -388,7 +404,8 @@ def main(argv=None) -> int:
 
     device = "cuda" if a.cuda else "cpu"
     name = torch.cuda.get_device_name() if a.cuda else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-    print(f"device: {name}; torch {torch.__version__}; {'bf16' if a.bf16 else 'fp32'}; attention: sdpa")
+    print(f"device: {name}; torch {torch.__version__}; {'bf16' if a.bf16 else 'fp32'}; attention: sdpa "
+          "(ours-packing: per-conversation SDPA without a mask)")
     peaks = matmul_peaks(torch.device(device))
     a.peak_tflops = peaks["bf16" if a.bf16 else "fp32"] / 1e12
     if a.packing_batch <= 0:

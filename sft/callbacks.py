@@ -129,12 +129,27 @@ def format_eta(seconds: float) -> str:
     return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def packed_padding(ids: torch.Tensor, position_ids, pad_id) -> torch.Tensor:
+    """Pad tokens of packed rows ``ids`` ``[rows, row_len]``: per row, the length of its last document (from its last
+    ``position_ids == 0``) when that document is all ``pad_id``. A 0-d int64 tensor on ``ids``' device (0 without
+    position ids or pad id)."""
+    if position_ids is None or pad_id is None or ids.dim() != 2:
+        return torch.zeros((), dtype=torch.long, device=ids.device)
+    pos = position_ids.expand_as(ids)
+    idx = torch.arange(ids.shape[1], device=ids.device)
+    last_start = torch.where(pos == 0, idx, 0).max(dim=1).values  # [rows]
+    in_last = idx[None, :] >= last_start[:, None]
+    all_pad = ((ids != pad_id) & in_last).sum(dim=1) == 0
+    return torch.where(all_pad, ids.shape[1] - last_start, 0).sum()
+
+
 class TokenCounter:
     """Forward pre-hook that adds up the tokens of every training forward pass.
 
-    ``real`` = non-pad tokens (``attention_mask.sum()``, or every token when there is no mask, as with
-    packing), ``total`` = all positions computed, ``supervised`` = labels != -100. Counts stay on the
-    batch's device (no synchronisation per step) until :meth:`take` reads them.
+    ``real`` = non-pad tokens: ``attention_mask.sum()``; with no mask (packed rows,
+    :class:`sft.packing.PackedCollator`) every token but the pad document that ends a row (its last document when
+    it is all ``config.pad_token_id``); ``total`` = all positions computed, ``supervised`` = labels != -100.
+    Counts stay on the batch's device (no synchronisation per step) until :meth:`take` reads them.
     """
 
     def __init__(self):
@@ -152,7 +167,11 @@ class TokenCounter:
         if ids is None:
             return
         mask, labels = kwargs.get("attention_mask"), kwargs.get("labels")
-        real = mask.sum() if mask is not None and mask.dim() == 2 else torch.tensor(ids.numel(), device=ids.device)
+        if mask is not None and mask.dim() == 2:
+            real = mask.sum()
+        else:
+            pad_id = getattr(getattr(module, "config", None), "pad_token_id", None)
+            real = ids.numel() - packed_padding(ids, kwargs.get("position_ids"), pad_id)
         sup = (labels != -100).sum() if labels is not None else torch.zeros((), device=ids.device, dtype=torch.long)
         new = torch.stack([real.long(), torch.tensor(ids.numel(), device=ids.device), sup.long()])
         self._counts = new if self._counts is None else self._counts + new

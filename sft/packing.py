@@ -6,26 +6,18 @@ How it works (transformers 5.24):
    tokens with best-fit decreasing (the strategy of TRL's ``packing_strategy="bfd"``). A row stores
    the conversations back to back in ``input_ids`` / ``labels`` and a ``position_ids`` column that
    restarts at 0 at the first token of every conversation. No conversation is split across rows.
-2. :class:`PackedCollator` cuts each row of a micro batch back into its conversations (at
-   ``position_ids == 0``) and hands them to ``transformers.DataCollatorWithFlattening``, which
-   concatenates the whole micro batch into one ``[1, total_tokens]`` row with no padding, position ids
-   restarting per conversation, the first label of every conversation set to -100 (so the last token of
-   one conversation is never trained to predict the first token of the next) and no ``attention_mask``.
-3. The model sees ``position_ids`` and ``attention_mask=None``. For ``sdpa`` and ``eager`` attention,
-   ``transformers.masking_utils.create_causal_mask`` then detects the packed format from the position
-   ids (``find_packed_sequence_indices``: a new conversation starts wherever the position id does not go
-   up by one) and builds a block-diagonal causal mask, so a token attends only to earlier tokens of its
-   own conversation. ``flash_attention_2``/``3`` derive ``cu_seqlens`` from the same position ids
-   (``modeling_flash_attention_utils._is_packed_sequence``, batch size 1), and RoPE uses the restarted
-   position ids, so positions match the unpacked run exactly.
-
-The attention implementation in use is the model's default: ``sdpa`` (PyTorch
-``scaled_dot_product_attention``) on CPU and GPU. With the packed mask SDPA receives an explicit boolean
-mask, so on CUDA it runs the memory-efficient kernel rather than the flash kernel; the FLOPs of masked
-blocks are still spent (cost per row ~ row length squared). ``flash_attention_2`` skips them but needs the
-``flash-attn`` package. Conditions for the detection, checked by :func:`check_packing_support`: the
-attention implementation is one of :data:`PACKING_ATTENTION`, and ``use_cache`` is off (with a KV cache
-transformers does not look for packed sequences; :func:`sft.modeling.load_model` turns it off).
+2. :class:`PackedCollator` keeps the rows of a micro batch as rows: ``[micro_batch, longest_row]``, each row
+   padded to the longest with a pad "document" of its own (position ids 0, 1, ... again, labels -100), the
+   first label of every conversation set to -100 (the last token of one conversation is never trained to
+   predict the first token of the next) and no ``attention_mask``. Attention cost per row grows with the sum
+   of its conversations' squared lengths, not with the micro batch's tokens squared.
+3. :func:`check_packing_support` switches an ``sdpa`` (or ``flash_attention_2``) model to
+   :data:`sft.attention.PACKED_ATTENTION`: causal attention per conversation, split at the position-id resets,
+   with no mask (SDPA ``is_causal`` per conversation; flash-attn varlen on CUDA when installed). ``eager`` and
+   ``flex_attention`` keep transformers' own handling: ``masking_utils.create_causal_mask`` detects the packed
+   format from the position ids (``find_packed_sequence_indices``, per row) and builds a block-diagonal causal
+   mask. RoPE uses the restarted position ids, so positions match the unpacked run exactly. The KV cache is
+   turned off (with a cache transformers does not look for packed sequences).
 """
 from __future__ import annotations
 
@@ -38,8 +30,10 @@ from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Attention implementations for which transformers 5.24 keeps packed conversations apart using position ids.
-PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# Attention implementations with which packed rows stay apart: the first two are switched to sft.attention's
+# per-conversation attention; transformers 5.24 builds a per-row block-diagonal mask from the position ids for the
+# others (its flash_attention_3 path finds packed sequences only in a batch of one row, so it is not listed).
+PACKING_ATTENTION = ("sdpa", "flash_attention_2", "eager", "flex_attention")
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -139,12 +133,45 @@ def split_row(row: dict) -> list[dict]:
 
 
 class PackedCollator:
-    """Micro batch of packed rows -> one padding-free ``[1, total_tokens]`` batch.
+    """Micro batch of packed rows -> ``[micro_batch, longest_row]`` tensors, one row per packed row.
 
-    Output (``torch.int64``): ``input_ids``, ``labels`` (-100 = not supervised, and at the first token of every
-    conversation) and ``position_ids`` (restarting at 0 per conversation), each of shape ``[1, total_tokens]``;
-    no ``attention_mask`` (see the module docstring for how attention is confined). Thin wrapper over
-    ``transformers.DataCollatorWithFlattening``.
+    Output (``torch.int64``, each ``[micro_batch, longest_row]``): ``input_ids`` (pad positions ``pad_token_id``),
+    ``labels`` (-100 = not supervised: pad positions and the first token of every conversation) and
+    ``position_ids`` (restarting at 0 per conversation; the padding of a row is one more "document" 0, 1, ..., so
+    it attends only to itself and is never attended to); no ``attention_mask`` (see the module docstring).
+    Rows are not flattened into one: attention cost stays per row.
+
+    Args:
+        pad_token_id: the id written at pad positions (never trained on nor attended to from real tokens).
+    """
+
+    def __init__(self, pad_token_id: int = 0):
+        self.pad_token_id = int(pad_token_id)
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+
+        longest = max(len(f["input_ids"]) for f in features)
+        ids, labels, pos = [], [], []
+        for f in features:
+            if not f["input_ids"]:
+                raise ValueError("PackedCollator: an empty packed row")
+            k = longest - len(f["input_ids"])
+            row_pos = list(f["position_ids"])
+            ids.append(list(f["input_ids"]) + [self.pad_token_id] * k)
+            labels.append([IGNORE_INDEX if p == 0 else int(x) for x, p in zip(f["labels"], row_pos)] + [IGNORE_INDEX] * k)
+            pos.append(row_pos + list(range(k)))
+        return {"input_ids": torch.tensor(ids, dtype=torch.int64), "labels": torch.tensor(labels, dtype=torch.int64),
+                "position_ids": torch.tensor(pos, dtype=torch.int64)}
+
+
+class PaddingFreeCollator:
+    """``--padding_free`` (without ``--packing``): a micro batch of samples -> one ``[1, total_tokens]`` row, no padding.
+
+    Output (``torch.int64``, each ``[1, total_tokens]``): ``input_ids``, ``labels`` (-100 = not supervised, and at
+    the first token of every sample) and ``position_ids`` (restarting at 0 per sample); no ``attention_mask``. Thin
+    wrapper over ``transformers.DataCollatorWithFlattening``; the model must run
+    :data:`sft.attention.PACKED_ATTENTION` (attention per sample, cost per sample's length squared).
     """
 
     def __init__(self):
@@ -153,7 +180,7 @@ class PackedCollator:
         self.flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
 
     def __call__(self, features: list[dict]) -> dict:
-        return self.flatten([conv for row in features for conv in split_row(row)], return_tensors="pt")
+        return self.flatten([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features], return_tensors="pt")
 
 
 def attention_implementation(model) -> str:
@@ -166,11 +193,16 @@ def attention_implementation(model) -> str:
 
 
 def check_packing_support(model) -> str:
-    """Make sure packed conversations stay apart with this model; return the attention implementation.
+    """Make sure packed conversations stay apart with this model; return the attention implementation in use.
+
+    ``sdpa`` and ``flash_attention_2`` models are switched to :data:`sft.attention.PACKED_ATTENTION`
+    (:func:`sft.attention.use_packed_attention`); the KV cache is turned off.
 
     Raises:
-        ConfigError: the attention implementation does not separate packed sequences by position ids.
+        ConfigError: the attention implementation does not separate packed sequences within a row.
     """
+    from .attention import use_packed_attention
+
     impl = attention_implementation(model)
     if impl not in PACKING_ATTENTION:
         raise ConfigError([f"--packing True: the model uses attention implementation '{impl}', for which transformers "
@@ -178,4 +210,6 @@ def check_packing_support(model) -> str:
                            "drop --packing (use --group_by_length True instead)"])
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     config.use_cache = False  # with a KV cache transformers does not look for packed sequences
-    return impl
+    if impl in ("sdpa", "flash_attention_2"):
+        use_packed_attention(model)
+    return attention_implementation(model)

@@ -7,6 +7,7 @@ from typing import Callable, Optional, Sequence
 
 import transformers
 
+from .attention import PACKED_ATTENTION
 from .callbacks import install as install_throughput_callback
 from .chat import chat_control_tokens, visualize
 from .checkpoint import run_info
@@ -143,7 +144,7 @@ def log_dataset(name: str, ds, report, tok, max_len: int) -> None:
         logger.info("first training sample (supervised tokens in «»):\n%s%s", shown[:1200], more)
 
 
-def pack_datasets(train_ds, eval_ds, max_len: int):
+def pack_datasets(train_ds, eval_ds, max_len: int, pad_token_id: int = 0):
     """``--packing``: rows of several conversations (:mod:`sft.packing`). Returns ``(train, eval, collator)``."""
     packed = []
     for name, ds in (("train", train_ds), ("eval", eval_ds)):
@@ -151,7 +152,24 @@ def pack_datasets(train_ds, eval_ds, max_len: int):
             ds, report = pack_dataset(ds, max_len)
             logger.info("%s", report.line(name))
         packed.append(ds)
-    return packed[0], packed[1], PackedCollator()
+    return packed[0], packed[1], PackedCollator(pad_token_id)
+
+
+def padding_free_collator(model, padding_collator):
+    """``--padding_free True`` (the default, without ``--packing``): :class:`sft.packing.PaddingFreeCollator` when
+    the model can run :data:`sft.attention.PACKED_ATTENTION`; otherwise ``padding_collator`` (logged)."""
+    from .attention import use_packed_attention
+    from .packing import PaddingFreeCollator, attention_implementation
+
+    if use_packed_attention(model):
+        logger.info("padding-free batches: the samples of a micro batch end to end in one row, position ids restart "
+                    "per sample, attention '%s' per sample without a mask (--padding_free False pads instead)",
+                    PACKED_ATTENTION)
+        return PaddingFreeCollator()
+    logger.info("padding each micro batch to its longest sample: attention '%s' cannot keep samples apart without "
+                "a mask (padding-free batches need sdpa or flash_attention_2, no sliding window, no soft cap)",
+                attention_implementation(model))
+    return padding_collator
 
 
 def check_optimizer_and_scheduler(training_args, model) -> None:
@@ -199,7 +217,8 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     train_ds, eval_ds = datasets["train"], datasets["eval"]
     collator = make_collator(tok)
     if data_args.packing:
-        train_ds, eval_ds, collator = pack_datasets(train_ds, eval_ds, training_args.model_max_length)
+        train_ds, eval_ds, collator = pack_datasets(train_ds, eval_ds, training_args.model_max_length,
+                                                    tok.pad_token_id)
     # Seed before the model exists (Trainer seeds only later, in its __init__): LoRA's A matrices (and any new
     # embedding rows) are drawn from the global RNG, and how much of it data preparation consumed differs
     # between a cache miss and a cache hit; the same --seed then gives the same adapter on any number of nodes.
@@ -216,8 +235,12 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
                            bias=lora_args.lora_bias, train_embeddings=model_args.train_embeddings,
                            activation_checkpointing=bool(training_args.activation_checkpointing))
     if data_args.packing:
-        logger.info("packing: attention implementation '%s' (block-diagonal causal mask from restarting position ids)",
-                    check_packing_support(model))
+        impl = check_packing_support(model)
+        logger.info("packing: attention implementation '%s' (%s)", impl,
+                    "causal attention per conversation, split where position ids restart, no mask"
+                    if impl == PACKED_ATTENTION else "block-diagonal causal mask from restarting position ids")
+    elif data_args.padding_free:
+        collator = padding_free_collator(model, collator)
     check_optimizer_and_scheduler(training_args, model)
     from .sampling import Trainer  # transformers.Trainer whose --group_by_length order resumes exactly
 

@@ -17,7 +17,8 @@ def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data,
                        "--report_to", "tensorboard", "--save_strategy", "no",
                        "--logging_steps", "2", "--seed", "0", "--disable_tqdm", "True", "--use_lora", "True",
                        "--lora_r", "4", "--max_steps", "4", "--per_device_train_batch_size", "3",
-                       "--peak_tflops", "0.002"])
+                       "--peak_tflops", "0.002",
+                       "--padding_free", "False"])  # padded batches: the padding count is checked against the mask
     validate(*args)
     trainer, tok, _ = build_trainer(*args)
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))

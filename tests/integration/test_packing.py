@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from sft.attention import PACKED_ATTENTION
 from sft.chat import IGNORE_INDEX, encode_conversations
 from sft.data import load_conversations
 from sft.dataset import make_collator
-from sft.packing import PackedCollator, check_packing_support, pack_dataset, split_row
+from sft.packing import PackedCollator, PaddingFreeCollator, check_packing_support, pack_dataset, split_row
 from sft.training import build_trainer
 from tests.helpers.data import TOY, write_jsonl
 from tests.unit.test_packing import train_args
@@ -43,7 +44,7 @@ def test_per_conversation_losses_equal_unpacked_run(smol_model, smol_tok, chitch
     convs = load_conversations(chitchat, "error")[:40]
     encoded = [(i[:72], l[:72]) for i, l in encode_conversations(tok, [c.messages for c in convs], eot)]
     encoded = [e for e in encoded if any(x != IGNORE_INDEX for x in e[1])][:4]
-    assert check_packing_support(smol_model) == "sdpa"
+    assert check_packing_support(smol_model) == PACKED_ATTENTION
     ds, report = pack_dataset([{"input_ids": i, "labels": l} for i, l in encoded], 1024)
     assert report.rows == 1
     batch = PackedCollator()(list(ds))
@@ -74,15 +75,16 @@ def test_trainer_with_packing_matches_unpacked_loss(tiny_model_dir, toy_data, tm
     args = train_args(tiny_model_dir, toy_data, tmp_path / "p", "--packing", "True", "--model_max_length", "64",
                       "--per_device_train_batch_size", "2", "--max_steps", "2")
     trainer, tok, _ = build_trainer(*args)
+    assert trainer.model.get_base_model().config._attn_implementation == PACKED_ATTENTION
     ds = trainer.train_dataset
     assert len(ds) < len(TOY) and sum(len(r["input_ids"]) for r in ds) == sum(
         len(c["input_ids"]) for r in ds for c in split_row(r))
     batch = next(iter(trainer.get_train_dataloader()))
-    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    assert batch["input_ids"].shape[0] == 2 and "attention_mask" not in batch  # one row per packed row
     convs = [c for r in [ds[i] for i in range(len(ds))] for c in split_row(r)]
     model = trainer.model.eval()
     with torch.no_grad():
-        packed = model(**PackedCollator()(list(ds))).loss  # every row at once: all conversations, no padding
+        packed = model(**PackedCollator(tok.pad_token_id)(list(ds))).loss  # every row at once, pad documents
         padded = make_collator(tok)(convs)
         unpacked = model(**padded, use_cache=False).loss
     assert padded["attention_mask"].sum() < padded["attention_mask"].numel()  # the unpacked batch has padding
@@ -91,3 +93,35 @@ def test_trainer_with_packing_matches_unpacked_loss(tiny_model_dir, toy_data, tm
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(0 < x < 100 for x in losses)
+
+
+def test_padding_free_default_learns_as_padded_batches(tiny_model_dir, toy_data, tmp_path):
+    """The default (--padding_free True): one [1, tokens] row per micro batch, no mask; the same loss and gradients
+    as the padded micro batch of the same samples (rtol 1e-5 / atol 1e-6 on the loss, rtol 1e-4 / atol 1e-6 on
+    gradients, fp32). --padding_free False restores the padded batches."""
+    args = train_args(tiny_model_dir, toy_data, tmp_path / "f", "--per_device_train_batch_size", "4",
+                      "--max_steps", "1")
+    trainer, tok, _ = build_trainer(*args)
+    assert trainer.model.get_base_model().config._attn_implementation == PACKED_ATTENTION
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    features = [{k: trainer.train_dataset[i][k] for k in ("input_ids", "labels")} for i in range(4)]
+    model = trainer.model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    free = model(**PaddingFreeCollator()(features)).loss
+    free_grads = torch.autograd.grad(free, params)
+    padded_batch = make_collator(tok)(features)
+    assert padded_batch["attention_mask"].sum() < padded_batch["attention_mask"].numel()  # there is padding
+    padded = model(**padded_batch).loss
+    padded_grads = torch.autograd.grad(padded, params)
+    torch.testing.assert_close(free, padded, rtol=1e-5, atol=1e-6)
+    for f, p in zip(free_grads, padded_grads):
+        torch.testing.assert_close(f, p, rtol=1e-4, atol=1e-6)
+    assert max(p.abs().max().item() for p in padded_grads) > 1e-4  # LoRA B starts at 0: A's gradients are 0, B's not
+    trainer.train()
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h][0] > 0
+    args = train_args(tiny_model_dir, toy_data, tmp_path / "p", "--per_device_train_batch_size", "4",
+                      "--max_steps", "1", "--padding_free", "False")
+    trainer, _, _ = build_trainer(*args)
+    assert "attention_mask" in next(iter(trainer.get_train_dataloader()))
+    assert trainer.model.get_base_model().config._attn_implementation == "sdpa"

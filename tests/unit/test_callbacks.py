@@ -82,3 +82,17 @@ def test_bad_peak_tflops_is_reported(tiny_model_dir, toy_data, tmp_path):
     with pytest.raises(ConfigError, match="--peak_tflops"):
         validate(*parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
                               str(tmp_path / "o"), "--peak_tflops", "-1"]))
+
+
+def test_packed_rows_count_their_pad_document_as_padding():
+    from sft.callbacks import packed_padding
+    from sft.packing import PackedCollator
+
+    rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9], "position_ids": [0, 1, 2, 0, 1]},
+            {"input_ids": [5, 0, 7], "labels": [5, 0, 7], "position_ids": [0, 1, 2]}]  # pad id 0 inside a document
+    batch = PackedCollator(pad_token_id=0)(rows)
+    assert batch["input_ids"].shape == (2, 5)
+    assert packed_padding(batch["input_ids"], batch["position_ids"], 0).item() == 2  # row 2's pad document only
+    assert packed_padding(batch["input_ids"], batch["position_ids"], None).item() == 0
+    full = PackedCollator(pad_token_id=0)(rows[:1])
+    assert packed_padding(full["input_ids"], full["position_ids"], 0).item() == 0  # no padding

@@ -1,15 +1,14 @@
-"""--packing: rows of several conversations, position ids restarting, attention kept inside each conversation
-(the tiny model), the conflicts. Real SmolLM2 on real chitchat and the trainer with packing in a training run are
-in tests/integration/test_packing.py."""
+"""--packing: rows of several conversations, position ids restarting, the per-row collator, the conflicts.
+Attention kept inside each conversation: tests/unit/test_attention.py. Real SmolLM2 on real chitchat and the
+trainer with packing in a training run are in tests/integration/test_packing.py."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from sft.arguments import parse_args, validate
 from sft.chat import IGNORE_INDEX
 from sft.errors import ConfigError
-from sft.packing import PackedCollator, best_fit_decreasing, check_packing_support, pack_dataset, split_row
+from sft.packing import PackedCollator, PaddingFreeCollator, best_fit_decreasing, pack_dataset, split_row
 
 
 def test_best_fit_decreasing_fills_bins_within_capacity():
@@ -35,35 +34,20 @@ def test_pack_dataset_rows_and_collator():
     for r in rows:  # position ids restart at every conversation start
         for c_start in [i for i, p in enumerate(r["position_ids"]) if p == 0]:
             assert r["input_ids"][c_start] % 10 == 0
-    batch = PackedCollator()(rows)
+    batch = PackedCollator(pad_token_id=7)(rows)
     assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention_mask: masking comes from positions
-    assert batch["input_ids"].shape == (1, 14) and batch["input_ids"].dtype == torch.int64
-    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
-    assert len(starts) == 4 and all(batch["labels"][0, s] == IGNORE_INDEX for s in starts)
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_attention_does_not_cross_conversations(tiny_model_dir, attn):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn).eval()
-    assert check_packing_support(model) == attn
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randint(0, 1000, (13,), generator=g).tolist(), torch.randint(0, 1000, (9,), generator=g).tolist()
-    other_a = torch.randint(1000, 2000, (17,), generator=g).tolist()  # different tokens and a different length
-
-    def b_logits(first, restart=True):
-        rows = [{"input_ids": first, "labels": first}, {"input_ids": b, "labels": b}]
-        batch = PackedCollator()([{**r, "position_ids": list(range(len(r["input_ids"])))} for r in rows])
-        pos = batch["position_ids"] if restart else torch.arange(len(first) + len(b))[None]
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"], position_ids=pos, use_cache=False).logits
-        return logits[0, len(first):]
-
-    with torch.no_grad():
-        alone = model(input_ids=torch.tensor([b]), use_cache=False).logits[0]
-    torch.testing.assert_close(b_logits(a), alone, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(b_logits(other_a), alone, rtol=1e-5, atol=1e-5)
-    # control: without restarting position ids the same row is one causal sequence and B sees A
-    assert (b_logits(a, restart=False) - b_logits(other_a, restart=False)).abs().max() > 1e-3
+    lengths = [len(r["input_ids"]) for r in rows]
+    # one row per packed row, padded to the longest row only (not flattened into [1, total])
+    assert batch["input_ids"].shape == (2, max(lengths)) and batch["input_ids"].dtype == torch.int64
+    for i, (r, n) in enumerate(zip(rows, lengths)):
+        assert batch["input_ids"][i, :n].tolist() == r["input_ids"]
+        assert batch["input_ids"][i, n:].tolist() == [7] * (max(lengths) - n)
+        # the padding is a document of its own: position ids restart at 0 there, labels -100
+        assert batch["position_ids"][i].tolist() == r["position_ids"] + list(range(max(lengths) - n))
+        assert batch["labels"][i, n:].tolist() == [IGNORE_INDEX] * (max(lengths) - n)
+        for s_, p in enumerate(r["position_ids"]):  # the first label of every conversation is -100, the rest kept
+            assert batch["labels"][i, s_].item() == (IGNORE_INDEX if p == 0 else r["labels"][s_])
+    assert min(lengths) < max(lengths)  # the check above did see padding
 
 
 def train_args(model_dir, data, out, *extra):
@@ -80,3 +64,25 @@ def train_args(model_dir, data, out, *extra):
 def test_packing_conflicts_are_reported(tiny_model_dir, toy_data, tmp_path, extra, msg):
     with pytest.raises(ConfigError, match=msg):
         train_args(tiny_model_dir, toy_data, tmp_path / "c", "--packing", "True", *extra)
+
+
+def test_packed_rows_count_the_same_supervised_tokens_as_padded_batches(qwen_tok, toy_data):
+    """The Trainer divides the summed loss by ``num_items_in_batch`` = labels[..., 1:] != -100 over the micro batches
+    of one optimizer step (and across ranks with average_tokens_across_devices): packed rows must count exactly the
+    padded batches' supervised tokens, so the loss is normalised as in the unpacked run."""
+    from sft.chat import encode_conversations
+    from sft.data import load_conversations
+    from sft.dataset import make_collator
+
+    tok, eot = qwen_tok
+    convs = [c.messages for c in load_conversations(toy_data, "error")]
+    samples = [{"input_ids": i, "labels": l} for i, l in encode_conversations(tok, convs, eot)]
+    ds, report = pack_dataset(samples, 96)
+    assert 1 < report.rows < len(samples)  # several conversations per row, several rows
+    packed = PackedCollator(tok.pad_token_id)(list(ds))
+    padded = make_collator(tok)(samples)
+    free = PaddingFreeCollator()(samples)  # --padding_free (the default): one row, no padding
+    assert free["input_ids"].shape == (1, sum(len(s["input_ids"]) for s in samples)) and "attention_mask" not in free
+    count = lambda b: int((b["labels"][..., 1:] != IGNORE_INDEX).sum())  # transformers 5.24 _get_num_items_in_batch
+    assert count(packed) == count(padded) == count(free) == sum(sum(x != IGNORE_INDEX for x in s["labels"]) for s in samples)
+    assert count(padded) > 0
