@@ -179,6 +179,13 @@ class TrainingArguments(transformers.TrainingArguments):
         metadata={"help": "Seconds from SIGTERM/SIGINT to a forced exit (code 75) if the current step and the "
                   "checkpoint have not finished by then; the last complete checkpoint is kept."},
     )
+    lm_head_supervised_only: bool = field(
+        default=True,
+        metadata={"help": "In training, compute the LM head and the loss only at supervised positions (labels not "
+                  "-100), in chunks of at most 2**27 logits (sft/loss.py): the same loss and gradients, less time and "
+                  "memory at large vocabularies. False: logits at every position (transformers' own loss). Models "
+                  "whose head is not a plain projection (e.g. logit soft-capping) always use the full path."},
+    )
     peak_tflops: Optional[float] = field(
         default=None,
         metadata={"help": "Peak TFLOP/s of one device, the denominator of the logged MFU (e.g. 989 for an H100 SXM "
