@@ -24,6 +24,7 @@ from typing import Optional
 import transformers
 
 from .errors import ConfigError
+from .precision import parse_bf16, resolve_bf16_flag
 
 
 @dataclass
@@ -179,13 +180,10 @@ class TrainingArguments(transformers.TrainingArguments):
         metadata={"help": "Seconds from SIGTERM/SIGINT to a forced exit (code 75) if the current step and the "
                   "checkpoint have not finished by then; the last complete checkpoint is kept."},
     )
-    lm_head_supervised_only: bool = field(
-        default=True,
-        metadata={"help": "In training, compute the LM head and the loss only at supervised positions (labels not "
-                  "-100), in chunks of at most 2**27 logits (sft/loss.py): the same loss and gradients, less time and "
-                  "memory at large vocabularies. False: logits at every position (transformers' own loss). Models "
-                  "whose head is not a plain projection (e.g. logit soft-capping) always use the full path."},
-    )
+    bf16: bool = field(default=False, metadata={"help": "Train in bfloat16: True, False (fp32) or auto (bf16 on a GPU "
+                       "with it or a CPU with avx512_bf16 / amx_bf16, else fp32; sft/precision.py)."})
+    lm_head_supervised_only: bool = field(default=True, metadata={"help": "Training: the LM head and loss only at "
+        "supervised positions (labels not -100), chunked (sft/loss.py); same loss and gradients. False: every position."})
     peak_tflops: Optional[float] = field(
         default=None,
         metadata={"help": "Peak TFLOP/s of one device, the denominator of the logged MFU (e.g. 989 for an H100 SXM "
@@ -194,6 +192,7 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self):
         """Qwen-era flag mapping and the DeepSpeed JSON pre-check (both pure), then one call into the runtime owner."""
+        resolve_bf16_flag(self)  # --bf16 auto -> True / False, before transformers reads the flag
         if self.evaluation_strategy is not None:
             self.eval_strategy = self.evaluation_strategy
         if self.warmup_ratio is not None and 0 <= self.warmup_ratio < 1:  # otherwise validate() reports it
@@ -397,6 +396,7 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
         raise ConfigError([f"{message}; see finetune.py -h (sft-train -h) for the flags"])
 
     parser.error = error
+    next(a for a in parser._actions if a.dest == "bf16").type = parse_bf16  # True / False / auto (sft.precision)
     if config_path is not None:
         argv = _yaml_to_argv(config_path, _read_yaml(config_path, extra), parser) + argv
     try:
