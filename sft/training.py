@@ -226,6 +226,8 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
         data_collator=collator, processing_class=tok, callbacks=callbacks,
         supervised_head=training_args.lm_head_supervised_only,
     )
+    if training_args.bf16_reason:
+        logger.info("--bf16 auto: %s (%s)", "bf16" if training_args.bf16 else "fp32", training_args.bf16_reason)
     if training_args.lm_head_supervised_only:
         logger.info("LM head and loss: %s", "at supervised positions only (--lm_head_supervised_only)"
                     if trainer.supervised_head else f"every position (model type '{getattr(model.config, 'model_type', '?')}' "
