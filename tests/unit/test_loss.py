@@ -39,7 +39,7 @@ def loss_and_grads(model, fn):
 
 
 def assert_same(model, inputs, num_items, max_logit_elements=MAX_LOGIT_ELEMENTS):
-    full = loss_and_grads(model, lambda: model(**inputs, num_items_in_batch=num_items).loss)
+    full = loss_and_grads(model, lambda: model(**inputs, num_items_in_batch=num_items, use_cache=False).loss)
     ours = loss_and_grads(model, lambda: compute_supervised_loss(model, inputs, num_items, model.get_output_embeddings(),
                                                                  max_logit_elements))
     assert ours[0].item() == pytest.approx(full[0].item(), rel=RTOL)
@@ -106,3 +106,15 @@ def test_models_with_a_processed_head_keep_the_full_path():
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     assert cfg.final_logit_softcapping  # logits = tanh(logits / c) * c after the head
     assert not supports_supervised_head(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+def test_packed_row_with_restarting_position_ids_equal():
+    """A padding-free packed row (transformers' DataCollatorWithFlattening: position_ids restart per conversation,
+    no attention_mask): the model's inputs pass through unchanged. The reference runs without a KV cache: with
+    transformers 5.24's default use_cache=True the packed conversations attend to each other (another loss)."""
+    model = tiny(tied=True, vocab=512)
+    b = batch(512)
+    features = [{"input_ids": b["input_ids"][i].tolist(), "labels": b["labels"][i].tolist()} for i in range(2)]
+    packed = transformers.DataCollatorWithFlattening(return_tensors="pt")(features)
+    assert "position_ids" in packed and "attention_mask" not in packed
+    assert_same(model, dict(packed), torch.tensor(21))
