@@ -192,7 +192,6 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self):
         """Qwen-era flag mapping and the DeepSpeed JSON pre-check (both pure), then one call into the runtime owner."""
-        resolve_bf16_flag(self)  # --bf16 auto -> True / False, before transformers reads the flag
         if self.evaluation_strategy is not None:
             self.eval_strategy = self.evaluation_strategy
         if self.warmup_ratio is not None and 0 <= self.warmup_ratio < 1:  # otherwise validate() reports it
@@ -246,6 +245,7 @@ class TrainingArguments(transformers.TrainingArguments):
         from .distributed.process_group import prepare_training_args
 
         prepare_training_args(self)
+        resolve_bf16_flag(self)  # --bf16 auto -> True / False, agreed by every rank, before transformers reads it
         super().__post_init__()
 
 

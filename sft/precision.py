@@ -1,10 +1,11 @@
 """``--bf16 auto``: bfloat16 where the machine computes it fast, float32 elsewhere.
 
 On CUDA: ``torch.cuda.is_bf16_supported()`` (Ampere and later). On CPU: the ``avx512_bf16`` or ``amx_bf16``
-instruction-set flag in ``/proc/cpuinfo`` (native bf16 dot products; without them PyTorch converts bf16 in
-software and a bf16 matmul can run at a few GFLOP/s, far below fp32). The decision reads only these flags, so
-every process of a job on the same kind of machine decides the same, and parsing stays free of measurements;
-the training log shows the measured matmul peak of the dtype chosen (:mod:`sft.callbacks`).
+instruction-set flag in ``/proc/cpuinfo`` (native bf16 dot products) and a measured probe that a bf16 matmul
+is at least as fast as fp32 (:func:`matmul_probe`, ~10 ms): machines of one kind with the flag have been seen
+to run bf16 at 1-2 GFLOP/s against ~160 in fp32. Under several processes the choice is agreed (bf16 only if
+every rank chose it), so one job never mixes precisions. The training log shows the choice, its reason and the
+measured matmul peak of the dtype used (:mod:`sft.callbacks`).
 """
 from __future__ import annotations
 
@@ -46,18 +47,69 @@ def auto_bf16(cuda: Optional[bool] = None, cpuinfo: str = "/proc/cpuinfo") -> tu
         ok = torch.cuda.is_bf16_supported()
         return ok, f"GPU {'supports' if ok else 'does not support'} bf16"
     found = sorted(cpu_flags(cpuinfo) & set(FAST_BF16_CPU_FLAGS))
-    if found:
-        return True, f"CPU has {', '.join(found)}"
-    return False, f"CPU has none of {', '.join(FAST_BF16_CPU_FLAGS)} (bf16 would be emulated): fp32"
+    if not found:
+        return False, f"CPU has none of {', '.join(FAST_BF16_CPU_FLAGS)} (bf16 would be emulated)"
+    fp32, bf16 = matmul_probe()
+    measured = f"{PROBE_N}x{PROBE_N} matmul: bf16 {bf16 / 1e9:.0f}, fp32 {fp32 / 1e9:.0f} GFLOP/s"
+    if bf16 < fp32:
+        return False, f"CPU has {', '.join(found)} but bf16 is slower than fp32 here ({measured})"
+    return True, f"CPU has {', '.join(found)}; {measured}"
+
+
+PROBE_N = 512
+
+
+def matmul_probe(n: int = PROBE_N, repeats: int = 5) -> tuple[float, float]:
+    """``(fp32, bf16)`` FLOP/s of the best of ``repeats`` square ``n x n`` CPU matmuls in each dtype (2 n^3 FLOPs
+    each; the best of several filters out other processes' load). A bf16 product slower than 20 fp32 ones stops
+    the bf16 timing after one (emulated bf16: up to ~0.3 s at n=512)."""
+    import time
+
+    import torch
+
+    def best(dtype, limit=float("inf")):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        torch.matmul(a, b)
+        out = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            out = min(out, time.perf_counter() - t0)
+            if out > limit:
+                break
+        return out
+
+    fp32 = best(torch.float32)
+    bf16 = best(torch.bfloat16, limit=20 * fp32)
+    return 2 * n ** 3 / fp32, 2 * n ** 3 / bf16
+
+
+def agree_across_ranks(use: bool) -> bool:
+    """Under an initialised gloo process group: True only if every rank has ``use`` True (an all-reduce MIN of one
+    integer); otherwise ``use``."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+        return use
+    flag = torch.tensor([int(use)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def resolve_bf16_flag(args) -> None:
-    """In ``TrainingArguments.__post_init__``: ``args.bf16`` from its parsed value (:func:`parse_bf16`); ``auto``
+    """In ``TrainingArguments.__post_init__``, after the process group starts: ``args.bf16`` from its parsed value (:func:`parse_bf16`); ``auto``
     decided by :func:`auto_bf16` (False when ``--fp16 True`` is given). Keeps ``args.bf16_requested`` (the value
     as given, reported by :func:`sft.validation.validate` when it is none of True / False / auto) and
     ``args.bf16_reason`` (why auto chose, else None)."""
     args.bf16_requested, args.bf16_reason = parse_bf16(args.bf16), None
     if args.bf16_requested == "auto":
-        args.bf16, args.bf16_reason = (False, "--fp16 True given") if args.fp16 else auto_bf16()
+        if args.fp16 or getattr(args, "fp16_requested_without_cuda", False):
+            args.bf16, args.bf16_reason = False, "--fp16 True given"
+        else:
+            use, args.bf16_reason = auto_bf16()
+            args.bf16 = agree_across_ranks(use)
+            if use and not args.bf16:
+                args.bf16_reason += "; another rank chose fp32"
     else:
         args.bf16 = args.bf16_requested if isinstance(args.bf16_requested, bool) else False
