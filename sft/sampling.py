@@ -39,7 +39,7 @@ class Trainer(transformers.Trainer):
 
     Args:
         supervised_head: use :func:`sft.loss.compute_supervised_loss` for training steps when the model has a plain
-            LM head (:func:`sft.loss.supports_supervised_head`); evaluation, label smoothing and a
+            LM head (:func:`sft.loss.supports_supervised_head`) and FSDP is off; evaluation, label smoothing and a
             ``compute_loss_func`` keep the Trainer's own loss.
         **kwargs: ``transformers.Trainer``'s.
     """
@@ -48,7 +48,9 @@ class Trainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         from .loss import supports_supervised_head
 
-        self.supervised_head = bool(supervised_head) and supports_supervised_head(self.model)
+        # Not under FSDP2: the head module runs outside the root module's forward, where FSDP2 has resharded its
+        # weight again (measured here: the 2-process FSDP2 run died with SIGSEGV); FSDP keeps the full path.
+        self.supervised_head = bool(supervised_head) and supports_supervised_head(self.model) and not self.is_fsdp_enabled
         self.supervised_counter = None  # set by sft.callbacks.install: counts the supervised targets it sees
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
