@@ -52,13 +52,16 @@ def main() -> int:
     counts = {"real": 0, "total": 0, "supervised": 0}
     per_step, times = [], []
 
-    def count_batch(module, args, kwargs):  # forward pre-hook: sees exactly the batches of each step
-        mask, labels = kwargs.get("attention_mask"), kwargs["labels"]
+    training_step = trainer.training_step
+
+    def count_batch(model, inputs, *rest, **kw):  # every micro batch of each step, before the model sees it
+        mask, labels = inputs.get("attention_mask"), inputs["labels"]
         if mask is None:  # --packing: one padding-free row, every token real
-            mask = torch.ones_like(kwargs["input_ids"])
+            mask = torch.ones_like(inputs["input_ids"])
         counts["real"] += int(mask.sum())
         counts["total"] += mask.numel()
         counts["supervised"] += int((labels != -100).sum())
+        return training_step(model, inputs, *rest, **kw)
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -68,7 +71,7 @@ def main() -> int:
             times.append(time.perf_counter() - self.t0)
             per_step.append({key: counts[key] - self.c0[key] for key in counts})
 
-    trainer.model.register_forward_pre_hook(count_batch, with_kwargs=True)
+    trainer.training_step = count_batch
     trainer.add_callback(Timer())
     trainer.train()
     if len(times) < 2:

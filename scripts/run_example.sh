@@ -17,7 +17,7 @@ MERGED="$ROOT/output/example-merged"
 bash finetune/finetune_lora_single_gpu.sh -m "$EX/smollm2-135m-instruct" -d "$EX/chitchat.jsonl" \
   --output_dir "$OUT" --overwrite_output_dir True --max_steps 16 --per_device_train_batch_size 4 \
   --gradient_accumulation_steps 1 --model_max_length 256 --lora_r 16 --lora_alpha 32 --learning_rate 2e-4 \
-  --gradient_checkpointing False --save_strategy no --logging_steps 4 --disable_tqdm True "$@"
+  --gradient_checkpointing False --save_strategy no --logging_steps 4 --disable_tqdm True --bf16 auto "$@"
 "$PY" scripts/merge_adapter.py "$OUT" "$MERGED" --overwrite
 PROMPT="Hi! How was your weekend?"
 echo

@@ -24,6 +24,7 @@ from typing import Optional
 import transformers
 
 from .errors import ConfigError
+from .precision import parse_bf16, resolve_bf16_flag
 
 
 @dataclass
@@ -187,6 +188,10 @@ class TrainingArguments(transformers.TrainingArguments):
         metadata={"help": "Seconds from SIGTERM/SIGINT to a forced exit (code 75) if the current step and the "
                   "checkpoint have not finished by then; the last complete checkpoint is kept."},
     )
+    bf16: bool = field(default=False, metadata={"help": "Train in bfloat16: True, False (fp32) or auto (bf16 on a GPU "
+                       "with it or a CPU with avx512_bf16 / amx_bf16, else fp32; sft/precision.py)."})
+    lm_head_supervised_only: bool = field(default=True, metadata={"help": "Training: the LM head and loss only at "
+        "supervised positions (labels not -100), chunked (sft/loss.py); same loss and gradients. False: every position."})
     peak_tflops: Optional[float] = field(
         default=None,
         metadata={"help": "Peak TFLOP/s of one device, the denominator of the logged MFU (e.g. 989 for an H100 SXM "
@@ -248,6 +253,7 @@ class TrainingArguments(transformers.TrainingArguments):
         from .distributed.process_group import prepare_training_args
 
         prepare_training_args(self)
+        resolve_bf16_flag(self)  # --bf16 auto -> True / False, agreed by every rank, before transformers reads it
         super().__post_init__()
 
 
@@ -398,6 +404,7 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
         raise ConfigError([f"{message}; see finetune.py -h (sft-train -h) for the flags"])
 
     parser.error = error
+    next(a for a in parser._actions if a.dest == "bf16").type = parse_bf16  # True / False / auto (sft.precision)
     if config_path is not None:
         argv = _yaml_to_argv(config_path, _read_yaml(config_path, extra), parser) + argv
     try:

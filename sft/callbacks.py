@@ -9,7 +9,9 @@ each logging step, adds to the Trainer's log line (console, ``trainer_state.json
   DDP every rank computes a similar share), over the wall time since the previous log line;
 * ``padding_ratio`` -- pad tokens / all tokens in the window's batches (0 with ``--packing``);
 * ``mfu`` -- model FLOP utilization: :func:`model_flops_per_token` x real tokens/s / peak FLOP/s of the
-  device (``--peak_tflops``, else measured once with :func:`measure_matmul_peak`);
+  device (``--peak_tflops``, else measured once with :func:`measure_matmul_peak` in the training dtype);
+  with the LM head only at supervised positions (:mod:`sft.loss`) the head's FLOPs count per supervised
+  target instead of per token;
 * ``peak_mem_gib`` -- peak resident set size of the process on CPU, ``torch.cuda.max_memory_allocated``
   on CUDA (GiB = 2**30 bytes);
 * ``eta_s`` -- seconds left: remaining optimizer steps x the window's seconds per step.
@@ -68,6 +70,13 @@ def model_flops_per_token(model: torch.nn.Module) -> int:
     """Training FLOPs per token: ``4 * N_frozen + 6 * N_trainable`` over linear weights (module docstring)."""
     frozen, trainable = linear_weight_counts(model)
     return 4 * frozen + 6 * trainable
+
+
+def head_flops_per_token(model: torch.nn.Module) -> int:
+    """The LM head's share of :func:`model_flops_per_token` (``model.get_output_embeddings()`` and its adapter
+    layers, if any); 0 for a model without one."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    return model_flops_per_token(head) if isinstance(head, torch.nn.Module) else 0
 
 
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
@@ -173,8 +182,16 @@ class TokenCounter:
             pad_id = getattr(getattr(module, "config", None), "pad_token_id", None)
             real = ids.numel() - packed_padding(ids, kwargs.get("position_ids"), pad_id)
         sup = (labels != -100).sum() if labels is not None else torch.zeros((), device=ids.device, dtype=torch.long)
-        new = torch.stack([real.long(), torch.tensor(ids.numel(), device=ids.device), sup.long()])
-        self._counts = new if self._counts is None else self._counts + new
+        self._add(torch.stack([real.long(), torch.tensor(ids.numel(), device=ids.device), sup.long()]))
+
+    def _add(self, new: torch.Tensor) -> None:
+        self._counts = new if self._counts is None else self._counts + new.to(self._counts.device)
+
+    def add_supervised(self, shift_labels: torch.Tensor) -> None:
+        """Count the supervised targets (``shift_labels != -100``) of a training forward that was called without
+        ``labels`` (the supervised-only LM head, :mod:`sft.loss`)."""
+        sup = (shift_labels != -100).sum().long()
+        self._add(torch.stack([torch.zeros_like(sup), torch.zeros_like(sup), sup]))
 
     def take(self) -> dict:
         """Counts since the last call: ``{"real", "total", "supervised"}`` (ints); resets them."""
@@ -190,12 +207,15 @@ class ThroughputCallback(TrainerCallback):
         model: the model the Trainer trains (tokens are counted by a forward pre-hook on it).
         peak_flops: the device's peak FLOP/s for MFU; ``None`` measures a matmul peak at train start.
         dtype: compute dtype used for the measured peak (bf16 when training in bf16).
+        supervised_head: the LM head runs only at supervised positions (:mod:`sft.loss`): its FLOPs
+            (:func:`head_flops_per_token`) count per supervised target, the rest per real token.
     """
 
     def __init__(self, model: torch.nn.Module, peak_flops: Optional[float] = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, supervised_head: bool = False):
         self.counter = TokenCounter().attach(model)
         self.flops_per_token = model_flops_per_token(model)
+        self.head_flops = head_flops_per_token(model) if supervised_head else 0
         self.peak_flops, self.dtype = peak_flops, dtype
         self.peak_source = "--peak_tflops" if peak_flops else None
         self.device = None
@@ -226,7 +246,8 @@ class ThroughputCallback(TrainerCallback):
         out = {"real_tokens_per_s": rate, "padding_ratio": 1 - c["real"] / max(1, c["total"]),
                "peak_mem_gib": mem / GIB, "eta_s": max(0, state.max_steps - state.global_step) * seconds / steps}
         if self.peak_flops:
-            out["mfu"] = self.flops_per_token * rate / self.peak_flops
+            flops = (self.flops_per_token - self.head_flops) * c["real"] + self.head_flops * c["supervised"]
+            out["mfu"] = flops / seconds / self.peak_flops
         self.last = {**out, "seconds": seconds, "steps": steps, "memory_kind": kind, **c}
         self.windows.append(self.last)
         return out
@@ -295,6 +316,9 @@ def install(trainer, peak_tflops: Optional[float] = None) -> ThroughputCallback:
     """Add a :class:`ThroughputCallback` to ``trainer`` ahead of the reporters, so that its figures reach the
     console printer and TensorBoard in the same log line. Returns the callback."""
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else torch.float32
-    cb = ThroughputCallback(trainer.model, peak_tflops * 1e12 if peak_tflops else None, dtype)
+    supervised_head = bool(getattr(trainer, "supervised_head", False))
+    cb = ThroughputCallback(trainer.model, peak_tflops * 1e12 if peak_tflops else None, dtype, supervised_head)
+    if supervised_head:
+        trainer.supervised_counter = cb.counter
     trainer.callback_handler.callbacks.insert(0, cb)  # on_log runs in list order
     return cb

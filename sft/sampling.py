@@ -33,8 +33,43 @@ class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
 
 
 class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` with an epoch-seeded length-grouped sampler (see the module docstring), and
-    FSDP2 on CPU process groups (:func:`sft.distributed.process_group.enable_fsdp`)."""
+    """``transformers.Trainer`` with an epoch-seeded length-grouped sampler (see the module docstring), FSDP2 on
+    CPU process groups (:func:`sft.distributed.process_group.enable_fsdp`), and, in training with
+    ``supervised_head`` on, the LM head and loss at supervised positions only (:mod:`sft.loss`).
+
+    Args:
+        supervised_head: use :func:`sft.loss.compute_supervised_loss` for training steps when the model has a plain
+            LM head (:func:`sft.loss.supports_supervised_head`) and FSDP is off; evaluation, label smoothing and a
+            ``compute_loss_func`` keep the Trainer's own loss.
+        **kwargs: ``transformers.Trainer``'s.
+    """
+
+    def __init__(self, *args, supervised_head: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        from .loss import supports_supervised_head
+
+        # Not under FSDP2: the head module runs outside the root module's forward, where FSDP2 has resharded its
+        # weight again (measured here: the 2-process FSDP2 run died with SIGSEGV); FSDP keeps the full path.
+        self.supervised_head = bool(supervised_head) and supports_supervised_head(self.model) and not self.is_fsdp_enabled
+        self.supervised_counter = None  # set by sft.callbacks.install: counts the supervised targets it sees
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # transformers 5.24 Trainer.compute_loss(model, inputs, return_outputs, num_items_in_batch) with a causal LM
+        # that accepts loss kwargs: model(**inputs, num_items_in_batch=...) -> sum / num_items_in_batch, then
+        # x num_processes under average_tokens_across_devices. The same normalisation here, the head only where
+        # labels are.
+        if (not self.supervised_head or return_outputs or not model.training or self.label_smoother is not None
+                or self.compute_loss_func is not None or "labels" not in inputs):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        from .loss import compute_supervised_loss, shifted_labels
+
+        if self.supervised_counter is not None:
+            self.supervised_counter.add_supervised(shifted_labels(inputs))
+        loss = compute_supervised_loss(model, inputs, num_items_in_batch if self.model_accepts_loss_kwargs else None,
+                                       head=self.model.get_output_embeddings())
+        if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu)
+        return loss
 
     def create_accelerator_and_postprocess(self):
         # transformers 5.24 calls this from __init__; the checks that follow in __init__ read is_fsdp_enabled,

@@ -247,7 +247,14 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=collator, processing_class=tok, callbacks=callbacks,
+        supervised_head=training_args.lm_head_supervised_only,
     )
+    if training_args.bf16_reason:
+        logger.info("--bf16 auto: %s (%s)", "bf16" if training_args.bf16 else "fp32", training_args.bf16_reason)
+    if training_args.lm_head_supervised_only:
+        logger.info("LM head and loss: %s", "at supervised positions only (--lm_head_supervised_only)"
+                    if trainer.supervised_head else "every position (FSDP)" if trainer.is_fsdp_enabled else
+                    f"every position (model type '{getattr(model.config, 'model_type', '?')}' has no plain LM head, see sft/loss.py)")
     install_throughput_callback(trainer, training_args.peak_tflops)
     log_run_shape(training_args.world_size, training_args.per_device_train_batch_size,
                   training_args.gradient_accumulation_steps, len(train_ds), training_args.max_steps,

@@ -156,6 +156,8 @@ def _check_training(t) -> list[str]:
         p.append(f"--seed {t.seed}: must be in [0, 2**32)")
     if t.peak_tflops is not None and not (math.isfinite(t.peak_tflops) and t.peak_tflops > 0):
         p.append(f"--peak_tflops {t.peak_tflops}: must be a positive number of TFLOP/s (or leave it unset to measure)")
+    if not isinstance(t.bf16_requested, bool) and t.bf16_requested != "auto":
+        p.append(f"--bf16 {t.bf16_requested}: must be True, False or auto (bf16 where the machine computes it fast)")
     if t.fp16_requested_without_cuda:
         p.append("--fp16 True: fp16 training needs a CUDA GPU and none is visible; on CPU use --bf16 True or "
                  "leave both off (fp32)")

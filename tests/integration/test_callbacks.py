@@ -6,7 +6,7 @@ import glob
 import pytest
 
 from sft.arguments import parse_args, validate
-from sft.callbacks import ThroughputCallback, model_flops_per_token
+from sft.callbacks import ThroughputCallback, head_flops_per_token, model_flops_per_token
 from sft.training import build_trainer
 
 
@@ -27,7 +27,7 @@ def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data,
 
     def counting(features):  # independent count: what the collator hands the model
         b = collate(features)
-        batches.append((int(b["attention_mask"].sum()), b["attention_mask"].numel()))
+        batches.append((int(b["attention_mask"].sum()), b["attention_mask"].numel(), int((b["labels"][:, 1:] != -100).sum())))
         return b
 
     trainer.data_collator = counting
@@ -35,14 +35,20 @@ def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data,
     wins = cb.windows
     assert len(wins) == 2 and [w["steps"] for w in wins] == [2, 2]
     used = batches[:4]  # 4 steps of one micro batch; the data loader may have prefetched one more
-    assert sum(w["real"] for w in wins) == sum(r for r, _ in used)
-    assert sum(w["total"] for w in wins) == sum(t for _, t in used)
-    assert sum(r for r, _ in used) < sum(t for _, t in used)  # the toy batches are padded
+    assert sum(w["real"] for w in wins) == sum(b[0] for b in used)
+    assert sum(w["total"] for w in wins) == sum(b[1] for b in used)
+    assert sum(w["supervised"] for w in wins) == sum(b[2] for b in used)  # targets: labels shifted by one
+    assert sum(b[0] for b in used) < sum(b[1] for b in used)  # the toy batches are padded
     logged = [h for h in trainer.state.log_history if "loss" in h]
+    # the LM head runs only at supervised targets (the default --lm_head_supervised_only): its FLOPs count there
+    assert trainer.supervised_head
+    head = head_flops_per_token(trainer.model)
+    assert 0 < head < model_flops_per_token(trainer.model)
     for w, h in zip(wins, logged):
         assert h["real_tokens_per_s"] == pytest.approx(w["real"] / w["seconds"])
         assert h["padding_ratio"] == pytest.approx(1 - w["real"] / w["total"])
-        assert h["mfu"] == pytest.approx(model_flops_per_token(trainer.model) * h["real_tokens_per_s"] / 2e9)
+        flops = (model_flops_per_token(trainer.model) - head) * w["real"] + head * w["supervised"]
+        assert h["mfu"] == pytest.approx(flops / w["seconds"] / 2e9)
         assert 0.01 < h["peak_mem_gib"] < 64
     assert logged[-1]["eta_s"] == 0 and logged[0]["eta_s"] > 0
     assert "real_tokens_per_s" in capsys.readouterr().out  # the console log line carries the figures

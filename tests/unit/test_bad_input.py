@@ -300,6 +300,8 @@ CONFIG_CORPUS = [
     ("output-dir-not-empty", ["--output_dir", "{d}/only_config"], {}, 2, "the folder is not empty"),
     ("fp16-on-cpu", ["--fp16", "True"], {}, 2, "fp16 training needs a CUDA GPU"),
     ("fp16-and-bf16", ["--fp16", "True", "--bf16", "True"], {}, 2, "choose one precision"),
+    ("bf16-bad-value", ["--bf16", "maybe"], {}, 2, "--bf16 maybe: must be True, False or auto"),
+    ("bf16-bad-value-yaml", ["--config", "{d}/p.yaml"], {"p.yaml": "bf16: fast\n"}, 2, "--bf16 fast: must be True, False"),
     ("lora-flags-without-lora", ["--lora_target_modules", "q_proj"], {}, 2, "only apply with --use_lora True"),
     ("lora-rank-0", ["--use_lora", "True", "--lora_r", "0"], {}, 2, "--lora_r 0: the LoRA rank must be a positive"),
     ("lora-dropout-1", ["--use_lora", "True", "--lora_dropout", "1.5"], {}, 2, "--lora_dropout 1.5: must be in [0, 1)"),
