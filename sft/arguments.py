@@ -113,21 +113,16 @@ class DataArguments:
     eval_split_seed: int = field(
         default=0, metadata={"help": "Seed of the --eval_split_ratio choice (independent of --seed)."}
     )
-    packing: bool = field(
-        default=False,
-        metadata={"help": "Pack several conversations into each row of up to --model_max_length tokens (best-fit "
-                  "decreasing); position ids restart per conversation and attention never crosses conversations. "
-                  "--per_device_train_batch_size then counts rows. Non-packing alternative: --group_by_length True."},
-    )
-    padding_free: bool = field(
-        default=True,
-        metadata={"help": "Without --packing: lay each micro batch's samples end to end in one row with no padding "
-                  "(position ids restart per sample, attention per sample without a mask); the same samples, order "
-                  "and loss as padding them. False: pad each micro batch to its longest sample (dynamic padding, "
-                  "for comparison). Falls back to padding, with a log line, when the model's attention cannot "
-                  "keep samples apart without a mask."},
-    )
-
+    packing: bool = field(default=False, metadata={
+        "help": "Pack several conversations into each row of up to --model_max_length tokens (best-fit decreasing); "
+                "position ids restart per conversation and attention never crosses conversations. "
+                "--per_device_train_batch_size then counts rows. Non-packing alternative: --group_by_length True."})
+    padding_free: bool = field(default=True, metadata={
+        "help": "Without --packing: lay each micro batch's samples end to end in one row with no padding (position "
+                "ids restart per sample, attention per sample without a mask); the same samples, order and loss as "
+                "padding them. False: pad each micro batch to its longest sample (dynamic padding, for comparison). "
+                "Falls back to padding, with a log line, when the model's attention cannot keep samples apart "
+                "without a mask."})
 
     @property
     def long_conversations_mode(self) -> str:
