@@ -15,6 +15,11 @@ outcomes print:
   worker's own output is, and the exit code is the worker's (128 + the signal number for a worker ended by
   a signal), so a scheduler sees the worker's code.
 
+- The exit barrier broken off (torch 2.13's agent logs "Error waiting on exit barrier" with a traceback when
+  the rendezvous store, served by the master node's launcher, closed while this node's launcher still waited
+  on it at the end of a run: a race at every multi-node end): one line instead, saying that this node's
+  workers had finished, so their result stands.
+
 Every other outcome (success, a bad flag) is torchrun's own, unchanged.
 """
 from __future__ import annotations
@@ -35,6 +40,19 @@ _PROCS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 def _not_failed_report(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("failed (exitcode")
+
+
+def _exit_barrier_line(record: logging.LogRecord) -> bool:
+    """The agent's "Error waiting on exit barrier" record as one line, without its traceback."""
+    if str(record.msg).startswith("Error waiting on exit barrier") and record.exc_info:
+        err = record.exc_info[1]
+        first = str(err).splitlines()[0][:200] if str(err) else ""
+        record.msg = ("torchrun: the exit barrier with the other nodes' launchers broke off (%s: %s): the "
+                      "rendezvous store on the master node had closed, its launcher already gone; this node's "
+                      "workers had finished, so their result stands")
+        record.args = (type(err).__name__, first)
+        record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _log_location(argv: list[str]) -> str:
@@ -99,6 +117,7 @@ def _run(argv: Optional[list[str]]) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     logging.getLogger(_AGENT_LOGGER).setLevel(logging.ERROR)
+    logging.getLogger(_AGENT_LOGGER).addFilter(_exit_barrier_line)
     logging.getLogger(_PROCS_LOGGER).addFilter(_not_failed_report)
     try:
         run.main(argv)

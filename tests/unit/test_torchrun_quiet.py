@@ -79,3 +79,35 @@ def test_worker_ended_by_a_signal_gives_128_plus_the_signal():
     assert code == 128 + 9
     assert line == ("torchrun: global rank 2 (local rank 0 on this node, pid 42) was ended by SIGKILL; "
                     "its output is under /logs (torchrun's --log-dir) and above in this log")
+
+
+def test_broken_exit_barrier_is_one_line_without_a_traceback(monkeypatch):
+    """torch 2.13's agent logs "Error waiting on exit barrier" with logger.exception when the master's store
+    closes while this node's agent still waits at the end of a run (seen in a real 3-node SLURM job log)."""
+    from torch.distributed import DistNetworkError, run
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(logging.Formatter("%(levelname)s %(message)s").format(record))
+
+    agent = logging.getLogger(torchrun._AGENT_LOGGER)
+    keep = Keep()
+    agent.addHandler(keep)
+
+    def finished_then_barrier_breaks(argv):
+        try:
+            raise DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.\nmore")
+        except DistNetworkError:
+            agent.exception("Error waiting on exit barrier. Elapsed: %s seconds", 0.004)
+
+    monkeypatch.setattr(run, "main", finished_then_barrier_breaks)
+    try:
+        assert torchrun.main(["x.py"]) == 0
+    finally:
+        agent.removeHandler(keep)
+        agent.removeFilter(torchrun._exit_barrier_line)
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert "exit barrier" in lines[0] and "DistNetworkError: Failed to recv, got 0 bytes" in lines[0]
+    assert "their result stands" in lines[0] and "more" not in lines[0]
