@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import Callable, Optional, Sequence
 
-from .errors import PREEMPTED_EXIT_CODE, SFTError
+from .errors import PREEMPTED_EXIT_CODE, SFTError, report_exit_code
 
 
 def debug_enabled() -> bool:
@@ -60,13 +60,7 @@ def report(err: SFTError) -> int:
     """Print ``err`` the policy's way and return its exit code. The code is also appended to the file named by
     ``SFT_EXIT_CODE_FILE`` (set by finetune/launch.sh), which tells a preempted rank (75) from one that failed
     on its own (e.g. 1, a lost peer) when torchrun replaces the workers' codes with its own."""
-    path = os.environ.get("SFT_EXIT_CODE_FILE")
-    if path:
-        try:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(f"{err.exit_code}\n")
-        except OSError:
-            pass
+    report_exit_code(err.exit_code)
     label = "preempted" if err.exit_code == PREEMPTED_EXIT_CODE else "error"
     print(f"{rank_prefix()}{label}: {user_message(err)}", file=sys.stderr, flush=True)
     return err.exit_code

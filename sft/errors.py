@@ -6,6 +6,8 @@ with :attr:`SFTError.exit_code`; set ``SFT_DEBUG=1`` to see the traceback as wel
 """
 from __future__ import annotations
 
+import os
+
 
 class SFTError(Exception):
     """An error the user can fix. ``str(err)`` is the complete message shown to the user."""
@@ -69,3 +71,17 @@ PREEMPTED_EXIT_CODE = 75
 # Exit code when another process of the job went away or a collective timed out (torchrun's own code for a
 # failed worker, so schedulers treat it as an ordinary failure).
 PEER_LOST_EXIT_CODE = 1
+
+
+def report_exit_code(code: int, who: str = "") -> None:
+    """Append ``[who ]code`` as a line to the file named by ``SFT_EXIT_CODE_FILE`` (set by finetune/launch.sh),
+    so that the launcher knows each process's code even when torchrun replaces the workers' codes with its own
+    or bash's ``wait`` loses one (a signal arriving as the child exits). Nothing when the variable is unset;
+    a file that cannot be written is ignored (the exit code itself is unchanged)."""
+    path = os.environ.get("SFT_EXIT_CODE_FILE")
+    if path:
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"{who + ' ' if who else ''}{code}\n")
+        except OSError:
+            pass

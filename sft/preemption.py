@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 
 from transformers import TrainerCallback
 
-from .errors import PREEMPTED_EXIT_CODE, SFTError
+from .errors import PREEMPTED_EXIT_CODE, SFTError, report_exit_code
 
 logger = logging.getLogger("sft")
 
@@ -153,13 +153,3 @@ def request_stop(signum: int = signal.SIGTERM) -> bool:
     return True
 
 
-def report_exit_code(code: int) -> None:
-    """Write ``code`` to the file named by ``SFT_EXIT_CODE_FILE`` (set by finetune/launch.sh), so that the
-    launcher can exit with it even when torchrun replaces the workers' codes with its own."""
-    path = os.environ.get("SFT_EXIT_CODE_FILE")
-    if path:
-        try:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(f"{code}\n")
-        except OSError:
-            pass

@@ -25,10 +25,11 @@ Every other outcome (success, a bad flag) is torchrun's own, unchanged.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 from typing import Optional
+
+from ..errors import report_exit_code
 
 # torch 2.13: the agent logs its "Received N death signal, shutting down workers" on this logger, then
 # re-raises SignalException (torch.distributed.elastic.multiprocessing.api) out of torchrun's main().
@@ -88,16 +89,6 @@ def failure_line(err, argv: list[str]) -> tuple[str, int]:
     return line, code
 
 
-def _report(code: int) -> None:
-    """Append ``torchrun CODE`` to the file named by ``SFT_EXIT_CODE_FILE`` (finetune/launch.sh's): the
-    launcher's ``wait`` can lose a child's code when a signal arrives as the child exits."""
-    path = os.environ.get("SFT_EXIT_CODE_FILE")
-    if path:
-        try:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(f"torchrun {code}\n")
-        except OSError:
-            pass
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -106,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ``torchrun CODE`` to ``SFT_EXIT_CODE_FILE`` when that is set. Raises SystemExit as torchrun does for bad
     arguments."""
     code = _run(argv)
-    _report(code)
+    report_exit_code(code, "torchrun")
     return code
 
 
