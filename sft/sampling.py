@@ -65,8 +65,11 @@ class Trainer(transformers.Trainer):
 
         if self.supervised_counter is not None:
             self.supervised_counter.add_supervised(shifted_labels(inputs))
-        loss = compute_supervised_loss(model, inputs, num_items_in_batch if self.model_accepts_loss_kwargs else None,
-                                       head=self.model.get_output_embeddings())
+        # The head runs outside the model's forward, which accelerate wraps in its mixed-precision autocast (bf16 on
+        # CPU: bf16 base weights, fp32 LoRA adapters): the same autocast here, or F.linear meets fp32 x bf16.
+        with self.accelerator.autocast():
+            loss = compute_supervised_loss(model, inputs, num_items_in_batch if self.model_accepts_loss_kwargs else None,
+                                           head=self.model.get_output_embeddings())
         if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu)
         return loss

@@ -118,3 +118,30 @@ def test_packed_row_with_restarting_position_ids_equal():
     packed = transformers.DataCollatorWithFlattening(return_tensors="pt")(features)
     assert "position_ids" in packed and "attention_mask" not in packed
     assert_same(model, dict(packed), torch.tensor(21))
+
+
+def test_trainer_step_in_bf16_with_fp32_lora_adapters_equals_the_full_head(tmp_path):
+    """--bf16 on CPU (the README example with --bf16 auto): bf16 base weights, fp32 LoRA adapters (peft's default),
+    accelerate's autocast around the model's forward. The head, run outside that forward, must be under the same
+    autocast: the first step's loss equals the full head's within bf16 rounding (relative 2e-2)."""
+    import datasets
+    import peft
+
+    from sft.sampling import Trainer
+
+    inputs = batch(512)
+    rows = datasets.Dataset.from_dict({k: v.tolist() for k, v in inputs.items()})
+    losses = {}
+    for supervised in (True, False):
+        model = peft.get_peft_model(tiny(tied=True).to(torch.bfloat16),
+                                    peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        assert next(p for n, p in model.named_parameters() if "lora_A" in n).dtype == torch.float32
+        args = transformers.TrainingArguments(str(tmp_path / str(supervised)), bf16=True, use_cpu=True, max_steps=1,
+                                              per_device_train_batch_size=2, learning_rate=1e-3, report_to=[],
+                                              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, supervised_head=supervised,
+                          data_collator=lambda feats: {k: torch.tensor([f[k] for f in feats]) for k in feats[0]})
+        assert trainer.supervised_head is supervised
+        trainer.train()
+        losses[supervised] = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2)
