@@ -27,9 +27,13 @@ def test_flag_without_fast_bf16_means_fp32(tmp_path, monkeypatch):
     assert use is False and "slower than fp32" in why and "bf16 1, fp32 159 GFLOP/s" in why
 
 
-def test_probe_measures_both_dtypes():
+def test_probe_measures_both_dtypes_and_leaves_the_global_rng_alone():
+    import torch
+
+    state = torch.get_rng_state()
     fp32, bf16 = precision.matmul_probe(n=64, repeats=2)
-    assert fp32 > 0 and bf16 > 0
+    assert 0 < fp32 < float("inf") and 0 < bf16 < float("inf")
+    assert torch.equal(state, torch.get_rng_state())  # LoRA init and dropout draw from it after the probe
 
 
 def test_ranks_agree_through_the_process_group(tmp_path):
