@@ -12,6 +12,7 @@ import pytest
 
 from sft import checkpoint as ck
 from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.files import flip_byte
 from tests.helpers.paths import ROOT, pythonpath_env
 
 STEPS = 3  # a checkpoint after every step: two can be damaged and one is left to fall back to
@@ -35,12 +36,6 @@ def reference(tiny_model_dir, tmp_path_factory):
     return data, base / "ref", (base / "ref" / "adapter_model.safetensors").read_bytes()
 
 
-def flip_byte(path, offset=1000):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_damaged_checkpoints_named_are_refused_and_auto_falls_back_to_the_same_result(reference, tiny_model_dir,
@@ -48,7 +43,7 @@ def test_damaged_checkpoints_named_are_refused_and_auto_falls_back_to_the_same_r
     data, ref, adapter = reference
     out = tmp_path / "out"
     shutil.copytree(ref, out)
-    flip_byte(out / "checkpoint-3" / "adapter_model.safetensors")
+    flip_byte(out / "checkpoint-3" / "adapter_model.safetensors", offset=1000)
     os.truncate(out / "checkpoint-2" / "optimizer.pt", os.path.getsize(out / "checkpoint-2" / "optimizer.pt") // 2)
     named = train(tiny_model_dir, data, out, "--resume_from_checkpoint", str(out / "checkpoint-3"))
     assert named.returncode == 2, named.stderr[-3000:]

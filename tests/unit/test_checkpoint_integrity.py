@@ -12,6 +12,7 @@ import pytest
 
 from sft import checkpoint as ck
 from sft import integrity
+from tests.helpers.files import flip_byte
 
 
 def fake_checkpoint(out, step, ranks=1, complete=True):
@@ -27,12 +28,6 @@ def fake_checkpoint(out, step, ranks=1, complete=True):
     return str(path)
 
 
-def flip_byte(path, offset=100):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def truncate(path, by=1):
