@@ -11,6 +11,11 @@
 #   NPROC_PER_NODE processes per node on a machine without GPUs (default 1)
 #   RDZV_TIMEOUT   seconds to wait for all nodes to join (600); a lost node during training is waited
 #                  for --ddp_timeout seconds (600 here for several processes)
+#   Elastic job (docs/multi-node.md "Elastic jobs"): NNODES=MIN:MAX, e.g. 2:3, on every node; NODE_RANK is
+#   then given by the rendezvous, and the host that owns MASTER_ADDR serves it (it must not be lost).
+#   MAX_RESTARTS   restarts of the worker group after a failure (3); each resumes from the newest
+#                  verified checkpoint, at the world size of the nodes still there
+#   RDZV_ID        the job's rendezvous id, the same on every node (SLURM_JOB_ID or PBS_JOBID, else sft)
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  network interface (default for gloo: the route to MASTER_ADDR)
 #   SFT_PREFLIGHT=0 (or --no_preflight) skips the node rendezvous and the cross-node input comparison
 #   PYTHON       interpreter with the sft package installed (default: the repository's .venv if present,
@@ -55,7 +60,8 @@ NGPU=0
 if command -v nvidia-smi >/dev/null 2>&1; then NGPU="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"; fi
 # The env contract is parsed and checked in one place, sft/distributed/contract.py (shared with the training
 # processes; stdlib only); it prints this node's start line on stderr and shell assignments on stdout:
-# NNODES NODE_RANK MASTER_ADDR MASTER_PORT NPROC DEVICE RDZV_TIMEOUT WORLD (+ export GLOO_SOCKET_IFNAME).
+# NNODES NODE_RANK MASTER_ADDR MASTER_PORT NPROC DEVICE RDZV_TIMEOUT WORLD ELASTIC MIN_NODES MAX_NODES
+# MAX_RESTARTS RDZV_ID RDZV_CONF (+ export GLOO_SOCKET_IFNAME).
 PLAN="$("$PYTHON" -m sft.distributed plan --gpus "$NGPU")" || exit $?
 eval "$PLAN"
 PREC=()
@@ -70,7 +76,7 @@ PROGRAM="${SFT_PROGRAM:-$ROOT/finetune.py}"
 ARGS=(--model_name_or_path "$MODEL" --data_path "$DATA" "${TIMEOUTS[@]}" "${PREC[@]}" "${PASS[@]}")
 
 # No cd: relative paths in the flags are relative to the caller's working directory.
-if (( NNODES == 1 && NPROC == 1 )); then
+if (( ! ELASTIC && NNODES == 1 && NPROC == 1 )); then
   exec "$PYTHON" "$PROGRAM" "${ARGS[@]}"
 fi
 # Several processes: check flags and data once, in one process, so a mistake is reported once and
@@ -94,10 +100,20 @@ SFT_EXIT_CODE_FILE="$(mktemp "${TMPDIR:-/tmp}/sft-exit.XXXXXX")"
 export SFT_EXIT_CODE_FILE
 trap 'rm -f "$SFT_EXIT_CODE_FILE"' EXIT
 # torchrun's static rendezvous (a TCPStore on MASTER_ADDR:MASTER_PORT) gives up after RDZV_TIMEOUT too.
+# An elastic job uses the c10d rendezvous instead (RDZV_CONF: join timeout RDZV_TIMEOUT, fast detection of a
+# lost node, is_host on the host of MASTER_ADDR), and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13's
+# shared store a node that joins after the first round makes every agent fail 60 s later (a key only the
+# first round writes).
 # sft.distributed.torchrun is torchrun, without its traceback when a signal stops it (exit 128 + signal).
-"$PYTHON" -m sft.distributed.torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --rdzv_conf "timeout=$RDZV_TIMEOUT" \
-  "$PROGRAM" "${ARGS[@]}" &
+if (( ELASTIC )); then
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 SFT_ELASTIC=1
+  RDZV=(--nnodes "$MIN_NODES:$MAX_NODES" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT"
+        --rdzv_id "$RDZV_ID" --max_restarts "$MAX_RESTARTS" --rdzv_conf "$RDZV_CONF")
+else
+  RDZV=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+        --rdzv_conf "$RDZV_CONF")
+fi
+"$PYTHON" -m sft.distributed.torchrun --nproc_per_node "$NPROC" "${RDZV[@]}" "$PROGRAM" "${ARGS[@]}" &
 CHILD=$!
 SIGNALLED="" TRAPPED=""
 forward() { TRAPPED=1; if [[ -z "$SIGNALLED" ]]; then SIGNALLED="$1"; kill -s "$1" "$CHILD" 2>/dev/null || true; fi; }

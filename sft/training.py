@@ -288,6 +288,7 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
         CheckpointError: no checkpoint in ``--output_dir`` verifies, or a save ran out of disk space (exit code 2).
     """
     from .checkpoint import CheckpointError, choose_resume, install, latest_complete, warn_if_different
+    from .distributed.process_group import elastic_start_line
     from .integrity import is_out_of_space, out_of_space_message
     from .preemption import Preempted, PreemptionHandler
 
@@ -304,6 +305,9 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
             peers = check_same_inputs(model_args.model_name_or_path, files)
         resume = choose_resume(training_args.output_dir, training_args.resume_from_checkpoint,
                                training_args.overwrite_output_dir, training_args.process_index, training_args.should_save)
+        line = elastic_start_line(os.environ, training_args.world_size, resume)
+        if line and training_args.local_process_index == 0:  # one line per node, every round
+            logger.warning(line)
         callbacks = [install(training_args), preemption]
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)
         if resume:

@@ -22,9 +22,14 @@ def _cli_plan(args) -> int:
     c = read_contract(os.environ, args.gpus)
     iface, exports = choose_interface(c, os.environ)
     print(start_line(c, iface), file=sys.stderr, flush=True)
-    values = {"NNODES": c.nnodes, "NODE_RANK": c.node_rank, "MASTER_ADDR": c.master_addr,
+    # an elastic job keeps NNODES=MIN:MAX (the rendezvous step reads it again from the environment)
+    values = {"NNODES": f"{c.elastic.min_nodes}:{c.nnodes}" if c.elastic else c.nnodes, "NODE_RANK": c.node_rank, "MASTER_ADDR": c.master_addr,
               "MASTER_PORT": c.master_port, "NPROC": c.nproc_per_node, "DEVICE": c.device,
               "RDZV_TIMEOUT": c.rdzv_timeout, "WORLD": c.world_size}
+    e = c.elastic
+    values.update({"ELASTIC": int(e is not None), "MIN_NODES": e.min_nodes if e else c.nnodes, "MAX_NODES": c.nnodes,
+                   "MAX_RESTARTS": e.max_restarts if e else 0, "RDZV_ID": e.rdzv_id if e else "",
+                   "RDZV_CONF": e.rdzv_conf(c.rdzv_timeout) if e else f"timeout={c.rdzv_timeout}"})
     for k, v in values.items():
         print(f"{k}={shlex.quote(str(v))}")
     for k, v in exports.items():

@@ -2,7 +2,9 @@
 
 :func:`read_contract` reads ``NNODES`` (1), ``NODE_RANK`` (0), ``MASTER_ADDR`` (localhost),
 ``MASTER_PORT`` (6001), ``GPUS_PER_NODE`` (every visible GPU) or, without GPUs, ``NPROC_PER_NODE`` (1),
-``RDZV_TIMEOUT`` (600 s) and reports every broken rule at once. :func:`choose_interface` picks the network
+``RDZV_TIMEOUT`` (600 s) and reports every broken rule at once. ``NNODES=MIN:MAX`` asks for an elastic job
+(torchrun's c10d rendezvous, restarts on a lost or joining node: :class:`Elastic`), with ``MAX_RESTARTS`` (3)
+and ``RDZV_ID`` (the SLURM or PBS job id, else ``sft``). :func:`choose_interface` picks the network
 interface gloo should use. ``finetune/launch.sh`` evaluates both through ``python -m sft.distributed plan``
 (see :mod:`sft.distributed.__main__`); nothing here imports torch, so the launcher does not pay for it.
 """
@@ -20,8 +22,32 @@ from ..errors import ContractError
 
 DEFAULT_MASTER_PORT = 6001
 DEFAULT_RDZV_TIMEOUT_S = 600  # torch's static rendezvous default is 600 s too
+DEFAULT_MAX_RESTARTS = 3
+# c10d rendezvous settings for an elastic job (measured on 3 namespace hosts, torch 2.13: survivors of a killed
+# node re-rendezvoused in ~7 s with these, ~46 s with torch's defaults 30 s / 5 s x 3)
+ELASTIC_RDZV_CONF = {"last_call_timeout": 3, "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
 
 _UINT = re.compile(r"^(0|[1-9][0-9]{0,8})$")  # decimal, no leading zeros, no overflow
+_RDZV_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """An elastic job (``NNODES=MIN:MAX``): torchrun's c10d rendezvous on ``MASTER_ADDR:MASTER_PORT``, served by
+    the launcher of the host that owns ``MASTER_ADDR`` (``store_host``; that host must not be lost), between
+    ``min_nodes`` and the contract's ``nnodes`` (the maximum) nodes, up to ``max_restarts`` restarts of the
+    worker group on a failure (a node joining between rounds restarts it too and does not count)."""
+
+    min_nodes: int
+    max_restarts: int
+    rdzv_id: str
+    store_host: bool
+
+    def rdzv_conf(self, timeout_s: int) -> str:
+        """torchrun's ``--rdzv_conf`` value: the join timeout (``RDZV_TIMEOUT``), :data:`ELASTIC_RDZV_CONF` and
+        ``is_host`` (decided here rather than by torch's host name heuristics)."""
+        conf = {"join_timeout": timeout_s, **ELASTIC_RDZV_CONF, "is_host": int(self.store_host)}
+        return ",".join(f"{k}={v}" for k, v in conf.items())
 
 
 @dataclass(frozen=True)
@@ -35,9 +61,11 @@ class Contract:
     nproc_per_node: int
     device: str  # "cuda" or "cpu"
     rdzv_timeout: int  # seconds
+    elastic: Optional[Elastic] = None  # NNODES=MIN:MAX; nnodes is then MAX
 
     @property
     def world_size(self) -> int:
+        """Processes in all (an elastic job's largest: its world size is decided at each rendezvous round)."""
         return self.nnodes * self.nproc_per_node
 
     @property
@@ -92,18 +120,14 @@ def read_contract(env: Mapping[str, str], gpus: int = 0) -> Contract:
             several processes and a MASTER_ADDR that is not this host.
     """
     p: list[str] = []
+    raw_nnodes = env.get("NNODES", "")
+    if ":" in raw_nnodes:
+        return _read_elastic(env, gpus, raw_nnodes, p)
     nnodes = _uint(env, "NNODES", 1, p, lo=1)
     node_rank = _uint(env, "NODE_RANK", 0, p)
     if node_rank >= nnodes and not any(x.startswith("NODE_RANK=") for x in p):
         p.append(f"NODE_RANK={node_rank}: must be in [0, NNODES={nnodes}); give each node its own rank 0..{nnodes - 1}")
-    port = _uint(env, "MASTER_PORT", DEFAULT_MASTER_PORT, p, lo=1, hi=65535, rule="must be in 1-65535")
-    timeout = _uint(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT_S, p, lo=1, rule="must be a whole number of seconds >= 1")
-    if gpus > 0:
-        nproc = _uint(env, "GPUS_PER_NODE", gpus, p, lo=1, rule="processes per node: must be a whole number >= 1")
-        if nproc > gpus:
-            p.append(f"GPUS_PER_NODE={nproc}: only {gpus} GPU(s) are visible on this node")
-    else:
-        nproc = _uint(env, "NPROC_PER_NODE", 1, p, lo=1, rule="processes per node: must be a whole number >= 1")
+    port, timeout, nproc = _common(env, gpus, p)
     master = env.get("MASTER_ADDR") or "localhost"
     if nnodes > 1:
         p += _check_master(master, node_rank, nnodes)
@@ -112,6 +136,58 @@ def read_contract(env: Mapping[str, str], gpus: int = 0) -> Contract:
     if p:
         raise ContractError(p)
     return Contract(nnodes, node_rank, master, port, nproc, "cuda" if gpus > 0 else "cpu", timeout)
+
+
+def _common(env: Mapping[str, str], gpus: int, p: list[str]) -> tuple[int, int, int]:
+    """MASTER_PORT, RDZV_TIMEOUT and processes per node (static and elastic jobs alike)."""
+    port = _uint(env, "MASTER_PORT", DEFAULT_MASTER_PORT, p, lo=1, hi=65535, rule="must be in 1-65535")
+    timeout = _uint(env, "RDZV_TIMEOUT", DEFAULT_RDZV_TIMEOUT_S, p, lo=1, rule="must be a whole number of seconds >= 1")
+    if gpus > 0:
+        nproc = _uint(env, "GPUS_PER_NODE", gpus, p, lo=1, rule="processes per node: must be a whole number >= 1")
+        if nproc > gpus:
+            p.append(f"GPUS_PER_NODE={nproc}: only {gpus} GPU(s) are visible on this node")
+    else:
+        nproc = _uint(env, "NPROC_PER_NODE", 1, p, lo=1, rule="processes per node: must be a whole number >= 1")
+    return port, timeout, nproc
+
+
+def _read_elastic(env: Mapping[str, str], gpus: int, raw: str, p: list[str]) -> Contract:
+    """``NNODES=MIN:MAX``: node ranks are given by the rendezvous (``NODE_RANK`` is not used), the host that owns
+    ``MASTER_ADDR`` serves the rendezvous store."""
+    lo_raw, _, hi_raw = raw.partition(":")
+    if not (_UINT.match(lo_raw) and _UINT.match(hi_raw)) or int(lo_raw) < 1 or int(hi_raw) < int(lo_raw):
+        p.append(f"NNODES={raw}: an elastic job needs MIN:MAX with whole numbers 1 <= MIN <= MAX (e.g. 2:3: start "
+                 "with at least 2 nodes, admit up to 3)")
+        lo, hi = 1, 1
+    else:
+        lo, hi = int(lo_raw), int(hi_raw)
+    restarts = _uint(env, "MAX_RESTARTS", DEFAULT_MAX_RESTARTS, p, rule="restarts of the worker group after a "
+                     "failure: must be a whole number >= 0")
+    job = env.get("SLURM_JOB_ID") or env.get("PBS_JOBID") or "sft"
+    rdzv_id = env.get("RDZV_ID") or re.sub(r"[^A-Za-z0-9._-]", "-", job)[:64]
+    if not _RDZV_ID.match(rdzv_id):
+        p.append(f"RDZV_ID={rdzv_id}: 1-64 letters, digits, '.', '_' or '-' (the same on every node of the job)")
+    port, timeout, nproc = _common(env, gpus, p)
+    master = env.get("MASTER_ADDR") or "localhost"
+    store_host = False
+    if hi > 1:
+        try:
+            addrs = resolve(master)
+        except OSError as e:
+            addrs = []
+            p.append(f"MASTER_ADDR={master}: does not resolve on this node ({e.strerror or e}); give the address of "
+                     "the host that serves the rendezvous store (it must stay up for the whole job)")
+        if any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+            p.append(f"MASTER_ADDR={master}: a loopback address with NNODES={raw}; other nodes cannot reach it. Give "
+                     "the store host's address on the network the nodes share")
+        store_host = any(is_local_address(a) for a in addrs)
+    else:
+        p += _check_local_master(master) if nproc > 1 else []
+        store_host = True
+    if p:
+        raise ContractError(p)
+    return Contract(hi, 0, master, port, nproc, "cuda" if gpus > 0 else "cpu", timeout,
+                    Elastic(lo, restarts, rdzv_id, store_host))
 
 
 def _check_master(master: str, node_rank: int, nnodes: int) -> list[str]:
@@ -215,6 +291,12 @@ def choose_interface(c: Contract, env: Mapping[str, str]) -> tuple[str, dict[str
 
 def start_line(c: Contract, iface: str) -> str:
     """The one line each node prints at start."""
+    if c.elastic is not None:
+        e = c.elastic
+        role = "serves the rendezvous store" if e.store_host else "joins the rendezvous store"
+        return (f"launch: elastic job {e.rdzv_id}: {e.min_nodes} to {c.nnodes} nodes (node ranks given by the "
+                f"rendezvous), {c.nproc_per_node} process(es) per node, up to {e.max_restarts} restart(s); this node "
+                f"{role} at {c.master_addr}:{c.master_port}, interface {iface}, backend {c.backend} (device {c.device})")
     return (f"launch: node rank {c.node_rank} of {c.nnodes} nodes, {c.nproc_per_node} process(es) per node, "
             f"world size {c.world_size}, master {c.master_addr}:{c.master_port}, interface {iface}, "
             f"backend {c.backend} (device {c.device})")

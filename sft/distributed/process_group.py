@@ -17,7 +17,47 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
+import sys
+from typing import Mapping, Optional
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_agent(env: Mapping[str, str] = os.environ) -> bool:
+    """In a worker that torchrun started: ask the kernel to SIGKILL this process when its parent, torchrun's
+    agent, dies (``prctl(PR_SET_PDEATHSIG)``, Linux). torch 2.13 starts each worker in a session of its own, so a
+    killed agent otherwise leaves its workers running as orphans that keep the other nodes' collectives alive
+    (measured: the elastic survivors then never restart). A worker whose agent is already gone kills itself.
+    Returns True when armed; False outside torchrun or where prctl is not available."""
+    if "TORCHELASTIC_RUN_ID" not in env or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent or parent == 1:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def elastic_start_line(env: Mapping[str, str], world_size: int, resume: Optional[str]) -> Optional[str]:
+    """The line each node's first worker logs at the start of every round of an elastic job (``SFT_ELASTIC=1``,
+    exported by ``finetune/launch.sh`` for ``NNODES=MIN:MAX``), or None outside one: the world size of this
+    round, the failures restarted so far on this node (torchrun's ``TORCHELASTIC_RESTART_COUNT`` of
+    ``TORCHELASTIC_MAX_RESTARTS``; a node admitted later counts from 0) and the checkpoint it resumes from."""
+    if env.get("SFT_ELASTIC") != "1":
+        return None
+    restarts, most = env.get("TORCHELASTIC_RESTART_COUNT", "0"), env.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    start = f"resuming from {os.path.abspath(resume)}" if resume else "no checkpoint yet: starting from step 0"
+    return (f"elastic: this round has world size {world_size} ({env.get('GROUP_WORLD_SIZE', '?')} node(s)); "
+            f"failures restarted so far on this node: {restarts} of {most}; {start}")
 
 
 def init_process_group(backend: str | None, timeout_s: float) -> bool:
@@ -38,6 +78,7 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
 
     if not dist.is_available() or dist.is_initialized():
         return False
+    die_with_agent()
     dist.init_process_group(backend=backend or "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return True
 

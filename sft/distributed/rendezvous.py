@@ -183,13 +183,49 @@ def _worker_rendezvous(c: Contract, log) -> None:
             pass
 
 
+def _wait_for_store(c: Contract, log) -> None:
+    """Elastic job, a node that does not serve the store: wait (up to RDZV_TIMEOUT) until the store host's
+    launcher accepts connections on MASTER_PORT. The probe connects and closes without a word: the c10d store
+    drops such a connection."""
+    deadline = time.monotonic() + c.rdzv_timeout
+    addrs = [a for a in resolve(c.master_addr) if ":" not in a] or resolve(c.master_addr)
+    last, said = "no attempt", False
+    while True:
+        try:
+            socket.create_connection((addrs[0], c.master_port), timeout=max(0.1, min(3.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:
+            last = e.strerror or ("no answer (connection timed out)" if isinstance(e, TimeoutError) else type(e).__name__)
+        if time.monotonic() >= deadline:
+            raise PreflightError(
+                f"this node cannot reach the elastic job's rendezvous store at {c.master_addr}:{c.master_port} within "
+                f"RDZV_TIMEOUT={c.rdzv_timeout} s (last error: {last}). The store is served by the launcher on the host "
+                "that owns MASTER_ADDR: start it there (same MASTER_PORT and NNODES), check that MASTER_ADDR is that "
+                "host's address as seen from here and that no firewall blocks the port")
+        if not said:
+            log(f"rendezvous: waiting for the rendezvous store at {c.master_addr}:{c.master_port} (up to "
+                f"RDZV_TIMEOUT={c.rdzv_timeout} s)")
+            said = True
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
 def node_rendezvous(c: Contract, log=lambda m: print(m, file=sys.stderr, flush=True)) -> None:
-    """The preflight before torchrun (see the module docstring). Single node: only the port check.
+    """The preflight before torchrun (see the module docstring). Single node: only the port check. An elastic
+    job (``NNODES=MIN:MAX``, whose nodes come and go): the store host checks that MASTER_PORT is free, every
+    other node waits until the store accepts connections; how many nodes join is torchrun's c10d rendezvous'
+    to decide (at least MIN within RDZV_TIMEOUT, never more than MAX).
 
     Raises:
         PreflightError: port in use; master unreachable within the timeout; a node missing, started twice
-            with one NODE_RANK, or with a different NNODES / processes per node / version.
+            with one NODE_RANK, or with a different NNODES / processes per node / version; for an elastic job,
+            the store unreachable within the timeout.
     """
+    if c.elastic is not None:
+        if c.elastic.store_host:
+            _bind_master_port(c).close()
+        else:
+            _wait_for_store(c, log)
+        return
     if c.node_rank == 0:
         srv = _bind_master_port(c)
         if c.nnodes == 1:

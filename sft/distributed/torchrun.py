@@ -20,11 +20,18 @@ outcomes print:
   on it at the end of a run: a race at every multi-node end): one line instead, saying that this node's
   workers had finished, so their result stands.
 
+- An elastic job (``--nnodes MIN:MAX``, the c10d rendezvous): every rendezvous round and every restart of
+  the worker group is one line on every node (``torchrun: rendezvous round N: this node is node rank R of W
+  nodes``; ``torchrun: restart K of M: ...`` with its reason), where torch logs them at INFO, which its
+  default level hides. A rendezvous that gathers fewer than MIN nodes within its join timeout is one line
+  with the fix instead of torchrun's traceback.
+
 Every other outcome (success, a bad flag) is torchrun's own, unchanged.
 """
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 from typing import Optional
@@ -37,6 +44,45 @@ _AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
 # ... and the process handler logs "failed (exitcode: C) local_rank: L (pid: P) of binary: ..." on this one
 # before the agent raises ChildFailedError: the line below says the same with the global rank.
 _PROCS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+_RDZV_LOGGER = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+_JOINED = re.compile(r"The node '.*' has joined round (\d+) of the rendezvous '(.*)' as rank (\d+) in a world of "
+                     r"size (\d+)")
+_RESTARTS = {"done": 0}  # restarts seen by this launcher (the agent's own count is not public)
+
+
+def _agent_lines(record: logging.LogRecord) -> bool:
+    """The agent's logger at INFO, of which only the restart decisions pass, rewritten as one line each; its
+    warnings stay hidden as before (torchrun's closing-signal notes), its errors pass."""
+    msg = str(record.msg)
+    if "will restart worker group" in msg and record.levelno == logging.INFO:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if msg.startswith("[%s] Worker group") and len(args) == 4:
+            _RESTARTS["done"] += 1
+            record.msg = ("torchrun: restart %d of %d: the worker group %s (a worker here or on another node "
+                          "failed, or a node was lost: the first error is above); the nodes still there meet "
+                          "again, and the workers resume from the newest verified checkpoint")
+            record.args = (args[3] - args[2] + 1, args[3], args[1])
+        elif "new nodes" in msg and len(args) == 3:
+            record.msg = ("torchrun: %s node(s) waiting to join; the worker group restarts to admit them (not "
+                          "counted as a restart) and resumes from the newest verified checkpoint")
+            record.args = (args[1],)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+    return record.levelno >= logging.ERROR
+
+
+def _rendezvous_lines(record: logging.LogRecord) -> bool:
+    """The c10d rendezvous' logger at INFO: only "has joined round ..." passes, as one line."""
+    m = _JOINED.match(str(record.msg))
+    if m and record.levelno == logging.INFO:
+        rnd, run_id, rank, world = m.groups()
+        record.msg = "torchrun: rendezvous %s round %s: this node is node rank %s of %s nodes"
+        record.args = (run_id, rnd, rank, world)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+    return record.levelno >= logging.WARNING
 
 
 def _not_failed_report(record: logging.LogRecord) -> bool:
@@ -106,14 +152,43 @@ def _run(argv: Optional[list[str]]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
+                                                          RendezvousTimeoutError)
+
     argv = sys.argv[1:] if argv is None else argv
-    logging.getLogger(_AGENT_LOGGER).setLevel(logging.ERROR)
+    logging.getLogger(_AGENT_LOGGER).setLevel(logging.INFO)
+    logging.getLogger(_AGENT_LOGGER).addFilter(_agent_lines)
     logging.getLogger(_AGENT_LOGGER).addFilter(_exit_barrier_line)
+    logging.getLogger(_RDZV_LOGGER).setLevel(logging.INFO)
+    logging.getLogger(_RDZV_LOGGER).addFilter(_rendezvous_lines)
     logging.getLogger(_PROCS_LOGGER).addFilter(_not_failed_report)
     try:
         run.main(argv)
     except SignalException as e:
         return 128 + int(e.sigval)
+    except RendezvousTimeoutError as e:
+        print(f"torchrun: the elastic rendezvous did not gather enough nodes within its join timeout "
+              f"(RDZV_TIMEOUT; {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}): fewer than the "
+              "minimum of NNODES=MIN:MAX joined. Start more nodes with the same NNODES, MASTER_ADDR, MASTER_PORT "
+              "and RDZV_ID, lower MIN, or look at the missing nodes' logs", file=sys.stderr, flush=True)
+        return 2
+    except RendezvousConnectionError as e:
+        cause = e.__cause__ or e
+        print(f"torchrun: cannot reach the elastic job's rendezvous store ({str(cause).splitlines()[0][:200]}): it "
+              "is served by the launcher on the host of MASTER_ADDR, which has finished, stopped or was lost (a job "
+              "does not survive losing that host); if the job is still running there, check MASTER_ADDR and "
+              "MASTER_PORT", file=sys.stderr, flush=True)
+        return 1
+    except (RendezvousClosedError, AttributeError) as e:
+        # torch 2.13: a node that arrives when the elastic rendezvous is closed (the job finished or failed)
+        # gets RendezvousClosedError, or, when it was on the waiting list, agent.run() returns None and
+        # launch_agent fails on None.is_failed()
+        if isinstance(e, AttributeError) and "is_failed" not in str(e):
+            raise
+        print("torchrun: the elastic job's rendezvous is closed (the job has finished or stopped): this node was "
+              "not admitted and ran nothing; start a new job (another RDZV_ID) to train again", file=sys.stderr,
+              flush=True)
+        return 1
     except ChildFailedError as e:
         # the workers are gone; a signal now (a scheduler ending the other nodes' steps after this failure)
         # must not turn the worker's code into torchrun's SignalException

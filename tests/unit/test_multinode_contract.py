@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from sft.distributed.contract import Contract, choose_interface, read_contract, route_source
+from sft.distributed.contract import Contract, choose_interface, read_contract, route_source, start_line
 from sft.distributed.failures import explain_collective_failure
 from sft.distributed.fingerprints import compare_fingerprints, input_fingerprint
 from sft.distributed.rendezvous import node_rendezvous
@@ -211,3 +211,62 @@ def test_lost_peer_is_named(monkeypatch):
     timeout = explain_collective_failure(RuntimeError("[gloo] Timed out waiting 3000ms for recv operation"), 3)
     assert "no answer within --ddp_timeout 3 s" in timeout
     assert explain_collective_failure(ValueError("unrelated")) is None
+
+
+# ------------------------------------------------------------------------------------------------- elastic jobs
+
+def _own_address():
+    own = route_source("192.0.2.7", 9)  # the address this host would use on its default route (no packet sent)
+    if own is None or own.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    return own
+
+
+def test_elastic_contract_maps_to_the_c10d_rendezvous():
+    own = _own_address()
+    c = read_contract({"NNODES": "2:3", "MASTER_ADDR": own, "SLURM_JOB_ID": "4711", "RDZV_TIMEOUT": "90"})
+    assert (c.nnodes, c.elastic.min_nodes, c.elastic.max_restarts, c.elastic.rdzv_id, c.elastic.store_host) == \
+        (3, 2, 3, "4711", True)
+    assert c.elastic.rdzv_conf(c.rdzv_timeout) == \
+        "join_timeout=90,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,is_host=1"
+    # NODE_RANK is the rendezvous' to give: a value that would be wrong for a static job is not an error here
+    other = read_contract({"NNODES": "1:4", "NODE_RANK": "7", "MASTER_ADDR": "192.0.2.7", "MAX_RESTARTS": "0",
+                           "RDZV_ID": "run-a"})
+    assert (other.elastic.store_host, other.elastic.max_restarts, other.elastic.rdzv_id) == (False, 0, "run-a")
+    assert "elastic job run-a: 1 to 4 nodes" in start_line(other, "eth0") and "joins the rendezvous store" in \
+        start_line(other, "eth0")
+
+
+@pytest.mark.parametrize("env,fragment", [
+    ({"NNODES": "3:2"}, "NNODES=3:2: an elastic job needs MIN:MAX"),
+    ({"NNODES": "0:2"}, "NNODES=0:2: an elastic job needs MIN:MAX"),
+    ({"NNODES": "2:"}, "NNODES=2:: an elastic job needs MIN:MAX"),
+    ({"NNODES": "1:2", "MASTER_ADDR": "localhost"}, "MASTER_ADDR=localhost: a loopback address with NNODES=1:2"),
+    ({"NNODES": "1:2", "MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR=no-such-host.invalid: does not resolve"),
+    ({"NNODES": "1:2", "MASTER_ADDR": "192.0.2.7", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: restarts"),
+    ({"NNODES": "1:2", "MASTER_ADDR": "192.0.2.7", "RDZV_ID": "a b"}, "RDZV_ID=a b: 1-64 letters"),
+])
+def test_elastic_contract_errors(env, fragment):
+    with pytest.raises(ContractError) as e:
+        read_contract(env)
+    assert fragment in str(e.value)
+
+
+def test_elastic_preflight_waits_for_the_store_then_reports_it_unreachable():
+    from sft.distributed.contract import Elastic
+
+    port = free_port()
+    joiner = contract(0, 3, port, timeout=2, elastic=Elastic(2, 3, "t", store_host=False))
+    errors, took = run_nodes([joiner])
+    assert "cannot reach the elastic job's rendezvous store at 127.0.0.1:" in errors[0] and 1.5 < took < 10
+    # once the store host's launcher listens, a joiner passes at once
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", port))
+    srv.listen(4)
+    try:
+        errors, took = run_nodes([joiner])
+        assert errors == [None] and took < 2
+    finally:
+        srv.close()
+    host = contract(0, 3, port, elastic=Elastic(2, 3, "t", store_host=True))
+    assert run_nodes([host])[0] == [None]  # its check: MASTER_PORT is free for torchrun's store

@@ -111,3 +111,107 @@ def test_broken_exit_barrier_is_one_line_without_a_traceback(monkeypatch):
     assert len(lines) == 1 and "Traceback" not in lines[0], lines
     assert "exit barrier" in lines[0] and "DistNetworkError: Failed to recv, got 0 bytes" in lines[0]
     assert "their result stands" in lines[0] and "more" not in lines[0]
+
+
+# ------------------------------------------------------------------------------------------------- elastic jobs
+
+def _emit(logger_name, msg, *args):
+    logging.getLogger(logger_name).info(msg, *args)
+
+
+def test_elastic_rounds_and_restarts_are_one_line_each(monkeypatch, caplog):
+    """The messages exactly as torch 2.13's agent (agent/server/api.py) and c10d rendezvous log them at INFO."""
+    from torch.distributed import run
+
+    def elastic(argv):
+        _emit(torchrun._RDZV_LOGGER, "The node 'h1_1_0' has joined round 0 of the rendezvous 'job7' as rank 1 in a "
+              "world of size 3.")
+        _emit(torchrun._AGENT_LOGGER, "[%s] starting workers for entrypoint: %s", "default", "python")
+        _emit(torchrun._AGENT_LOGGER, "[%s] Worker group %s. %s/%s attempts left; will restart worker group",
+              "default", "FAILED", 3, 3)
+        _emit(torchrun._RDZV_LOGGER, "The node 'h1_1_0' attempts to join the next round of the rendezvous 'job7'.")
+        _emit(torchrun._RDZV_LOGGER, "The node 'h1_1_0' has joined round 1 of the rendezvous 'job7' as rank 0 in a "
+              "world of size 2.")
+        _emit(torchrun._AGENT_LOGGER, "[%s] Detected %s new nodes from group_rank=%s; will restart worker group",
+              "default", 1, 0)
+
+    monkeypatch.setattr(run, "main", elastic)
+    caplog.set_level(logging.INFO)
+    assert torchrun.main(["--nnodes", "2:3", "x.py"]) == 0
+    err = "\n".join(r.getMessage() for r in caplog.records)
+    assert "torchrun: rendezvous job7 round 0: this node is node rank 1 of 3 nodes" in err
+    assert "torchrun: restart 1 of 3: the worker group FAILED" in err
+    assert "torchrun: rendezvous job7 round 1: this node is node rank 0 of 2 nodes" in err
+    assert "torchrun: 1 node(s) waiting to join; the worker group restarts to admit them" in err
+    assert "starting workers" not in err and "attempts to join" not in err  # the rest of INFO stays hidden
+
+
+def test_elastic_rendezvous_timeout_and_closed_rendezvous_are_one_line(monkeypatch, capsys):
+    from torch.distributed import run
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+    def timed_out(argv):
+        raise RendezvousTimeoutError("The node 'h' has timed out")
+
+    monkeypatch.setattr(run, "main", timed_out)
+    assert torchrun.main(["x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "did not gather enough nodes within its join timeout" in err and "Traceback" not in err
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def unreachable(argv):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.") from TimeoutError("timed out")
+
+    monkeypatch.setattr(run, "main", unreachable)
+    assert torchrun.main(["x.py"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach the elastic job's rendezvous store (timed out)" in err and "Traceback" not in err
+
+    for exc in (RendezvousClosedError(), AttributeError("'NoneType' object has no attribute 'is_failed'")):
+        def closed(argv, exc=exc):
+            raise exc
+        monkeypatch.setattr(run, "main", closed)
+        assert torchrun.main(["x.py"]) == 1
+        assert "rendezvous is closed" in capsys.readouterr().err
+
+
+_ORPHAN = r"""
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "from sft.distributed.process_group import die_with_agent; "
+                          "import time; print(die_with_agent(), flush=True); time.sleep(60)"],
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)  # as torch 2.13 starts workers
+print(child.pid, child.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_worker_dies_with_its_agent():
+    """An agent killed with SIGKILL takes its worker along (no orphan keeping the other nodes' collectives alive)."""
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="t")
+    agent = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pid, armed = agent.stdout.readline().split()
+        assert armed == "True"
+        agent.kill()
+        agent.wait(10)
+        import time
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and \
+                "Z" not in open(f"/proc/{pid}/stat").read().split()[2]:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+    finally:
+        agent.kill()
+
+
+def test_elastic_start_line():
+    from sft.distributed.process_group import elastic_start_line
+
+    assert elastic_start_line({}, 2, None) is None
+    env = {"SFT_ELASTIC": "1", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3",
+           "GROUP_WORLD_SIZE": "2"}
+    line = elastic_start_line(env, 4, "/o/checkpoint-6")
+    assert line == ("elastic: this round has world size 4 (2 node(s)); failures restarted so far on this node: 1 of 3; "
+                    "resuming from /o/checkpoint-6")
+    assert "starting from step 0" in elastic_start_line(env, 4, None)
