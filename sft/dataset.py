@@ -7,7 +7,9 @@ truncated, ``truncate``), samples left with no supervised token are dropped, and
 ``<cache>/<key>`` where the key hashes the source's bytes, the tokenizer (vocabulary, special tokens, chat
 template), the settings and this package's version. Every global rank prepares its shard and then
 memory-maps all of them (:mod:`sft.shards`: completion markers, ``--data_timeout``); no rank holds the
-records as Python objects. Several sources are concatenated, or mixed by weight (:func:`mix`).
+records as Python objects. The rows come out in record order whatever the world size (:func:`in_record_order`),
+and a complete set of shards written at another world size is used as it is (:func:`shard_count`). Several
+sources are concatenated, or mixed by weight (:func:`mix`).
 
 Lazy mode (``--lazy_preprocess``, truncation only): the shards hold the validated records (``id``, ``messages``) instead, and a
 sample is encoded when the sampler asks for it; truncation is counted as samples are met, and a sample with no
@@ -297,7 +299,9 @@ def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, max_len: int, sy
     its shards (``num_proc`` processes each), then waits for the others' on the file system for up to
     ``data_timeout`` seconds (:mod:`sft.shards`); ``plan`` reuses an earlier :func:`sft.shards.agree`.
 
-    The dataset has columns ``id`` (str; the samples of a split conversation share it), ``input_ids`` and ``labels`` (int32 lists, equal lengths, at most
+    The rows are in record order (:func:`in_record_order`), the same for any world size. The dataset has columns
+    ``id`` (str; the samples of a split conversation share it), ``record`` (int64: the record's 0-based index in
+    its source), ``input_ids`` and ``labels`` (int32 lists, equal lengths, at most
     ``max_len``; labels -100 where not supervised) and ``n_supervised`` (int32), memory-mapped; with ``lazy`` it
     has ``id`` and ``messages`` and is wrapped in :class:`LazySupervisedDataset`. No ``length`` column: the
     Trainer drops columns the model's forward does not take before building its sampler, so
