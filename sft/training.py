@@ -290,6 +290,7 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
     from .checkpoint import CheckpointError, choose_resume, install, latest_complete, warn_if_different
     from .integrity import is_out_of_space, out_of_space_message
     from .preemption import Preempted, PreemptionHandler
+    from .world_size import plan_world_size_change
 
     setup_logging()
     # Installed before loading (a signal then still ends in a checkpoint after the first step) and kept
@@ -304,6 +305,11 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
             peers = check_same_inputs(model_args.model_name_or_path, files)
         resume = choose_resume(training_args.output_dir, training_args.resume_from_checkpoint,
                                training_args.overwrite_output_dir, training_args.process_index, training_args.should_save)
+        change = plan_world_size_change(resume, training_args.world_size, training_args.per_device_train_batch_size,
+                                        training_args.gradient_accumulation_steps)
+        if change:  # before the Trainer exists: its accelerator and the checkpoint marker's run shape read it
+            training_args.gradient_accumulation_steps = change.grad_accum
+            logger.info("%s", change.line())
         callbacks = [install(training_args), preemption]
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)
         if resume:

@@ -194,3 +194,61 @@ def test_validate_refuses_a_zero_resume_at_another_world_size_before_loading(tmp
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun gives every rank of the smaller rerun
     with pytest.raises(ConfigError, match="written by DeepSpeed ZeRO at world size 3, but this run has world size 2"):
         validate(*args)
+
+
+def shaped_checkpoint(out, step, world_size, micro_batch, grad_accum, with_global=True):
+    path = fake_checkpoint(out, step, complete=False)
+    info = {"world_size": world_size, "per_device_train_batch_size": micro_batch,
+            "gradient_accumulation_steps": grad_accum}
+    ck.mark_complete(path, {**info, "global_batch": world_size * micro_batch * grad_accum} if with_global else info)
+    return path
+
+
+def test_another_world_size_keeps_the_global_batch_or_is_refused_with_the_numbers(tmp_path):
+    from sft.errors import ConfigError
+    from sft.world_size import plan_world_size_change
+
+    path = shaped_checkpoint(tmp_path / "out", 3, world_size=2, micro_batch=2, grad_accum=2)  # global batch 8
+    one = plan_world_size_change(path, 1, 2, 2)
+    assert (one.old_world_size, one.world_size, one.old_grad_accum, one.grad_accum, one.global_batch) == (2, 1, 2, 4, 8)
+    assert one.line().startswith(f"resuming {path} (written at world size 2) at world size 1: gradient accumulation "
+                                 "2 -> 4, so micro batch 2 x gradient accumulation 4 x world size 1 = global batch 8")
+    four = plan_world_size_change(path, 4, 2, 2)
+    assert four.grad_accum == 1 and "ranks 2..3 have no RNG file in the checkpoint" in four.line()
+    assert plan_world_size_change(path, 2, 2, 2) is None  # the same world size: nothing recomputed
+    assert plan_world_size_change(path, 1, 4, 2) is None  # another micro batch: the user's shape (warned on resume)
+    assert plan_world_size_change(None, 1, 2, 2) is None
+    with pytest.raises(ConfigError) as e:
+        plan_world_size_change(path, 3, 2, 2)
+    assert (f"resuming checkpoint {path}: it was written at world size 2 with micro batch 2 x gradient accumulation 2 "
+            "x world size 2 = global batch 8; this run has world size 3, and 8 is not a multiple of micro batch 2 x "
+            "world size 3 = 6") in str(e.value)
+    assert "run with a world size (nodes x processes per node) of 1, 2, 4, or start afresh" in str(e.value)
+    old = shaped_checkpoint(tmp_path / "old", 5, world_size=2, micro_batch=1, grad_accum=3, with_global=False)
+    assert plan_world_size_change(old, 3, 1, 3).grad_accum == 2  # markers of older versions: global batch derived
+
+
+def test_validate_refuses_a_world_size_that_cannot_keep_the_global_batch(tmp_path, tiny_model_dir, toy_data,
+                                                                        monkeypatch):
+    from sft.arguments import parse_args, validate
+    from sft.errors import ConfigError
+
+    out = tmp_path / "out"
+    shaped_checkpoint(out, 3, world_size=2, micro_batch=2, grad_accum=2)
+    args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir", str(out),
+                       "--use_lora", "True", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
+                       "2", "--report_to", "none"])[:4]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    validate(*args)  # 8 = 2 x 4 x 1: kept
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="this run has world size 3, and 8 is not a multiple of micro batch 2"):
+        validate(*args)
+
+
+def test_a_resume_that_keeps_the_global_batch_is_not_warned_as_another_run_shape(tmp_path, caplog):
+    path = shaped_checkpoint(tmp_path / "out", 3, world_size=2, micro_batch=2, grad_accum=2)
+    now = {"world_size": 1, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "global_batch": 8}
+    ck.warn_if_different(path, now)
+    assert "different run shape" not in caplog.text
+    ck.warn_if_different(path, {**now, "gradient_accumulation_steps": 2, "global_batch": 4})
+    assert "different run shape (world_size 2 -> 1; global_batch 8 -> 4)" in caplog.text  # not kept: warned
