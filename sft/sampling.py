@@ -98,7 +98,10 @@ class Trainer(transformers.Trainer):
 
         import numpy as np
 
-        state = torch.load(rank0, weights_only=True)
+        from transformers.trainer_pt_utils import safe_globals  # the numpy state's globals, allowed as the Trainer does
+
+        with safe_globals():
+            state = torch.load(rank0, weights_only=True)
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.random.set_rng_state(state["cpu"])
