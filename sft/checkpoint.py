@@ -359,21 +359,26 @@ def zero_world_size(path: str) -> Optional[int]:
     return len(ranks) or None
 
 
+UNIVERSAL_STAGES = (2, 3)  # ZeRO stages resumed at another world size through a universal checkpoint (sft.world_size)
+
+
 def check_zero_world_size(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool,
-                          world_size: int) -> list[str]:
-    """A run under DeepSpeed ZeRO cannot resume a ZeRO checkpoint written at another world size: DeepSpeed 0.18
-    does not re-partition the optimizer state (``engine._load_zero_checkpoint`` raises ZeRORuntimeException after
-    the model has loaded). ``world_size``: this run's number of processes. The problem line, or none."""
+                          world_size: int, zero_stage: int) -> list[str]:
+    """A run under DeepSpeed ZeRO stage ``zero_stage`` not in :data:`UNIVERSAL_STAGES` cannot resume a ZeRO
+    checkpoint written at another world size: DeepSpeed 0.19 does not re-partition the optimizer state by itself
+    (``engine._load_zero_checkpoint`` raises ZeRORuntimeException after the model has loaded), and sft converts only
+    those stages to a universal checkpoint. ``world_size``: this run's number of processes. The problem line, or none."""
     resume = resolve_resume(output_dir, resume_from_checkpoint, overwrite_output_dir)
     saved = zero_world_size(resume) if resume else None
-    if saved is None or saved == world_size:
+    if saved is None or saved == world_size or zero_stage in UNIVERSAL_STAGES:
         return []
     explicit = resume_from_checkpoint is not None and str(resume_from_checkpoint).strip().lower() not in AUTO_VALUES
     which = f"--resume_from_checkpoint {resume}" if explicit else \
         f"--output_dir {output_dir}: its newest complete checkpoint {resume}"
     return [f"{which} was written by DeepSpeed ZeRO at world size {saved}, but this run has world size {world_size}: "
-            f"DeepSpeed cannot re-partition ZeRO optimizer state to another world size (DDP, without --deepspeed, "
-            f"resumes at another world size); run again with {saved} "
+            f"ZeRO stage {zero_stage}'s partitioned optimizer state is not re-partitioned to another world size (ZeRO "
+            f"stages {' and '.join(map(str, UNIVERSAL_STAGES))} and DDP, without --deepspeed, resume at another world "
+            f"size); run again with {saved} "
             f"processes in all (nodes x processes per node, e.g. sbatch --nodes {saved} with 1 per node), or start "
             "afresh (--overwrite_output_dir True, or another --output_dir)"]
 

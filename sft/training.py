@@ -290,7 +290,7 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
     from .checkpoint import CheckpointError, choose_resume, install, latest_complete, warn_if_different
     from .integrity import is_out_of_space, out_of_space_message
     from .preemption import Preempted, PreemptionHandler
-    from .world_size import plan_world_size_change
+    from .world_size import ensure_universal, load_universal, plan_world_size_change
 
     setup_logging()
     # Installed before loading (a signal then still ends in a checkpoint after the first step) and kept
@@ -309,6 +309,9 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
                                         training_args.gradient_accumulation_steps)
         if change:  # before the Trainer exists: its accelerator and the checkpoint marker's run shape read it
             training_args.gradient_accumulation_steps = change.grad_accum
+            if training_args.deepspeed:  # ZeRO's partitioned optimizer state: through a universal checkpoint
+                change.universal = ensure_universal(resume, training_args.process_index, training_args.ddp_timeout)
+                load_universal(training_args)
             logger.info("%s", change.line())
         callbacks = [install(training_args), preemption]
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)

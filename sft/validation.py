@@ -249,8 +249,9 @@ def _check_output(t) -> list[str]:
     if t.deepspeed and "WORLD_SIZE" in os.environ:  # a training process (torchrun, Ray); a lone check cannot know
         from .checkpoint import check_zero_world_size
 
-        p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]))
-    elif "WORLD_SIZE" in os.environ and not resume_problems:  # the global batch kept at another world size
+        p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]),
+                                   t.zero_stage)
+    if "WORLD_SIZE" in os.environ and not resume_problems:  # the global batch kept at another world size
         from .checkpoint import resolve_resume
         from .world_size import plan_world_size_change
 

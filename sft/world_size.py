@@ -37,16 +37,19 @@ class WorldSizeChange:
     old_grad_accum: int
     grad_accum: int
     global_batch: int
+    universal: Optional[str] = None  # DeepSpeed ZeRO: the universal checkpoint folder its state is read from
 
     def line(self) -> str:
         """The one line logged on resume."""
+        via = (f" (ZeRO's optimizer state re-partitioned from the universal checkpoint {self.universal})"
+               if self.universal else "")
         new_ranks = (f"; ranks {self.old_world_size}..{self.world_size - 1} have no RNG file in the checkpoint and "
                      "start from the RNG state --seed gives them" if self.world_size > self.old_world_size else "")
         return (f"resuming {self.checkpoint} (written at world size {self.old_world_size}) at world size "
                 f"{self.world_size}: gradient accumulation {self.old_grad_accum} -> {self.grad_accum}, so micro batch "
                 f"{self.micro_batch} x gradient accumulation {self.grad_accum} x world size {self.world_size} = global "
                 f"batch {self.global_batch} samples as configured; optimizer, scheduler and data position carry "
-                f"over{new_ranks}")
+                f"over{via}{new_ranks}")
 
 
 def saved_shape(checkpoint: str) -> Optional[dict]:
@@ -93,3 +96,110 @@ def plan_world_size_change(checkpoint: Optional[str], world_size: int, micro_bat
             "start afresh (--overwrite_output_dir True, or another --output_dir)"])
     return WorldSizeChange(checkpoint, w0, world_size, micro_batch, saved["gradient_accumulation_steps"],
                            g // per_step, g)
+
+
+UNIVERSAL_LATEST = "latest_universal"  # deepspeed.checkpoint.ds_to_universal writes it next to the universal folder
+
+
+def universal_tag(checkpoint: str) -> Optional[str]:
+    """The universal checkpoint folder's name inside ``checkpoint`` (``global_stepN_universal``) when its
+    ``latest_universal`` names an existing folder, else None."""
+    try:
+        with open(os.path.join(checkpoint, UNIVERSAL_LATEST), encoding="utf-8") as f:
+            tag = f.read().strip()
+    except OSError:
+        return None
+    return tag if tag and os.path.isdir(os.path.join(checkpoint, tag)) else None
+
+
+def ensure_universal(checkpoint: str, rank: int, timeout_s: float, poll_s: float = 0.5) -> str:
+    """Make ``checkpoint`` (a DeepSpeed ZeRO checkpoint: ``global_stepN/`` with one optimizer shard per data-parallel
+    rank) loadable at any world size: global rank 0 converts it with ``deepspeed.checkpoint.ds_to_universal`` (every
+    parameter's fp32 weights and Adam moments unpartitioned, under ``global_stepN_universal/``; a few seconds for a
+    LoRA adapter, about the checkpoint's optimizer size in extra disk), writing into a temporary folder that is
+    renamed into place before ``latest_universal`` is written (atomically), so a killed conversion leaves nothing that
+    looks complete. The checkpoint's own files are not changed. Other ranks wait for ``latest_universal`` on the file
+    system (not in a collective), up to ``timeout_s`` seconds. A checkpoint already converted is used as it is.
+    Returns the universal folder's name.
+
+    Raises:
+        ConfigError: the conversion failed (DeepSpeed's reason) or did not finish within ``timeout_s`` seconds.
+    """
+    import time
+
+    tag = universal_tag(checkpoint)
+    if tag:
+        return tag
+    if rank == 0:
+        _convert(checkpoint)
+        return universal_tag(checkpoint)
+    start = time.monotonic()
+    while not universal_tag(checkpoint):
+        if time.monotonic() - start > timeout_s:
+            raise ConfigError([f"resuming {checkpoint} at another world size: rank 0's conversion to a DeepSpeed "
+                               f"universal checkpoint did not finish within --ddp_timeout {timeout_s:g} s; look at "
+                               "rank 0's log"])
+        time.sleep(poll_s)
+    return universal_tag(checkpoint)
+
+
+def _convert(checkpoint: str) -> None:
+    import argparse
+    import contextlib
+    import glob
+    import io
+    import shutil
+
+    steps = sorted(p for p in glob.glob(os.path.join(checkpoint, "global_step*"))
+                   if os.path.isdir(p) and not p.endswith("_universal"))
+    if not steps:
+        raise ConfigError([f"resuming {checkpoint} at another world size: it has no DeepSpeed global_step* folder"])
+    step = os.path.basename(steps[-1])
+    tmp = os.path.join(checkpoint, f".universal-tmp-{os.getpid()}")
+    out = os.path.join(tmp, f"{step}_universal")
+    from deepspeed.checkpoint import ds_to_universal
+
+    # ds_to_universal.main(args) is the converter's command line (deepspeed 0.19.8); one worker each: no process pool.
+    # --inject_missing_state: transformers' DeepSpeed checkpoints lack the universal-checkpoint metadata it needs.
+    args = argparse.Namespace(input_folder=steps[-1], output_folder=out, num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):  # its progress bars and prints
+            ds_to_universal.main(args)
+        os.replace(out, os.path.join(checkpoint, f"{step}_universal"))
+        latest = os.path.join(checkpoint, UNIVERSAL_LATEST)
+        with open(latest + ".tmp", "w", encoding="utf-8") as f:
+            f.write(f"{step}_universal")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest + ".tmp", latest)
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's reason, in one paragraph
+        last = [x for x in said.getvalue().splitlines() if x.strip()][-3:]
+        raise ConfigError([f"resuming {checkpoint} at another world size: converting it to a DeepSpeed universal "
+                           f"checkpoint failed: {type(e).__name__}: {e} ({' | '.join(last)}); resume at its own world "
+                           "size instead"]) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_universal(training_args) -> None:
+    """Rebuild ``training_args``' DeepSpeed config with ``"checkpoint": {"load_universal": true}`` and the current
+    gradient accumulation and global batch filled in (its ``"auto"`` values), as transformers 5.24's Trainer rebuilds
+    it for hyperparameter sweeps (``Trainer._hp_search_setup``: ``HfTrainerDeepSpeedConfig``, ``trainer_config_process``,
+    ``DeepSpeedPlugin``). Call before the Trainer is built."""
+    import copy
+
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    value = training_args.deepspeed  # the user's file path or dict: left unmodified
+    if isinstance(value, dict):
+        config = copy.deepcopy(value)
+    else:
+        with open(value, encoding="utf-8") as f:
+            config = json.load(f)
+    config["checkpoint"] = {**(config.get("checkpoint") or {}), "load_universal": True}
+    training_args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(config)
+    training_args.hf_deepspeed_config.trainer_config_process(training_args)
+    training_args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=training_args.hf_deepspeed_config)

@@ -163,17 +163,20 @@ def zero_shards(path, ranks):
 def test_zero_checkpoint_at_another_world_size_is_refused_with_the_way_on(tmp_path):
     out = tmp_path / "out"
     path = fake_checkpoint(out, 4)
-    assert ck.zero_world_size(path) is None  # no ZeRO shards: a DDP checkpoint resumes at any world size (warned)
-    assert ck.check_zero_world_size(str(out), None, False, 2) == []
+    assert ck.zero_world_size(path) is None  # no ZeRO shards: a DDP checkpoint resumes at any world size
+    assert ck.check_zero_world_size(str(out), None, False, 2, 1) == []
     zero_shards(path, 3)
     assert ck.zero_world_size(path) == 3
-    assert ck.check_zero_world_size(str(out), None, False, 3) == []
-    assert ck.check_zero_world_size(str(out), None, True, 2) == []  # --overwrite_output_dir: a fresh start
-    [auto] = ck.check_zero_world_size(str(out), "auto", False, 2)
+    assert ck.check_zero_world_size(str(out), None, False, 3, 1) == []
+    assert ck.check_zero_world_size(str(out), None, True, 2, 1) == []  # --overwrite_output_dir: a fresh start
+    assert ck.check_zero_world_size(str(out), None, False, 2, 2) == []  # through a universal checkpoint
+    assert ck.check_zero_world_size(str(out), None, False, 2, 3) == []
+    [auto] = ck.check_zero_world_size(str(out), "auto", False, 2, 1)
     assert auto.startswith(f"--output_dir {out}: its newest complete checkpoint {path} was written by DeepSpeed "
-                           "ZeRO at world size 3, but this run has world size 2"), auto
+                           "ZeRO at world size 3, but this run has world size 2: ZeRO stage 1's"), auto
     assert "run again with 3 processes in all" in auto and "--overwrite_output_dir True" in auto
-    [named] = ck.check_zero_world_size(str(tmp_path / "new"), path, False, 1)
+    assert "ZeRO stages 2 and 3 and DDP, without --deepspeed, resume at another world size" in auto
+    [named] = ck.check_zero_world_size(str(tmp_path / "new"), path, False, 1, 1)
     assert named.startswith(f"--resume_from_checkpoint {path} was written by DeepSpeed ZeRO at world size 3"), named
 
 
@@ -181,13 +184,12 @@ def test_validate_refuses_a_zero_resume_at_another_world_size_before_loading(tmp
                                                                              monkeypatch):
     from sft.arguments import parse_args, validate
     from sft.errors import ConfigError
-    from tests.helpers.paths import ROOT
 
     out = tmp_path / "out"
     zero_shards(fake_checkpoint(out, 4), 3)
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir", str(out),
-                       "--use_lora", "True", "--deepspeed", os.path.join(ROOT, "finetune", "ds_config_zero2.json"),
-                       "--report_to", "none"])[:4]
+                       "--use_lora", "True", "--deepspeed", '{"zero_optimization": {"stage": 1}, '
+                       '"train_micro_batch_size_per_gpu": "auto"}', "--report_to", "none"])[:4]
     validate(*args)  # a lone process (sft-check before torchrun) does not know the job's world size
     monkeypatch.setenv("WORLD_SIZE", "3")
     validate(*args)
@@ -252,3 +254,17 @@ def test_a_resume_that_keeps_the_global_batch_is_not_warned_as_another_run_shape
     assert "different run shape" not in caplog.text
     ck.warn_if_different(path, {**now, "gradient_accumulation_steps": 2, "global_batch": 4})
     assert "different run shape (world_size 2 -> 1; global_batch 8 -> 4)" in caplog.text  # not kept: warned
+
+
+def test_a_universal_checkpoint_is_reused_and_waited_for_with_a_bound(tmp_path):
+    from sft.errors import ConfigError
+    from sft.world_size import ensure_universal, universal_tag
+
+    path = fake_checkpoint(tmp_path / "out", 4)
+    with pytest.raises(ConfigError, match="rank 0's conversion to a DeepSpeed universal checkpoint did not finish "
+                                          "within --ddp_timeout 0.2 s"):
+        ensure_universal(path, rank=1, timeout_s=0.2, poll_s=0.05)  # rank 0 never converts: bounded, named
+    (tmp_path / "out" / "checkpoint-4" / "latest_universal").write_text("global_step4_universal")
+    assert universal_tag(path) is None  # names a folder that is not there: not complete
+    os.mkdir(os.path.join(path, "global_step4_universal"))
+    assert ensure_universal(path, rank=0, timeout_s=0.2) == "global_step4_universal"  # converted before: used as is
