@@ -40,7 +40,8 @@ def _run(tmp_path, name, nproc, model, data, grad_accum, *extra, steps=STEPS, sa
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), os.path.join(ROOT, "tests", "helpers", "step_worker.py"),
            "--model_name_or_path", model, "--data_path", data, "--output_dir", str(tmp_path / f"{name}-out"),
-           "--data_cache_dir", str(tmp_path / "cache"), "--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0",
+           "--data_cache_dir", str(tmp_path / f"{name}-cache"),  # each run prepares its data at its world size
+           "--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0",
            "--per_device_train_batch_size", str(MICRO), "--gradient_accumulation_steps", str(grad_accum),
            "--max_steps", str(steps), "--learning_rate", "1e-2", "--save_strategy", "steps", "--save_steps",
            str(save_steps),
