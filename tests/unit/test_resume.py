@@ -231,8 +231,9 @@ def test_another_world_size_keeps_the_global_batch_or_is_refused_with_the_number
 
 
 def test_validate_refuses_a_world_size_that_cannot_keep_the_global_batch(tmp_path, tiny_model_dir, toy_data,
-                                                                        monkeypatch):
+                                                                        monkeypatch, capsys):
     from sft.arguments import parse_args, validate
+    from sft.cli import run_cli
     from sft.errors import ConfigError
 
     out = tmp_path / "out"
@@ -245,6 +246,10 @@ def test_validate_refuses_a_world_size_that_cannot_keep_the_global_batch(tmp_pat
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="this run has world size 3, and 8 is not a multiple of micro batch 2"):
         validate(*args)
+    capsys.readouterr()
+    assert run_cli(lambda: validate(*args)) == 2  # the CLI policy: exit 2, one paragraph, no traceback
+    err = capsys.readouterr().err
+    assert "run with a world size (nodes x processes per node) of 1, 2, 4" in err and "Traceback" not in err
 
 
 def test_a_resume_that_keeps_the_global_batch_is_not_warned_as_another_run_shape(tmp_path, caplog):
