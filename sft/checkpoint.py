@@ -367,7 +367,8 @@ def check_zero_world_size(output_dir: str, resume_from_checkpoint: Optional[str]
     """A run under DeepSpeed ZeRO stage ``zero_stage`` not in :data:`UNIVERSAL_STAGES` cannot resume a ZeRO
     checkpoint written at another world size: DeepSpeed 0.19 does not re-partition the optimizer state by itself
     (``engine._load_zero_checkpoint`` raises ZeRORuntimeException after the model has loaded), and sft converts only
-    those stages to a universal checkpoint. ``world_size``: this run's number of processes. The problem line, or none."""
+    those stages to a universal checkpoint. ``world_size``: this run's number of processes. The problem line, or
+    none."""
     resume = resolve_resume(output_dir, resume_from_checkpoint, overwrite_output_dir)
     saved = zero_world_size(resume) if resume else None
     if saved is None or saved == world_size or zero_stage in UNIVERSAL_STAGES:

@@ -107,7 +107,9 @@ class Trainer(transformers.Trainer):
         torch.random.set_rng_state(state["cpu"])
         if torch.cuda.is_available() and "cuda" in state:  # saved by a distributed run: every device's state
             cuda = state["cuda"]
-            (torch.cuda.random.set_rng_state_all if isinstance(cuda, (list, tuple)) else torch.cuda.random.set_rng_state)(cuda)
+            set_state = torch.cuda.random.set_rng_state_all if isinstance(cuda, (list, tuple)) else \
+                torch.cuda.random.set_rng_state
+            set_state(cuda)
 
     def _get_train_sampler(self, train_dataset=None):
         # Adapter over a private method: transformers 5.24 Trainer._get_train_sampler(train_dataset=None)
