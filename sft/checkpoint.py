@@ -233,10 +233,13 @@ class AtomicCheckpoints(TrainerCallback):
 
 def run_info(training_args) -> dict:
     """What a checkpoint records about the run that wrote it (compared on resume), read from the Trainer's
-    arguments: world size, micro batch, gradient accumulation, seed, LoRA or not."""
+    arguments: world size, micro batch, gradient accumulation, global batch (their product, samples per optimizer
+    step; kept when resuming at another world size, :mod:`sft.world_size`), seed, LoRA or not."""
     return {"world_size": training_args.world_size,
             "per_device_train_batch_size": training_args.per_device_train_batch_size,
             "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+            "global_batch": training_args.world_size * training_args.per_device_train_batch_size
+            * training_args.gradient_accumulation_steps,
             "seed": training_args.seed, "use_lora": bool(getattr(training_args, "use_lora", False))}
 
 
@@ -356,20 +359,27 @@ def zero_world_size(path: str) -> Optional[int]:
     return len(ranks) or None
 
 
+UNIVERSAL_STAGES = (2, 3)  # ZeRO stages resumed at another world size through a universal checkpoint (sft.world_size)
+
+
 def check_zero_world_size(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool,
-                          world_size: int) -> list[str]:
-    """A run under DeepSpeed ZeRO cannot resume a ZeRO checkpoint written at another world size: DeepSpeed 0.18
-    does not re-partition the optimizer state (``engine._load_zero_checkpoint`` raises ZeRORuntimeException after
-    the model has loaded). ``world_size``: this run's number of processes. The problem line, or none."""
+                          world_size: int, zero_stage: int) -> list[str]:
+    """A run under DeepSpeed ZeRO stage ``zero_stage`` not in :data:`UNIVERSAL_STAGES` cannot resume a ZeRO
+    checkpoint written at another world size: DeepSpeed 0.19 does not re-partition the optimizer state by itself
+    (``engine._load_zero_checkpoint`` raises ZeRORuntimeException after the model has loaded), and sft converts only
+    those stages to a universal checkpoint. ``world_size``: this run's number of processes. The problem line, or
+    none."""
     resume = resolve_resume(output_dir, resume_from_checkpoint, overwrite_output_dir)
     saved = zero_world_size(resume) if resume else None
-    if saved is None or saved == world_size:
+    if saved is None or saved == world_size or zero_stage in UNIVERSAL_STAGES:
         return []
     explicit = resume_from_checkpoint is not None and str(resume_from_checkpoint).strip().lower() not in AUTO_VALUES
     which = f"--resume_from_checkpoint {resume}" if explicit else \
         f"--output_dir {output_dir}: its newest complete checkpoint {resume}"
     return [f"{which} was written by DeepSpeed ZeRO at world size {saved}, but this run has world size {world_size}: "
-            f"DeepSpeed cannot re-partition ZeRO optimizer state to another world size; run again with {saved} "
+            f"ZeRO stage {zero_stage}'s partitioned optimizer state is not re-partitioned to another world size (ZeRO "
+            f"stages {' and '.join(map(str, UNIVERSAL_STAGES))} and DDP, without --deepspeed, resume at another world "
+            f"size); run again with {saved} "
             f"processes in all (nodes x processes per node, e.g. sbatch --nodes {saved} with 1 per node), or start "
             "afresh (--overwrite_output_dir True, or another --output_dir)"]
 
@@ -396,7 +406,9 @@ def warn_if_different(path: str, now: dict) -> None:
         return
     with open(os.path.join(path, MARKER), encoding="utf-8") as f:
         saved = json.load(f)
-    diff = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
+    same_global = saved.get("global_batch", now.get("global_batch")) == now.get("global_batch")
+    diff = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v
+            and not (same_global and k in ("world_size", "gradient_accumulation_steps"))]  # sft.world_size's change
     if diff:
         logger.warning("resuming from %s with a different run shape (%s): training continues, but the data order "
                        "and the result will differ from an uninterrupted run", path, "; ".join(diff))

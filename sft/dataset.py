@@ -7,7 +7,9 @@ truncated, ``truncate``), samples left with no supervised token are dropped, and
 ``<cache>/<key>`` where the key hashes the source's bytes, the tokenizer (vocabulary, special tokens, chat
 template), the settings and this package's version. Every global rank prepares its shard and then
 memory-maps all of them (:mod:`sft.shards`: completion markers, ``--data_timeout``); no rank holds the
-records as Python objects. Several sources are concatenated, or mixed by weight (:func:`mix`).
+records as Python objects. The rows come out in record order whatever the world size (:func:`in_record_order`),
+and a complete set of shards written at another world size is used as it is (:func:`shard_count`). Several
+sources are concatenated, or mixed by weight (:func:`mix`).
 
 Lazy mode (``--lazy_preprocess``, truncation only): the shards hold the validated records (``id``, ``messages``) instead, and a
 sample is encoded when the sampler asks for it; truncation is counted as samples are met, and a sample with no
@@ -19,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from dataclasses import replace as dataclass_replace
 from typing import Optional, Sequence
@@ -37,7 +40,7 @@ from .sources import source_sha256
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3  # bump when the cached columns or their meaning change
+CACHE_FORMAT = 4  # bump when the cached columns or their meaning change (4: the ``record`` column)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -71,9 +74,11 @@ def _features(lazy: bool):
     import datasets
 
     if lazy:
-        return datasets.Features({"id": datasets.Value("string"), "messages": datasets.List(
+        return datasets.Features({"id": datasets.Value("string"), "record": datasets.Value("int64"),
+                                  "messages": datasets.List(
             {"role": datasets.Value("string"), "content": datasets.Value("string")})})
-    return datasets.Features({"id": datasets.Value("string"), "input_ids": datasets.List(datasets.Value("int32")),
+    return datasets.Features({"id": datasets.Value("string"), "record": datasets.Value("int64"),
+                              "input_ids": datasets.List(datasets.Value("int32")),
                               "labels": datasets.List(datasets.Value("int32")), "n_supervised": datasets.Value("int32")})
 
 
@@ -114,6 +119,7 @@ def _write_part(p: int, job: Optional[_Job] = None) -> dict:
         if job.lazy:
             for c in batch:
                 rows["id"].append(c.id)
+                rows["record"].append(c.index)
                 rows["messages"].append(c.messages)
         elif batch:
             for c, samples in zip(batch, encode_samples(job.tokenizer, [c.messages for c in batch], job.eot_id,
@@ -122,7 +128,7 @@ def _write_part(p: int, job: Optional[_Job] = None) -> dict:
                 for ex in samples:
                     if ex["n_supervised"] > 0:
                         for k in schema.names:
-                            rows[k].append(c.id if k == "id" else ex[k])
+                            rows[k].append(c.id if k == "id" else c.index if k == "record" else ex[k])
         if rows["id"]:
             writer.write_batch(pa.RecordBatch.from_pydict(rows, schema=schema))
         for v in rows.values():
@@ -181,7 +187,7 @@ def prepare_source(job: _Job, cache_root: str, plan: Plan, num_proc: Optional[in
                 "holdout": list(job.holdout) if job.holdout else None}
     key_dir = os.path.join(cache_root, cache_key(job.path, job.tokenizer, settings))
     os.makedirs(key_dir, exist_ok=True)
-    n = plan.view.world_size
+    n = shard_count(key_dir, plan.view.world_size)
     for k in plan.mine(n):
         if read_marker(key_dir, k, n) is None:
             prepare_shard(key_dir, k, n, plan, lambda folder, k=k: _write_shard(job, folder, k, n, num_proc or 1))
@@ -199,7 +205,40 @@ def prepare_source(job: _Job, cache_root: str, plan: Plan, num_proc: Optional[in
     if plan.view.rank == 0:
         _warn_duplicate_ids(job.path, ds, per_conversation_runs=not job.lazy)
     logger.info("%s: %d records, %d shard(s) in %s", job.path, check.records, n, key_dir)
-    return ds, report
+    return in_record_order(ds), report
+
+
+_DONE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.done$")
+
+
+def shard_count(key_dir: str, world_size: int) -> int:
+    """How many shards this run reads from ``key_dir``: ``world_size``, unless ``key_dir`` already holds every
+    completion marker of another count (written by a run at another world size) and not of this one; then the
+    smallest such count. Safe because the rows come out in record order whatever the count
+    (:func:`in_record_order`), so any complete set is the same dataset and is not prepared again."""
+    done: dict[int, set] = {}
+    for name in os.listdir(key_dir):
+        m = _DONE.match(name)
+        if m:
+            done.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    complete = sorted(n for n, ks in done.items() if ks >= set(range(n)))
+    return world_size if world_size in complete or not complete else complete[0]
+
+
+def in_record_order(ds):
+    """``ds`` with its rows in record order: by the ``record`` column (int64, the record's 0-based index in its
+    source), the samples of one record (a split conversation) kept in their written order (a stable sort; they are
+    written next to each other in one part). The shards hold records ``index % n == k`` and their parts
+    ``index % (n * parts) == ...``, so their concatenation is in shard order; this makes the dataset the same for
+    any number of shards, parts and preparing ranks, and so for any world size. Returns ``ds`` itself when it is
+    already in order (one shard, one part), else ``ds.select(order)``: an index map (8 bytes per sample, as
+    mixing's), nothing copied."""
+    import numpy as np
+
+    record = ds.data.column("record").to_numpy()
+    if len(record) < 2 or bool(np.all(record[1:] >= record[:-1])):
+        return ds
+    return ds.select(np.argsort(record, kind="stable"))
 
 
 def _warn_duplicate_ids(path: str, ds, per_conversation_runs: bool) -> None:
@@ -260,7 +299,9 @@ def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, max_len: int, sy
     its shards (``num_proc`` processes each), then waits for the others' on the file system for up to
     ``data_timeout`` seconds (:mod:`sft.shards`); ``plan`` reuses an earlier :func:`sft.shards.agree`.
 
-    The dataset has columns ``id`` (str; the samples of a split conversation share it), ``input_ids`` and ``labels`` (int32 lists, equal lengths, at most
+    The rows are in record order (:func:`in_record_order`), the same for any world size. The dataset has columns
+    ``id`` (str; the samples of a split conversation share it), ``record`` (int64: the record's 0-based index in
+    its source), ``input_ids`` and ``labels`` (int32 lists, equal lengths, at most
     ``max_len``; labels -100 where not supervised) and ``n_supervised`` (int32), memory-mapped; with ``lazy`` it
     has ``id`` and ``messages`` and is wrapped in :class:`LazySupervisedDataset`. No ``length`` column: the
     Trainer drops columns the model's forward does not take before building its sampler, so

@@ -8,6 +8,8 @@ skipping the consumed batches), so it would train on other batches.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import transformers
 from transformers.trainer_pt_utils import LengthGroupedSampler
@@ -81,6 +83,33 @@ class Trainer(transformers.Trainer):
         from .distributed.process_group import enable_fsdp
 
         enable_fsdp(self)
+
+    def _load_rng_state(self, checkpoint):
+        # Adapter over a private method: transformers 5.24 Trainer._load_rng_state(checkpoint) reads
+        # rng_state_{process_index}.pth at world size > 1 and rng_state.pth at 1 (python, numpy, torch CPU, CUDA
+        # states), and only logs when the file is missing. A checkpoint written at world size > 1 resumed by one
+        # process (sft.world_size) has no rng_state.pth: rank 0 then takes rng_state_0.pth, as it would at any
+        # world size; ranks without a file keep the state --seed gave them.
+        single = os.path.join(checkpoint, "rng_state.pth") if checkpoint else None
+        rank0 = os.path.join(checkpoint, "rng_state_0.pth") if checkpoint else None
+        if self.args.world_size > 1 or not single or os.path.isfile(single) or not os.path.isfile(rank0):
+            return super()._load_rng_state(checkpoint)
+        import random
+
+        import numpy as np
+
+        from transformers.trainer_pt_utils import safe_globals  # the numpy state's globals, allowed as the Trainer does
+
+        with safe_globals():
+            state = torch.load(rank0, weights_only=True)
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.random.set_rng_state(state["cpu"])
+        if torch.cuda.is_available() and "cuda" in state:  # saved by a distributed run: every device's state
+            cuda = state["cuda"]
+            set_state = torch.cuda.random.set_rng_state_all if isinstance(cuda, (list, tuple)) else \
+                torch.cuda.random.set_rng_state
+            set_state(cuda)
 
     def _get_train_sampler(self, train_dataset=None):
         # Adapter over a private method: transformers 5.24 Trainer._get_train_sampler(train_dataset=None)

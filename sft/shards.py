@@ -11,6 +11,10 @@ the settings, :func:`sft.dataset.cache_key`), for a job of ``W`` shards (``W`` =
 * ``shard-00003-of-00008.failed-<run>``: written by a rank whose preparation failed, with its message; every
   rank of the same run (``<run>``, agreed at the start) stops with it.
 
+The rows of the dataset do not depend on ``W``: each sample carries its record's index and the shards' rows are
+read back in record order (:func:`sft.dataset.in_record_order`), so a complete set written at one world size also
+serves a run at another (:func:`sft.dataset.shard_count`).
+
 Who prepares what: with a cache folder that every node sees (checked at the start with one probe file per
 node), shard ``k`` is prepared by global rank ``k``: once per job. With a node-local folder, the ranks of each
 node prepare every shard between them (shard ``k`` by local rank ``k % local world size``): once per node.

@@ -287,10 +287,11 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
         PeerLost: another process of the job went away or a collective timed out (exit code 1).
         CheckpointError: no checkpoint in ``--output_dir`` verifies, or a save ran out of disk space (exit code 2).
     """
-    from .checkpoint import CheckpointError, choose_resume, install, latest_complete, warn_if_different
+    from .checkpoint import CheckpointError, choose_resume, install, latest_complete, warn_if_different, zero_world_size
     from .distributed.process_group import elastic_start_line
     from .integrity import is_out_of_space, out_of_space_message
     from .preemption import Preempted, PreemptionHandler
+    from .world_size import ensure_universal, load_universal, plan_world_size_change
 
     setup_logging()
     # Installed before loading (a signal then still ends in a checkpoint after the first step) and kept
@@ -308,6 +309,21 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
         line = elastic_start_line(os.environ, training_args.world_size, resume)
         if line and training_args.local_process_index == 0:  # one line per node, every round
             logger.warning(line)
+        change = plan_world_size_change(resume, training_args.world_size, training_args.per_device_train_batch_size,
+                                        training_args.gradient_accumulation_steps)
+        if change:  # before the Trainer exists: its accelerator and the checkpoint marker's run shape read it
+            training_args.gradient_accumulation_steps = change.grad_accum
+        if training_args.deepspeed and resume and zero_world_size(resume) not in (None, training_args.world_size):
+            # ZeRO's optimizer state partitioned at another world size: through a universal checkpoint
+            universal = ensure_universal(resume, training_args.process_index, training_args.ddp_timeout)
+            load_universal(training_args)
+            if change:
+                change.universal = universal
+            else:
+                logger.info("resuming %s: ZeRO's optimizer state re-partitioned from the universal checkpoint %s",
+                            resume, universal)
+        if change:
+            logger.info("%s", change.line())
         callbacks = [install(training_args), preemption]
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)
         if resume:

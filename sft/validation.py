@@ -249,7 +249,18 @@ def _check_output(t) -> list[str]:
     if t.deepspeed and "WORLD_SIZE" in os.environ:  # a training process (torchrun, Ray); a lone check cannot know
         from .checkpoint import check_zero_world_size
 
-        p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]))
+        p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]),
+                                   t.zero_stage)
+    if "WORLD_SIZE" in os.environ and not resume_problems:  # the global batch kept at another world size
+        from .checkpoint import resolve_resume
+        from .world_size import plan_world_size_change
+
+        try:
+            plan_world_size_change(resolve_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir),
+                                   int(os.environ["WORLD_SIZE"]), t.per_device_train_batch_size,
+                                   t.gradient_accumulation_steps)
+        except ConfigError as e:
+            p += e.problems
     if os.path.isdir(out) and os.listdir(out) and not t.overwrite_output_dir and not resuming_here:
         p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
                  "into it anyway, or choose another folder")

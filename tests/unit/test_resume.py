@@ -163,17 +163,20 @@ def zero_shards(path, ranks):
 def test_zero_checkpoint_at_another_world_size_is_refused_with_the_way_on(tmp_path):
     out = tmp_path / "out"
     path = fake_checkpoint(out, 4)
-    assert ck.zero_world_size(path) is None  # no ZeRO shards: a DDP checkpoint resumes at any world size (warned)
-    assert ck.check_zero_world_size(str(out), None, False, 2) == []
+    assert ck.zero_world_size(path) is None  # no ZeRO shards: a DDP checkpoint resumes at any world size
+    assert ck.check_zero_world_size(str(out), None, False, 2, 1) == []
     zero_shards(path, 3)
     assert ck.zero_world_size(path) == 3
-    assert ck.check_zero_world_size(str(out), None, False, 3) == []
-    assert ck.check_zero_world_size(str(out), None, True, 2) == []  # --overwrite_output_dir: a fresh start
-    [auto] = ck.check_zero_world_size(str(out), "auto", False, 2)
+    assert ck.check_zero_world_size(str(out), None, False, 3, 1) == []
+    assert ck.check_zero_world_size(str(out), None, True, 2, 1) == []  # --overwrite_output_dir: a fresh start
+    assert ck.check_zero_world_size(str(out), None, False, 2, 2) == []  # through a universal checkpoint
+    assert ck.check_zero_world_size(str(out), None, False, 2, 3) == []
+    [auto] = ck.check_zero_world_size(str(out), "auto", False, 2, 1)
     assert auto.startswith(f"--output_dir {out}: its newest complete checkpoint {path} was written by DeepSpeed "
-                           "ZeRO at world size 3, but this run has world size 2"), auto
+                           "ZeRO at world size 3, but this run has world size 2: ZeRO stage 1's"), auto
     assert "run again with 3 processes in all" in auto and "--overwrite_output_dir True" in auto
-    [named] = ck.check_zero_world_size(str(tmp_path / "new"), path, False, 1)
+    assert "ZeRO stages 2 and 3 and DDP, without --deepspeed, resume at another world size" in auto
+    [named] = ck.check_zero_world_size(str(tmp_path / "new"), path, False, 1, 1)
     assert named.startswith(f"--resume_from_checkpoint {path} was written by DeepSpeed ZeRO at world size 3"), named
 
 
@@ -181,16 +184,92 @@ def test_validate_refuses_a_zero_resume_at_another_world_size_before_loading(tmp
                                                                              monkeypatch):
     from sft.arguments import parse_args, validate
     from sft.errors import ConfigError
-    from tests.helpers.paths import ROOT
 
     out = tmp_path / "out"
     zero_shards(fake_checkpoint(out, 4), 3)
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir", str(out),
-                       "--use_lora", "True", "--deepspeed", os.path.join(ROOT, "finetune", "ds_config_zero2.json"),
-                       "--report_to", "none"])[:4]
+                       "--use_lora", "True", "--deepspeed", '{"zero_optimization": {"stage": 1}, '
+                       '"train_micro_batch_size_per_gpu": "auto"}', "--report_to", "none"])[:4]
     validate(*args)  # a lone process (sft-check before torchrun) does not know the job's world size
     monkeypatch.setenv("WORLD_SIZE", "3")
     validate(*args)
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun gives every rank of the smaller rerun
     with pytest.raises(ConfigError, match="written by DeepSpeed ZeRO at world size 3, but this run has world size 2"):
         validate(*args)
+
+
+def shaped_checkpoint(out, step, world_size, micro_batch, grad_accum, with_global=True):
+    path = fake_checkpoint(out, step, complete=False)
+    info = {"world_size": world_size, "per_device_train_batch_size": micro_batch,
+            "gradient_accumulation_steps": grad_accum}
+    ck.mark_complete(path, {**info, "global_batch": world_size * micro_batch * grad_accum} if with_global else info)
+    return path
+
+
+def test_another_world_size_keeps_the_global_batch_or_is_refused_with_the_numbers(tmp_path):
+    from sft.errors import ConfigError
+    from sft.world_size import plan_world_size_change
+
+    path = shaped_checkpoint(tmp_path / "out", 3, world_size=2, micro_batch=2, grad_accum=2)  # global batch 8
+    one = plan_world_size_change(path, 1, 2, 2)
+    assert (one.old_world_size, one.world_size, one.old_grad_accum, one.grad_accum, one.global_batch) == (2, 1, 2, 4, 8)
+    assert one.line().startswith(f"resuming {path} (written at world size 2) at world size 1: gradient accumulation "
+                                 "2 -> 4, so micro batch 2 x gradient accumulation 4 x world size 1 = global batch 8")
+    four = plan_world_size_change(path, 4, 2, 2)
+    assert four.grad_accum == 1 and "ranks 2..3 have no RNG file in the checkpoint" in four.line()
+    assert plan_world_size_change(path, 2, 2, 2) is None  # the same world size: nothing recomputed
+    assert plan_world_size_change(path, 1, 4, 2) is None  # another micro batch: the user's shape (warned on resume)
+    assert plan_world_size_change(None, 1, 2, 2) is None
+    with pytest.raises(ConfigError) as e:
+        plan_world_size_change(path, 3, 2, 2)
+    assert (f"resuming checkpoint {path}: it was written at world size 2 with micro batch 2 x gradient accumulation 2 "
+            "x world size 2 = global batch 8; this run has world size 3, and 8 is not a multiple of micro batch 2 x "
+            "world size 3 = 6") in str(e.value)
+    assert "run with a world size (nodes x processes per node) of 1, 2, 4, or start afresh" in str(e.value)
+    old = shaped_checkpoint(tmp_path / "old", 5, world_size=2, micro_batch=1, grad_accum=3, with_global=False)
+    assert plan_world_size_change(old, 3, 1, 3).grad_accum == 2  # markers of older versions: global batch derived
+
+
+def test_validate_refuses_a_world_size_that_cannot_keep_the_global_batch(tmp_path, tiny_model_dir, toy_data,
+                                                                        monkeypatch, capsys):
+    from sft.arguments import parse_args, validate
+    from sft.cli import run_cli
+    from sft.errors import ConfigError
+
+    out = tmp_path / "out"
+    shaped_checkpoint(out, 3, world_size=2, micro_batch=2, grad_accum=2)
+    args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir", str(out),
+                       "--use_lora", "True", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
+                       "2", "--report_to", "none"])[:4]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    validate(*args)  # 8 = 2 x 4 x 1: kept
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="this run has world size 3, and 8 is not a multiple of micro batch 2"):
+        validate(*args)
+    capsys.readouterr()
+    assert run_cli(lambda: validate(*args)) == 2  # the CLI policy: exit 2, one paragraph, no traceback
+    err = capsys.readouterr().err
+    assert "run with a world size (nodes x processes per node) of 1, 2, 4" in err and "Traceback" not in err
+
+
+def test_a_resume_that_keeps_the_global_batch_is_not_warned_as_another_run_shape(tmp_path, caplog):
+    path = shaped_checkpoint(tmp_path / "out", 3, world_size=2, micro_batch=2, grad_accum=2)
+    now = {"world_size": 1, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "global_batch": 8}
+    ck.warn_if_different(path, now)
+    assert "different run shape" not in caplog.text
+    ck.warn_if_different(path, {**now, "gradient_accumulation_steps": 2, "global_batch": 4})
+    assert "different run shape (world_size 2 -> 1; global_batch 8 -> 4)" in caplog.text  # not kept: warned
+
+
+def test_a_universal_checkpoint_is_reused_and_waited_for_with_a_bound(tmp_path):
+    from sft.errors import ConfigError
+    from sft.world_size import ensure_universal, universal_tag
+
+    path = fake_checkpoint(tmp_path / "out", 4)
+    with pytest.raises(ConfigError, match="rank 0's conversion to a DeepSpeed universal checkpoint did not finish "
+                                          "within --ddp_timeout 0.2 s"):
+        ensure_universal(path, rank=1, timeout_s=0.2, poll_s=0.05)  # rank 0 never converts: bounded, named
+    (tmp_path / "out" / "checkpoint-4" / "latest_universal").write_text("global_step4_universal")
+    assert universal_tag(path) is None  # names a folder that is not there: not complete
+    os.mkdir(os.path.join(path, "global_step4_universal"))
+    assert ensure_universal(path, rank=0, timeout_s=0.2) == "global_step4_universal"  # converted before: used as is

@@ -185,3 +185,53 @@ def test_preprocessing_workers_split_a_shard_and_give_the_same_samples(tmp_path,
     marker = json.load(open(tmp_path / "two" / key / (shard_name(0, 1) + ".done")))
     assert marker["parts"] == ["part-00.arrow", "part-01.arrow"]
     assert "1 id(s) appear more than once (e.g. 'add')" in caplog.text
+
+
+def _records(n=23):
+    """``n`` distinct records; every fifth a long multi-turn one that --long_conversations split cuts into samples."""
+    out = []
+    for i in range(n):
+        turns = 6 if i % 5 == 0 else 1
+        msgs = []
+        for t in range(turns):
+            msgs += [{"role": "user", "content": f"item {i} question {t}: " + "tell me more " * 3},
+                     {"role": "assistant", "content": f"answer {t} for item {i}: " + "here it is " * 3}]
+        out.append({"id": f"r{i}", "messages": msgs})
+    return out
+
+
+def _rows(ds):
+    return [json.dumps(x, sort_keys=True) for x in ds]  # every column (eager: ids and labels; lazy: messages)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_the_dataset_is_the_same_row_for_row_for_any_number_of_preparing_ranks(tmp_path, qwen_tok, lazy):
+    """World-size-independent data: 1 (with 2 part workers), 2 and 3 preparing ranks give the rows in record order,
+    the samples of a split conversation in order; mixing by weight picks the same rows."""
+    tok, eot = qwen_tok
+    a = write_jsonl(tmp_path / "a.jsonl", _records())
+    b = write_jsonl(tmp_path / "b.jsonl", _records(7))
+    kw = dict(lazy=lazy, weights=[0.7, 0.3], seed=3, data_timeout=60)
+    one, _ = build_dataset([a, b], tok, eot, 64, None, str(tmp_path / "w1"), **kw)
+    one = one.records if lazy else one
+    if not lazy:  # the split mode is exercised: some records have several samples, in order
+        ids = one["id"]
+        assert len(ids) > len(set(ids)) and one["record"][:2] == [0, 0]
+    # (ranks are threads here, so part workers only with one rank: the forked workers find their job in a global)
+    for world, num_proc in ((1, 2), (2, None), (3, None)):
+        got = _ranks(lambda r: build_dataset([a, b], tok, eot, 64, None, str(tmp_path / f"w{world}-{num_proc}"),
+                                             num_proc=num_proc, plan=_plan(r, world), **kw), world)
+        for r in range(world):
+            assert not isinstance(got[r], Exception), got[r]
+            ds = got[r][0].records if lazy else got[r][0]
+            assert _rows(ds) == _rows(one), (world, r)
+
+
+def test_a_cache_prepared_at_one_world_size_is_reused_at_another(tmp_path, qwen_tok):
+    tok, eot = qwen_tok
+    path, cache = write_jsonl(tmp_path / "d.jsonl", _records(9)), str(tmp_path / "c")
+    two = _ranks(lambda r: build_dataset([path], tok, eot, 64, None, cache, plan=_plan(r, 2), data_timeout=60))
+    one, _ = build_dataset([path], tok, eot, 64, None, cache, plan=_plan(0, 1))
+    (key,) = os.listdir(cache)
+    assert not [n for n in os.listdir(os.path.join(cache, key)) if "-of-00001" in n]  # nothing prepared again
+    assert _rows(one) == _rows(two[0][0]) and [x["record"] for x in one] == sorted(x["record"] for x in one)
