@@ -16,6 +16,7 @@
 #   MAX_RESTARTS   restarts of the worker group after a failure (3); each resumes from the newest
 #                  verified checkpoint, at the world size of the nodes still there
 #   RDZV_ID        the job's rendezvous id, the same on every node (SLURM_JOB_ID or PBS_JOBID, else sft)
+#   RDZV_LAST_CALL_TIMEOUT  seconds a round waits for more nodes once MIN have joined (3)
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  network interface (default for gloo: the route to MASTER_ADDR)
 #   SFT_PREFLIGHT=0 (or --no_preflight) skips the node rendezvous and the cross-node input comparison
 #   PYTHON       interpreter with the sft package installed (default: the repository's .venv if present,

@@ -25,7 +25,8 @@ DEFAULT_RDZV_TIMEOUT_S = 600  # torch's static rendezvous default is 600 s too
 DEFAULT_MAX_RESTARTS = 3
 # c10d rendezvous settings for an elastic job (measured on 3 namespace hosts, torch 2.13: survivors of a killed
 # node re-rendezvoused in ~7 s with these, ~46 s with torch's defaults 30 s / 5 s x 3)
-ELASTIC_RDZV_CONF = {"last_call_timeout": 3, "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+ELASTIC_RDZV_CONF = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+DEFAULT_LAST_CALL_S = 3  # once MIN nodes have joined, a round waits this long for more (torch's default: 30)
 
 _UINT = re.compile(r"^(0|[1-9][0-9]{0,8})$")  # decimal, no leading zeros, no overflow
 _RDZV_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -42,11 +43,14 @@ class Elastic:
     max_restarts: int
     rdzv_id: str
     store_host: bool
+    last_call_s: int = DEFAULT_LAST_CALL_S
 
     def rdzv_conf(self, timeout_s: int) -> str:
-        """torchrun's ``--rdzv_conf`` value: the join timeout (``RDZV_TIMEOUT``), :data:`ELASTIC_RDZV_CONF` and
-        ``is_host`` (decided here rather than by torch's host name heuristics)."""
-        conf = {"join_timeout": timeout_s, **ELASTIC_RDZV_CONF, "is_host": int(self.store_host)}
+        """torchrun's ``--rdzv_conf`` value: the join timeout (``RDZV_TIMEOUT``), the last call
+        (``RDZV_LAST_CALL_TIMEOUT``), :data:`ELASTIC_RDZV_CONF` and ``is_host`` (decided here rather than by
+        torch's host name heuristics)."""
+        conf = {"join_timeout": timeout_s, "last_call_timeout": self.last_call_s, **ELASTIC_RDZV_CONF,
+                "is_host": int(self.store_host)}
         return ",".join(f"{k}={v}" for k, v in conf.items())
 
 
@@ -163,6 +167,8 @@ def _read_elastic(env: Mapping[str, str], gpus: int, raw: str, p: list[str]) -> 
         lo, hi = int(lo_raw), int(hi_raw)
     restarts = _uint(env, "MAX_RESTARTS", DEFAULT_MAX_RESTARTS, p, rule="restarts of the worker group after a "
                      "failure: must be a whole number >= 0")
+    last_call = _uint(env, "RDZV_LAST_CALL_TIMEOUT", DEFAULT_LAST_CALL_S, p, rule="seconds a round waits for more "
+                      "nodes once MIN have joined: must be a whole number >= 0")
     job = env.get("SLURM_JOB_ID") or env.get("PBS_JOBID") or "sft"
     rdzv_id = env.get("RDZV_ID") or re.sub(r"[^A-Za-z0-9._-]", "-", job)[:64]
     if not _RDZV_ID.match(rdzv_id):
@@ -187,7 +193,7 @@ def _read_elastic(env: Mapping[str, str], gpus: int, raw: str, p: list[str]) -> 
     if p:
         raise ContractError(p)
     return Contract(hi, 0, master, port, nproc, "cuda" if gpus > 0 else "cpu", timeout,
-                    Elastic(lo, restarts, rdzv_id, store_host))
+                    Elastic(lo, restarts, rdzv_id, store_host, last_call))
 
 
 def _check_master(master: str, node_rank: int, nnodes: int) -> list[str]:

@@ -231,7 +231,8 @@ def test_elastic_contract_maps_to_the_c10d_rendezvous():
         "join_timeout=90,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,is_host=1"
     # NODE_RANK is the rendezvous' to give: a value that would be wrong for a static job is not an error here
     other = read_contract({"NNODES": "1:4", "NODE_RANK": "7", "MASTER_ADDR": "192.0.2.7", "MAX_RESTARTS": "0",
-                           "RDZV_ID": "run-a"})
+                           "RDZV_ID": "run-a", "RDZV_LAST_CALL_TIMEOUT": "20"})
+    assert "last_call_timeout=20," in other.elastic.rdzv_conf(600)
     assert (other.elastic.store_host, other.elastic.max_restarts, other.elastic.rdzv_id) == (False, 0, "run-a")
     assert "elastic job run-a: 1 to 4 nodes" in start_line(other, "eth0") and "joins the rendezvous store" in \
         start_line(other, "eth0")
@@ -245,6 +246,7 @@ def test_elastic_contract_maps_to_the_c10d_rendezvous():
     ({"NNODES": "1:2", "MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR=no-such-host.invalid: does not resolve"),
     ({"NNODES": "1:2", "MASTER_ADDR": "192.0.2.7", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: restarts"),
     ({"NNODES": "1:2", "MASTER_ADDR": "192.0.2.7", "RDZV_ID": "a b"}, "RDZV_ID=a b: 1-64 letters"),
+    ({"NNODES": "1:2", "MASTER_ADDR": "192.0.2.7", "RDZV_LAST_CALL_TIMEOUT": "x"}, "RDZV_LAST_CALL_TIMEOUT=x: seconds"),
 ])
 def test_elastic_contract_errors(env, fragment):
     with pytest.raises(ContractError) as e:
