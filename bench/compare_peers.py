@@ -105,7 +105,7 @@ def llamafactory_config(a, data_dir: str, out_dir: str) -> dict:
         "weight_decay": 0.0, "optim": "adamw_torch", "max_steps": a.max_steps, "logging_steps": 1,
         "save_strategy": "no", "report_to": "none", "bf16": bool(a.bf16), "seed": 0, "disable_tqdm": True,
         "disable_gradient_checkpointing": True, "flash_attn": "sdpa", "dataloader_num_workers": 0,
-        "plot_loss": False, "ddp_timeout": 180000000,
+        "plot_loss": False, "ddp_timeout": 180000000, "use_cpu": not a.cuda,
     }
 
 
