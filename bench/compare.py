@@ -7,7 +7,9 @@
 
 Every system trains the same model (``--model``), on the same data (``--data``), with the same LoRA
 (r, alpha, dropout, all linear projections), precision, maximum length, optimizer (AdamW, linear schedule,
-no warm-up) and number of optimizer steps, each in a fresh process (so peak RSS is its own). One table per
+no warm-up), number of optimizer steps and samples (the first ``--max_conversations`` of ``--data``, each once,
+cut at the max length: ours with ``--long_conversations truncate``, as TRL and LLaMA-Factory do), each in a
+fresh process (so peak RSS is its own). One table per
 dtype (``--dtypes``: fp32, and bf16 where :func:`sft.precision.auto_bf16` finds fast bf16; every system in
 the same dtype), each with every length of ``--max_lengths``; the micro batch is ``--batch`` per length
 (default 1024 // length, at least 1: 2 at 512, 1 at 2048), the packed systems' micro batch the rows that
