@@ -53,7 +53,7 @@ import time
 import sft  # noqa: F401  (first: holds library import notices that do not concern the run, see sft.logs)
 
 import compare_peers  # bench/compare_peers.py and bench/compare_report.py, beside this script (the script's
-from compare_report import print_scaling, print_table  # folder is sys.path[0])
+from compare_report import preprocessing, print_scaling, print_table  # folder is sys.path[0])
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the example's .cache lives
 EXAMPLE = os.path.join(ROOT, ".cache", "example")
@@ -265,35 +265,18 @@ def matmul_peaks(device) -> dict:
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
 
 
-def preprocessing(a) -> list[tuple[str, float]]:
-    """Conversations/s: our rendering + masking vs. rendering + one plain batched tokenizer() call; our full
-    dataset preparation (stream, validate, Arrow shard) with 1 and 2 worker processes."""
-    from sft.chat import encode_conversations
-    from sft.data import load_conversations
-    from sft.dataset import build_dataset
-    from sft.modeling import load_tokenizer
-
-    tok, eot, _ = load_tokenizer(a.model)
-    convs = load_conversations(a.data, "error")
-    msgs = [c.messages for c in convs]
-    out = []
-    t0 = time.perf_counter()
-    encode_conversations(tok, msgs, eot)
-    out.append(("ours: render + ids + labels (one batched call)", len(msgs) / (time.perf_counter() - t0)))
-    t0 = time.perf_counter()
-    texts = [tok.apply_chat_template(m, tokenize=False) for m in msgs]
-    t1 = time.perf_counter()
-    tok(texts, add_special_tokens=False)
-    t2 = time.perf_counter()
-    out.append(("plain: render + batched tokenizer(), no labels", len(msgs) / (t2 - t0)))
-    out.append(("plain: batched tokenizer() on rendered texts only", len(msgs) / (t2 - t1)))
-    for num_proc in (1, 2):
-        with tempfile.TemporaryDirectory() as cache:
-            t0 = time.perf_counter()
-            build_dataset([a.data], tok, eot, a.max_length, None, cache, num_proc if num_proc > 1 else None)
-            out.append((f"ours: full dataset preparation (stream + Arrow shard, {num_proc} process(es))",
-                        len(msgs) / (time.perf_counter() - t0)))
-    return out
+def best_peaks(path: str, device, reuse: bool) -> dict:
+    """Matmul peaks (FLOP/s) per dtype: the best of a new measurement and, with ``reuse``, those in ``path``;
+    writes them to ``path`` and prints them."""
+    peaks = matmul_peaks(device)
+    print(f"matmul peak measured now on {device}: fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
+          f"{peaks['bf16'] / 1e9:.1f} GFLOP/s (load {os.getloadavg()[0]:.2f})")
+    if reuse and os.path.exists(path):
+        peaks = {k: max(v, json.load(open(path)).get(k, 0.0)) for k, v in peaks.items()}
+    with open(path, "w") as f:
+        json.dump(peaks, f)
+    print(f"matmul peak used (best seen): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s")
+    return peaks
 
 
 def parse(argv=None):
@@ -357,13 +340,10 @@ def main(argv=None) -> int:
     a.work = a.work or tempfile.mkdtemp(prefix="sft-compare-")
     os.makedirs(a.work, exist_ok=True)
     print(f"results of each run: {a.work}", flush=True)
+    # The peak is the best matmul rate seen: measured before and after the runs (and taken from --work with
+    # --reuse), so that a load from other processes during one measurement does not lower it and inflate MFU.
     peaks_path = os.path.join(a.work, "matmul-peaks.json")
-    if a.reuse and os.path.exists(peaks_path):
-        peaks = json.load(open(peaks_path))  # the peaks the reused results were measured against
-    else:
-        peaks = matmul_peaks(torch.device(device))
-        json.dump(peaks, open(peaks_path, "w"))
-    print(f"matmul peak on {device}: fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s")
+    peaks = best_peaks(peaks_path, torch.device(device), a.reuse)
     dtypes = list(dict.fromkeys(a.dtypes))
     if "bf16" in dtypes:
         fast, why = auto_bf16(cuda=a.cuda)
@@ -394,6 +374,7 @@ def main(argv=None) -> int:
                 print(f"  ran {system} ({dtype}, length {a.max_length}) in {time.perf_counter() - t0:.0f} s; load "
                       f"{os.getloadavg()[0]:.2f}", flush=True)
     print(f"all systems ran in {time.perf_counter() - t_all:.0f} s")
+    peaks = best_peaks(peaks_path, torch.device(device), True)
     for dtype in dtypes:
         print_table(a, dtype, results, peaks)
     if not a.skip_preprocessing:

@@ -5,6 +5,8 @@ Imported by bench/compare.py (same folder); not part of the ``sft`` package.
 from __future__ import annotations
 
 import statistics
+import tempfile
+import time
 
 
 def summarise(r: dict, peak: float) -> dict:
@@ -88,3 +90,34 @@ def print_scaling(a, one: list[dict], two: list[dict]) -> None:
     print(f"  1 process : {p1:8.1f} real tokens/s per process")
     print(f"  2 processes: {' / '.join(f'{x:.1f}' for x in p2)} real tokens/s per process "
           f"(total {sum(p2):.1f}); per-process efficiency {100 * eff:.1f}%")
+
+
+def preprocessing(a) -> list[tuple[str, float]]:
+    """Conversations/s: our rendering + masking vs. rendering + one plain batched tokenizer() call; our full
+    dataset preparation (stream, validate, Arrow shard) with 1 and 2 worker processes."""
+    from sft.chat import encode_conversations
+    from sft.data import load_conversations
+    from sft.dataset import build_dataset
+    from sft.modeling import load_tokenizer
+
+    tok, eot, _ = load_tokenizer(a.model)
+    convs = load_conversations(a.data, "error")
+    msgs = [c.messages for c in convs]
+    out = []
+    t0 = time.perf_counter()
+    encode_conversations(tok, msgs, eot)
+    out.append(("ours: render + ids + labels (one batched call)", len(msgs) / (time.perf_counter() - t0)))
+    t0 = time.perf_counter()
+    texts = [tok.apply_chat_template(m, tokenize=False) for m in msgs]
+    t1 = time.perf_counter()
+    tok(texts, add_special_tokens=False)
+    t2 = time.perf_counter()
+    out.append(("plain: render + batched tokenizer(), no labels", len(msgs) / (t2 - t0)))
+    out.append(("plain: batched tokenizer() on rendered texts only", len(msgs) / (t2 - t1)))
+    for num_proc in (1, 2):
+        with tempfile.TemporaryDirectory() as cache:
+            t0 = time.perf_counter()
+            build_dataset([a.data], tok, eot, a.max_length, None, cache, num_proc if num_proc > 1 else None)
+            out.append((f"ours: full dataset preparation (stream + Arrow shard, {num_proc} process(es))",
+                        len(msgs) / (time.perf_counter() - t0)))
+    return out
