@@ -38,7 +38,8 @@ ROWS = {  # name -> (what it measures, sft flags on top of compare.py's common o
     "bf16": ("our defaults: padding-free, per-document attention", "", False),
     "bf16-padded-sdpa": ("--padding_free False: padded batches, transformers' SDPA", "--padding_free False", False),
     "qlora-4bit": ("Q-LoRA: 4-bit NF4 base (bitsandbytes, CUDA)", "--q_lora True", False),
-    "zero2": ("DeepSpeed ZeRO-2, one process", "--deepspeed sft/configs/ds_config_zero2.json", True),
+    "zero2": ("DeepSpeed ZeRO-2, one process", f"--deepspeed {os.path.join(ROOT, 'sft', 'configs', 'ds_config_zero2.json')}",
+              True),
 }
 
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s (no sparsity), matched on the device name in
