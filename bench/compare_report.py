@@ -1,0 +1,123 @@
+"""The printed report of bench/compare.py: one table per dtype, the ratios and the issue's targets, scaling.
+
+Imported by bench/compare.py (same folder); not part of the ``sft`` package.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+
+def summarise(r: dict, peak: float) -> dict:
+    """One result's table figures: real tokens/s, padding, median step, memory, MFU (module docstring)."""
+    rate = r["real"] / r["seconds"]
+    head = r.get("head_flops_per_token", 0)
+    flops = ((r["flops_per_token"] - head) * r["real"] + head * r["supervised"]) / r["seconds"]
+    return {"rate": rate, "pad": 1 - r["real"] / max(1, r["total"]), "median": r["median_step_s"],
+            "mem": r["peak_mem_gib"], "mfu": flops / peak, "cb": r.get("callback_tokens_per_s", rate),
+            "batch": r["batch"], "attn": r.get("attn", "?")}
+
+
+TARGETS = (("qwen-style", 512, 1.6), ("qwen-style", 2048, 3.0), ("trl-best", None, 1.3), ("llamafactory", None, 1.3))
+
+
+def print_table(a, dtype: str, results: dict, peaks: dict) -> None:
+    """One dtype's table: every system at every length, then the ratios and targets the issue names."""
+    peak = peaks[dtype]
+    mem_kind = "CUDA max alloc" if a.cuda else "peak RSS"
+    print(f"\n== {dtype} (MFU against the measured {dtype} matmul peak, {peak / 1e9:.1f} GFLOP/s) ==")
+    print(f"{'system':<18}{'length':>7}{'micro batch':>12}{'real tok/s':>12}{'padding':>9}{'median step':>13}"
+          f"{mem_kind + ' GiB':>20}{'MFU':>8}{'callback tok/s':>16}  attention")
+    got = {}
+    for length in a.max_lengths:
+        for name in a.systems:
+            r = results.get((dtype, length, name))
+            if not r:
+                print(f"{name:<18}{length:>7}  failed: {a.failures.get(name, 'see stderr')}")
+                continue
+            v = got[(length, name)] = summarise(r[0], peak)
+            print(f"{name:<18}{length:>7}{v['batch']:>12d}{v['rate']:>12.1f}{v['pad']:>9.3f}{v['median']:>11.2f} s"
+                  f"{v['mem']:>20.2f}{100 * v['mfu']:>7.1f}%{v['cb']:>16.1f}  {v['attn']}")
+    print(f"ratios ({dtype}; real tokens/s of ours default over the other):")
+    for length in a.max_lengths:
+        ours = got.get((length, "ours"))
+        if not ours:
+            continue
+        parts = [f"ours / {n} {ours['rate'] / got[(length, n)]['rate']:.2f}x" for n in a.systems
+                 if n != "ours" and (length, n) in got]
+        print(f"  {length}: " + "; ".join(parts))
+        best = max((n for n in a.systems if (length, n) in got and n.startswith("ours")),
+                   key=lambda n: got[(length, n)]["rate"])
+        print(f"  {length}: fastest of ours: {best}; ours MFU {100 * ours['mfu']:.1f}%; peak RSS ours {ours['mem']:.2f}"
+              + "".join(f", {n} {got[(length, n)]['mem']:.2f}" for n in ("trl", "trl-best") if (length, n) in got)
+              + " GiB")
+    print(f"targets ({dtype}):")
+    for other, length, want in TARGETS:
+        for ln in ([length] if length else a.max_lengths):
+            if (ln, "ours") in got and (ln, other) in got:
+                x = got[(ln, "ours")]["rate"] / got[(ln, other)]["rate"]
+                print(f"  ours / {other} at {ln} >= {want}x: {x:.2f}x {'met' if x >= want else 'MISSED'}")
+    for ln in a.max_lengths:
+        if (ln, "ours") in got:
+            m = got[(ln, "ours")]["mfu"]
+            print(f"  ours MFU at {ln} >= 60%: {100 * m:.1f}% {'met' if m >= 0.6 else 'MISSED'}")
+            for n in ("trl", "trl-best"):
+                if (ln, n) in got:
+                    mine, theirs = got[(ln, "ours")]["mem"], got[(ln, n)]["mem"]
+                    print(f"  ours peak RSS at {ln} <= {n}'s: {mine:.2f} vs {theirs:.2f} GiB "
+                          f"{'met' if mine <= theirs else 'MISSED'}")
+    for (ln, name), v in got.items():
+        agree = abs(v["cb"] / v["rate"] - 1)
+        if agree > 0.10:
+            print(f"note: {name} at {ln}: the callback's tokens/s differs from the step timer's by {100 * agree:.1f}%")
+    for ln in a.max_lengths:
+        r = results.get((dtype, ln, "trl"))
+        if r and r[0].get("trl_same_tokens_and_mask"):
+            print(f"TRL tokens and assistant mask identical to ours on {r[0]['trl_same_tokens_and_mask']} "
+                  f"conversations at length {ln}")
+
+
+def print_scaling(a, one: list[dict], two: list[dict]) -> None:
+    if not one or not two:
+        print("scaling: a run failed; see stderr")
+        return
+    p1 = one[0]["real"] / one[0]["seconds"]
+    p2 = [r["real"] / r["seconds"] for r in two]
+    eff = statistics.mean(p2) / p1
+    print(f"\nscaling ({one[0]['threads']} torch thread(s) per process, torchrun --standalone, "
+          f"{'nccl' if a.cuda else 'gloo'}):")
+    print(f"  1 process : {p1:8.1f} real tokens/s per process")
+    print(f"  2 processes: {' / '.join(f'{x:.1f}' for x in p2)} real tokens/s per process "
+          f"(total {sum(p2):.1f}); per-process efficiency {100 * eff:.1f}%")
+
+
+def preprocessing(a) -> list[tuple[str, float]]:
+    """Conversations/s: our rendering + masking vs. rendering + one plain batched tokenizer() call; our full
+    dataset preparation (stream, validate, Arrow shard) with 1 and 2 worker processes."""
+    from sft.chat import encode_conversations
+    from sft.data import load_conversations
+    from sft.dataset import build_dataset
+    from sft.modeling import load_tokenizer
+
+    tok, eot, _ = load_tokenizer(a.model)
+    convs = load_conversations(a.data, "error")
+    msgs = [c.messages for c in convs]
+    out = []
+    t0 = time.perf_counter()
+    encode_conversations(tok, msgs, eot)
+    out.append(("ours: render + ids + labels (one batched call)", len(msgs) / (time.perf_counter() - t0)))
+    t0 = time.perf_counter()
+    texts = [tok.apply_chat_template(m, tokenize=False) for m in msgs]
+    t1 = time.perf_counter()
+    tok(texts, add_special_tokens=False)
+    t2 = time.perf_counter()
+    out.append(("plain: render + batched tokenizer(), no labels", len(msgs) / (t2 - t0)))
+    out.append(("plain: batched tokenizer() on rendered texts only", len(msgs) / (t2 - t1)))
+    for num_proc in (1, 2):
+        with tempfile.TemporaryDirectory() as cache:
+            t0 = time.perf_counter()
+            build_dataset([a.data], tok, eot, a.max_length, None, cache, num_proc if num_proc > 1 else None)
+            out.append((f"ours: full dataset preparation (stream + Arrow shard, {num_proc} process(es))",
+                        len(msgs) / (time.perf_counter() - t0)))
+    return out

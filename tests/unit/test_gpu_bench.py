@@ -1,0 +1,58 @@
+"""bench/gpu_bench.py and scripts/gpu_bench.sh without a GPU: the refusal (exit 2) on a machine without CUDA,
+the argument handling, the dry-run plan, the datasheet peaks. No training runs here."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+
+import pytest
+import torch
+
+from tests.helpers.paths import ROOT
+
+
+@pytest.fixture(scope="module")
+def gpu_bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", f"{ROOT}/bench/gpu_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_refuses_without_cuda_with_exit_2(gpu_bench, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_bench.main(["--rows", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--dry_run" in err
+
+
+def test_dry_run_prints_every_row_and_runs_zero2_under_torchrun(gpu_bench, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the plan needs no GPU
+    assert gpu_bench.main(["--dry_run", "--max_steps", "5", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    lines = {row: next(line for line in out.splitlines() if line.strip().startswith("$") and f"{row}.json" in line)
+             for row in gpu_bench.ROWS}
+    assert "--q_lora True" in lines["qlora-4bit"] and "torch.distributed.run" not in lines["qlora-4bit"]
+    assert "torch.distributed.run --standalone --nproc_per_node 1" in lines["zero2"]
+    assert "ds_config_zero2.json" in lines["zero2"] and "--padding_free False" in lines["bf16-padded-sdpa"]
+    assert all("--bf16" in line and "--max_steps 5" in line and "--batch 2" in line for line in lines.values())
+
+
+@pytest.mark.parametrize("argv", [["--max_steps", "1"], ["--rows", "fp8"], ["--batch", "0"], ["--time_limit_s", "0"]])
+def test_bad_arguments_exit_2(gpu_bench, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_bench.parse(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_datasheet_peaks_match_the_device_name(gpu_bench):
+    assert gpu_bench.datasheet_peak("NVIDIA H100 PCIe") == 756.0
+    assert gpu_bench.datasheet_peak("NVIDIA H100 80GB HBM3") == 989.4
+    assert gpu_bench.datasheet_peak("NVIDIA H200") == 989.4
+    assert gpu_bench.datasheet_peak("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_bench.datasheet_peak("Tesla T4") is None  # no bf16 tensor cores: no entry
+
+
+def test_wrapper_prints_usage_without_setting_anything_up():
+    p = subprocess.run(["bash", f"{ROOT}/scripts/gpu_bench.sh", "-h"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and "Usage: bash scripts/gpu_bench.sh" in p.stdout and "exit 2" in p.stdout
