@@ -204,17 +204,18 @@ def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot
     rendered = _Renderer.of(tokenizer).render_all(conversations)
     skip = context_replies if context_replies is not None else [0] * len(rendered)
     enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
-    return [Encoded(ids, labels_from_spans(ids, offs, spans[k:], eot_id), text, offs)
+    return [Encoded(ids, labels_from_spans(ids, offs, spans[k:], eot_id), text, offs, spans)
             for ids, offs, (text, spans), k in zip(enc["input_ids"], enc["offset_mapping"], rendered, skip)]
 
 
 class Encoded(tuple):
-    """``(input_ids, labels)`` of one conversation, with the rendered ``text`` (str) and the tokens' character
-    ``offsets`` in it (``[(start, end), ...]``, one per token) as attributes; compares and unpacks as the pair."""
+    """``(input_ids, labels)`` of one conversation, with the rendered ``text`` (str), the tokens' character
+    ``offsets`` in it (``[(start, end), ...]``, one per token) and every reply's character ``spans`` (context replies
+    included) as attributes; compares and unpacks as the pair."""
 
-    def __new__(cls, input_ids: list, labels: list, text: str, offsets: list):
+    def __new__(cls, input_ids: list, labels: list, text: str, offsets: list, spans: list):
         self = super().__new__(cls, (input_ids, labels))
-        self.text, self.offsets = text, offsets
+        self.text, self.offsets, self.spans = text, offsets, spans
         return self
 
 

@@ -139,7 +139,9 @@ def _encode_pieces(tokenizer, head: list[dict], pairs: list[list[dict]], plan: l
     the conversation's text up to pair 0 followed by its text from pair ``c`` to pair ``j``, and every cut is at
     one special token (:func:`_cut_tokens`), where the tokenizer splits the text before the rest of its work, so
     the tokens on both sides of a cut are those of the whole conversation. Labels are then built from the sample's
-    own reply spans (:func:`sft.chat.labels_from_spans`). Any other sample is encoded."""
+    own reply spans (:func:`sft.chat.labels_from_spans`), or, when those spans are the conversation's own spans
+    moved with the text, taken from the conversation's labels (the same labels: each token is labelled by the
+    reply its characters overlap). Any other sample is encoded."""
     out: list = [None] * len(plan)
     cut_ok = _cut_tokens(tokenizer)
     if isinstance(full, Encoded) and cut_ok:
@@ -161,8 +163,12 @@ def _encode_pieces(tokenizer, head: list[dict], pairs: list[list[dict]], plan: l
                     continue
                 shift = ca - ch
                 p_ids = ids[:h] + ids[a:b]
-                p_offs = offs[:h] + [(x - shift, y - shift) for x, y in offs[a:b]]
-                out[k] = Encoded(p_ids, labels_from_spans(p_ids, p_offs, spans[i - c:], eot_id), ptext, p_offs)
+                if [(x - shift, y - shift) for x, y in full.spans[i:j]] == spans[i - c:]:
+                    # the replies sit where they sit in the conversation: the labels are its labels
+                    out[k] = (p_ids, [IGNORE_INDEX] * (h + starts[i] - a) + full[1][starts[i]:b])
+                else:
+                    p_offs = offs[:h] + [(x - shift, y - shift) for x, y in offs[a:b]]
+                    out[k] = (p_ids, labels_from_spans(p_ids, p_offs, spans[i - c:], eot_id))
     todo = [k for k, x in enumerate(out) if x is None]
     if todo:
         encoded = encode_conversations(tokenizer, [head + [m for p in pairs[plan[k][0]:plan[k][2]] for m in p]
