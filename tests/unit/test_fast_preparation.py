@@ -46,3 +46,32 @@ def test_fast_path_equals_general_path(which, smol_tok, qwen_tok, chitchat_messa
     too_long_alone = sum(ex["truncated"] for samples in fast["split"] for ex in samples)  # cut before their end
     assert eot_labels + too_long_alone == n_replies
     assert all(any(x != IGNORE_INDEX for x in ex["labels"]) for samples in fast["split"] for ex in samples)
+
+
+@pytest.mark.parametrize("cores,processes,env", [(2, 2, {"TOKENIZERS_PARALLELISM": "false"}),
+                                                 (2, 1, {"RAYON_NUM_THREADS": "2"}),
+                                                 (64, 8, {"RAYON_NUM_THREADS": "8"}),
+                                                 (4, 8, {"TOKENIZERS_PARALLELISM": "false"})])
+def test_tokenizer_threads_share_the_cores(cores, processes, env, monkeypatch):
+    import os
+
+    from sft.samples import limit_tokenizer_threads
+
+    # a private copy of the environment: what the function sets goes away with the test
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    limit_tokenizer_threads(processes)
+    assert {k: os.environ.get(k) for k in env} == env
+    assert len([k for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS") if k in os.environ]) == 1
+
+
+def test_tokenizer_threads_leave_the_users_choice(monkeypatch):
+    import os
+
+    from sft.samples import limit_tokenizer_threads
+
+    monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"},
+                                        "TOKENIZERS_PARALLELISM": "true"})
+    limit_tokenizer_threads(16)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true" and "RAYON_NUM_THREADS" not in os.environ
