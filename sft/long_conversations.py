@@ -114,7 +114,7 @@ def _estimate(tokenizer, head: list[dict], full: Sample, eot_id: int, n_pairs: i
     :func:`split_conversation` checks every sample it encodes.
     """
     ids, labels = full[0], full[1]
-    ends = [k for k, (t, lab) in enumerate(zip(ids, labels)) if lab == eot_id and t == eot_id]
+    ends = _reply_ends(ids, labels, eot_id)
     memo, key = _Renderer.of(tokenizer).memo, ("head_len", eot_id, tuple((m["role"], m["content"]) for m in head))
     if key not in memo:  # the same for every conversation with this system prompt
         one, two = encode_conversations(tokenizer, [head + _PROBE, head + _PROBE + _PROBE], eot_id)
@@ -146,7 +146,7 @@ def _encode_pieces(tokenizer, head: list[dict], pairs: list[list[dict]], plan: l
     cut_ok = _cut_tokens(tokenizer)
     if isinstance(full, Encoded) and cut_ok:
         ids, text, offs = full[0], full.text, full.offsets
-        ends = [k for k, (t, lab) in enumerate(zip(ids, full[1])) if lab == eot_id and t == eot_id]
+        ends = _reply_ends(ids, full[1], eot_id)
         tail = len(ids) - ends[-1] - 1 if ends else 0
         starts = [head_len] + [e + 1 + tail for e in ends]  # token index where pair k starts (and the end)
         renderer = _Renderer.of(tokenizer)
@@ -176,6 +176,18 @@ def _encode_pieces(tokenizer, head: list[dict], pairs: list[list[dict]], plan: l
         for k, sample in zip(todo, encoded):
             out[k] = sample
     return out
+
+
+def _reply_ends(ids: list[int], labels: list[int], eot_id: int) -> list[int]:
+    """Indices of the supervised end-of-turn tokens (``ids[k] == labels[k] == eot_id``), in order."""
+    out, k = [], -1
+    while True:
+        try:
+            k = labels.index(eot_id, k + 1)
+        except ValueError:
+            return out
+        if ids[k] == eot_id:
+            out.append(k)
 
 
 def _cut_tokens(tokenizer) -> frozenset:
