@@ -52,8 +52,14 @@ else:  # an older sft: load every record, then build (rank 0 prepares)
     convs = load_conversations(data)
     ds, report = build_dataset(convs, data, tok, eot, max_len, None, cache)
 t2 = time.perf_counter()
+# VmHWM: this process's own peak. ru_maxrss is not: Linux carries it across exec, so a rank would report at least
+# the RSS of the benchmark process it was forked from (which holds the plain tokenizer() sample).
+try:
+    peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 2**20
+except (OSError, StopIteration):
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 print(json.dumps({"rank": rank, "samples": len(ds), "startup_s": t1 - t0, "prepare_s": t2 - t1,
-                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                  "peak_rss_gib": peak}))
 """
 
 
