@@ -7,7 +7,8 @@ temporary folder, then prepares them as training does (stream + validate + token
 each prepares its shard, then waits for the others' completion markers and memory-maps all shards). Also
 measures a plain batched ``tokenizer()`` call on the same rendered texts (a sample of them), the reference of
 the "preparation >= 80% of plain tokenizer()" target, and, with ``--before REPO``, the same preparation with
-another checkout's ``sft`` (e.g. main before this change: its rank 0 loads every record, then tokenizes alone).
+another checkout's ``sft`` (1 process; a checkout from before the sharded preparation loads every record, then
+tokenizes on rank 0; a later one is run as this one).
 
     .venv/bin/python bench/data.py --conversations 1000000 --processes 2
     .venv/bin/python bench/data.py --conversations 200000 --before /path/to/old/checkout
@@ -51,8 +52,14 @@ else:  # an older sft: load every record, then build (rank 0 prepares)
     convs = load_conversations(data)
     ds, report = build_dataset(convs, data, tok, eot, max_len, None, cache)
 t2 = time.perf_counter()
+# VmHWM: this process's own peak. ru_maxrss is not: Linux carries it across exec, so a rank would report at least
+# the RSS of the benchmark process it was forked from (which holds the plain tokenizer() sample).
+try:
+    peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 2**20
+except (OSError, StopIteration):
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 print(json.dumps({"rank": rank, "samples": len(ds), "startup_s": t1 - t0, "prepare_s": t2 - t1,
-                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                  "peak_rss_gib": peak}))
 """
 
 
@@ -139,13 +146,15 @@ def main() -> int:
                                     ("before", ("before", 1, a.before))) if run in a.runs and c[2]]
         single = None
         for mode, world, repo in configs:
+            # a checkout with the sharded preparation (e.g. main before a speed-up) is called as this one
+            api = "after" if mode == "after" or os.path.exists(os.path.join(repo, "sft", "shards.py")) else "before"
             cache = os.path.join(work, f"cache-{mode}-{world}")
-            r = run_ranks(world, data, a.model, cache, a.max_length, mode, repo, a.long_conversations)
+            r = run_ranks(world, data, a.model, cache, a.max_length, api, repo, a.long_conversations)
             prep = max(x["prepare_s"] for x in r["ranks"])  # from the tokenizer loaded to every shard mapped
             rate = a.conversations / prep
             single = rate if (mode, world) == ("after", 1) else single
             extra = ""
-            if mode == "after" and world == 1:
+            if world == 1:
                 extra = f"; {100 * rate / plain:.0f}% of plain tokenizer()"
             elif mode == "after" and single:
                 extra = f"; {rate / single:.2f}x one process"

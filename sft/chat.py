@@ -16,6 +16,7 @@ be located exactly is refused with :class:`~sft.errors.TemplateError` rather tha
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Optional, Sequence
 
 from .errors import TemplateError
@@ -192,18 +193,107 @@ def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot
             :mod:`sft.long_conversations`). Default: every reply is supervised.
 
     Returns:
-        One ``(input_ids, labels)`` per conversation: lists of int of equal length, not truncated.
+        One ``(input_ids, labels)`` per conversation (an :class:`Encoded`): lists of int of equal length, not
+        truncated.
         ``input_ids`` equals ``tokenizer.apply_chat_template(messages)``; ``labels[i]`` is
         ``input_ids[i]`` for supervised tokens and ``-100`` otherwise.
 
     Raises:
         TemplateError: see :func:`render_with_spans` and :func:`labels_from_spans`.
     """
-    rendered = [render_with_spans(tokenizer, msgs) for msgs in conversations]
+    rendered = _Renderer.of(tokenizer).render_all(conversations)
     skip = context_replies if context_replies is not None else [0] * len(rendered)
     enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
-    return [(ids, labels_from_spans(ids, offs, spans[k:], eot_id))
-            for ids, offs, (_, spans), k in zip(enc["input_ids"], enc["offset_mapping"], rendered, skip)]
+    return [Encoded(ids, labels_from_spans(ids, offs, spans[k:], eot_id), text, offs, spans)
+            for ids, offs, (text, spans), k in zip(enc["input_ids"], enc["offset_mapping"], rendered, skip)]
+
+
+class Encoded(tuple):
+    """``(input_ids, labels)`` of one conversation, with the rendered ``text`` (str), the tokens' character
+    ``offsets`` in it (``[(start, end), ...]``, one per token) and every reply's character ``spans`` (context replies
+    included) as attributes; compares and unpacks as the pair."""
+
+    def __new__(cls, input_ids: list, labels: list, text: str, offsets: list, spans: list):
+        self = super().__new__(cls, (input_ids, labels))
+        self.text, self.offsets, self.spans = text, offsets, spans
+        return self
+
+
+_RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> _Renderer (not on the tokenizer:
+# it stays picklable)
+
+
+class _Renderer:
+    """One render per conversation, spans found in the same render (what :func:`render_with_spans` finds with two
+    renders and more).
+
+    The chat template is called as ``apply_chat_template`` calls it (transformers' compiled jinja template, the
+    tokenizer's special tokens as variables), without its per-call conversion of the inputs, which is the identity
+    on validated messages (plain ``{"role": str, "content": str}`` dicts). The spans come from a *skeleton*: the
+    rendering of the same roles with every content replaced by a sentinel, cached per sequence of roles, split into
+    the literal text between the contents. A conversation is accepted when the skeleton filled with its contents
+    equals its real rendering exactly; otherwise (a template that inspects or rewrites content, other message keys)
+    it goes the way of :func:`render_with_spans`.
+    """
+
+    def __init__(self, tokenizer):
+        from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
+
+        self.tokenizer, self.template = tokenizer, tokenizer.chat_template
+        self.compiled = _compile_jinja_template(self.template)
+        self.variables = _plain_template_data(dict(tokenizer.special_tokens_map))
+        self.skeletons: dict = {}
+        self.memo: dict = {}  # small per-tokenizer results (e.g. sft.long_conversations' head lengths), capped
+
+    @classmethod
+    def of(cls, tokenizer) -> "_Renderer":
+        r = _RENDERERS.get(tokenizer)
+        if r is None or r.template != tokenizer.chat_template or r.variables != dict(tokenizer.special_tokens_map):
+            r = _RENDERERS[tokenizer] = cls(tokenizer)
+        return r
+
+    def skeleton(self, roles: tuple) -> Optional[list[str]]:
+        """The literal text around each content for this sequence of roles, or None when not found exactly."""
+        if roles not in self.skeletons:
+            marks = [f"\ue000{k}\ue001" for k in range(len(roles))]
+            text = render(self.tokenizer, [{"role": r, "content": m} for r, m in zip(roles, marks)])
+            pieces, pos = [], 0
+            for m in marks:
+                at = text.find(m, pos)
+                if at < 0:
+                    pieces = None
+                    break
+                pieces.append(text[pos:at])
+                pos = at + len(m)
+            if pieces is not None and "\ue000" not in text[pos:]:
+                pieces.append(text[pos:])
+            self.skeletons[roles] = pieces if pieces is not None and len(pieces) == len(roles) + 1 else None
+        return self.skeletons[roles]
+
+    def render(self, messages: Sequence[dict]) -> str:
+        """Exactly ``render(tokenizer, messages)`` for validated messages, without apply_chat_template's overhead."""
+        return self.compiled.render(messages=list(messages), tools=None, documents=None, add_generation_prompt=False,
+                                    **self.variables)
+
+    def render_all(self, conversations: Sequence[Sequence[dict]]) -> list[tuple[str, list[tuple[int, int]]]]:
+        out = []
+        for messages in conversations:
+            if all(type(m) is dict and len(m) == 2 and type(m.get("content")) is str for m in messages):
+                pieces = self.skeleton(tuple(m["role"] for m in messages))
+                if pieces is not None:
+                    text = self.render(messages)
+                    parts, spans, pos = [pieces[0]], [], len(pieces[0])
+                    for m, lit in zip(messages, pieces[1:]):
+                        c = m["content"]
+                        if m["role"] == "assistant":
+                            spans.append((pos, pos + len(c)))
+                        parts += (c, lit)
+                        pos += len(c) + len(lit)
+                    if "".join(parts) == text:
+                        out.append((text, spans))
+                        continue
+            out.append(render_with_spans(self.tokenizer, messages))
+        return out
 
 
 def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tuple[list[int], list[int]]:

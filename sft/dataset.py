@@ -35,6 +35,7 @@ from .data import RecordCheck, iter_conversations
 from .errors import DataError
 from .eval_split import empty_side_error, in_eval, record_key
 from .samples import TruncationReport, encode_samples, encode_truncated, truncate  # noqa: F401 (re-exported)
+from .samples import limit_tokenizer_threads
 from .shards import JobView, Plan, agree, prepare_shard, read_marker, wait_for_shards
 from .sources import source_sha256
 
@@ -188,6 +189,7 @@ def prepare_source(job: _Job, cache_root: str, plan: Plan, num_proc: Optional[in
     key_dir = os.path.join(cache_root, cache_key(job.path, job.tokenizer, settings))
     os.makedirs(key_dir, exist_ok=True)
     n = shard_count(key_dir, plan.view.world_size)
+    limit_tokenizer_threads(plan.view.local_world_size * (num_proc or 1))
     for k in plan.mine(n):
         if read_marker(key_dir, k, n) is None:
             prepare_shard(key_dir, k, n, plan, lambda folder, k=k: _write_shard(job, folder, k, n, num_proc or 1))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-from .chat import IGNORE_INDEX, encode_conversations
+from .chat import IGNORE_INDEX, Encoded, _Renderer, encode_conversations, labels_from_spans
 from .errors import TemplateError
 
 Sample = tuple[list[int], list[int]]
@@ -82,9 +82,7 @@ def split_conversation(tokenizer, messages: Sequence[dict], eot_id: int, max_len
     while True:
         plan = _plan(lengths, costs, head_len, max_len, budget)
         todo = [k for k, (_c, i, _j) in enumerate(plan) if lengths[i] <= max_len]
-        encoded = encode_conversations(tokenizer, [head + [m for p in pairs[c:j] for m in p] for c, i, j in
-                                                   (plan[k] for k in todo)], eot_id,
-                                       [plan[k][1] - plan[k][0] for k in todo]) if todo else []
+        encoded = _encode_pieces(tokenizer, head, pairs, [plan[k] for k in todo], full, head_len, eot_id)
         over = {k: len(ids) - max_len for k, (ids, _) in zip(todo, encoded) if len(ids) > max_len}
         if not over:
             break
@@ -115,16 +113,97 @@ def _estimate(tokenizer, head: list[dict], full: Sample, eot_id: int, n_pairs: i
     token (turns separated by special tokens: ChatML, SmolLM2, Qwen); only the cut plan uses them, and
     :func:`split_conversation` checks every sample it encodes.
     """
-    ids, labels = full
-    ends = [k for k, (t, lab) in enumerate(zip(ids, labels)) if lab == eot_id and t == eot_id]
-    one, two = encode_conversations(tokenizer, [head + _PROBE, head + _PROBE + _PROBE], eot_id)
-    head_len = max(0, 2 * len(one[0]) - len(two[0]))
+    ids, labels = full[0], full[1]
+    ends = _reply_ends(ids, labels, eot_id)
+    memo, key = _Renderer.of(tokenizer).memo, ("head_len", eot_id, tuple((m["role"], m["content"]) for m in head))
+    if key not in memo:  # the same for every conversation with this system prompt
+        one, two = encode_conversations(tokenizer, [head + _PROBE, head + _PROBE + _PROBE], eot_id)
+        if len(memo) >= 4096:
+            memo.clear()
+        memo[key] = max(0, 2 * len(one[0]) - len(two[0]))
+    head_len = memo[key]
     tail = len(ids) - ends[-1] - 1  # tokens after the last reply's end (e.g. ChatML's "\n")
     costs = [ends[0] + 1 + tail - head_len] + [b - a for a, b in zip(ends, ends[1:])]
     if len(costs) != n_pairs:  # labels_from_spans closes every reply with eot_id, so this means a broken template
         raise TemplateError(f"found {len(costs)} closed replies in a conversation of {n_pairs}; the chat template "
                             "does not end each assistant turn with its end-of-turn token")
     return [head_len + c for c in costs], costs, head_len
+
+
+def _encode_pieces(tokenizer, head: list[dict], pairs: list[list[dict]], plan: list[tuple[int, int, int]],
+                   full: Sample, head_len: int, eot_id: int) -> list[Sample]:
+    """The samples ``head + pairs[c:j]`` (pairs ``c..i-1`` as context) of ``plan``, as
+    ``encode_conversations(..., context_replies=[i - c, ...])`` encodes them.
+
+    Each is cut from the conversation's own encoding when that is provably the same: the sample's rendering is
+    the conversation's text up to pair 0 followed by its text from pair ``c`` to pair ``j``, and every cut is at
+    one special token (:func:`_cut_tokens`), where the tokenizer splits the text before the rest of its work, so
+    the tokens on both sides of a cut are those of the whole conversation. Labels are then built from the sample's
+    own reply spans (:func:`sft.chat.labels_from_spans`), or, when those spans are the conversation's own spans
+    moved with the text, taken from the conversation's labels (the same labels: each token is labelled by the
+    reply its characters overlap). Any other sample is encoded."""
+    out: list = [None] * len(plan)
+    cut_ok = _cut_tokens(tokenizer)
+    if isinstance(full, Encoded) and cut_ok:
+        ids, text, offs = full[0], full.text, full.offsets
+        ends = _reply_ends(ids, full[1], eot_id)
+        tail = len(ids) - ends[-1] - 1 if ends else 0
+        starts = [head_len] + [e + 1 + tail for e in ends]  # token index where pair k starts (and the end)
+        renderer = _Renderer.of(tokenizer)
+        if len(starts) == len(pairs) + 1 and starts[-1] == len(ids) and 0 < head_len < len(ids):
+            h = starts[0]
+            msgs = [head + [m for p in pairs[c:j] for m in p] for c, _i, j in plan]
+            for k, ((c, i, j), (ptext, spans)) in enumerate(zip(plan, renderer.render_all(msgs))):
+                a, b = starts[c], starts[j]
+                if not all(x == len(ids) or ids[x] in cut_ok for x in (h, a, b)) or ids[h] != ids[a]:
+                    continue
+                ca, cb = offs[a][0], (offs[b][0] if b < len(ids) else len(text))
+                ch = offs[h][0]
+                if ptext != text[:ch] + text[ca:cb]:
+                    continue
+                shift = ca - ch
+                p_ids = ids[:h] + ids[a:b]
+                if [(x - shift, y - shift) for x, y in full.spans[i:j]] == spans[i - c:]:
+                    # the replies sit where they sit in the conversation: the labels are its labels
+                    out[k] = (p_ids, [IGNORE_INDEX] * (h + starts[i] - a) + full[1][starts[i]:b])
+                else:
+                    p_offs = offs[:h] + [(x - shift, y - shift) for x, y in offs[a:b]]
+                    out[k] = (p_ids, labels_from_spans(p_ids, p_offs, spans[i - c:], eot_id))
+    todo = [k for k, x in enumerate(out) if x is None]
+    if todo:
+        encoded = encode_conversations(tokenizer, [head + [m for p in pairs[plan[k][0]:plan[k][2]] for m in p]
+                                                   for k in todo], eot_id, [plan[k][1] - plan[k][0] for k in todo])
+        for k, sample in zip(todo, encoded):
+            out[k] = sample
+    return out
+
+
+def _reply_ends(ids: list[int], labels: list[int], eot_id: int) -> list[int]:
+    """Indices of the supervised end-of-turn tokens (``ids[k] == labels[k] == eot_id``), in order."""
+    out, k = [], -1
+    while True:
+        try:
+            k = labels.index(eot_id, k + 1)
+        except ValueError:
+            return out
+        if ids[k] == eot_id:
+            out.append(k)
+
+
+def _cut_tokens(tokenizer) -> frozenset:
+    """Ids of the added special tokens at which a text can be cut and tokenized in pieces with the same tokens: the
+    tokenizer finds them in the raw text before normalizing or pre-tokenizing (``normalized=False``), they eat no
+    neighbouring whitespace (no ``lstrip``/``rstrip``), match anywhere (no ``single_word``), and none is part of a
+    longer added token (which could match across a cut)."""
+    memo = _Renderer.of(tokenizer).memo
+    if "cut_tokens" not in memo:
+        added = dict(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        contents = [t.content for t in added.values()]
+        memo["cut_tokens"] = frozenset(
+            i for i, t in added.items()
+            if t.special and not t.normalized and not t.lstrip and not t.rstrip and not t.single_word and t.content
+            and not any(t.content in other and t.content != other for other in contents))
+    return memo["cut_tokens"]
 
 
 def _fit_pair(tokenizer, head: list[dict], user: dict, reply: dict, eot_id: int, max_len: int) -> tuple[Sample, bool]:

@@ -2,11 +2,15 @@
 report of what that cost. Pure: no files, no ranks (:mod:`sft.dataset` writes the samples into shards)."""
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .chat import IGNORE_INDEX, encode_conversations, with_system
 from .long_conversations import split_conversation
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,8 +95,8 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
         dict with ``input_ids``, ``labels`` (lists of int, length <= max_len), ``n_supervised`` (kept),
         ``n_lost`` (supervised tokens cut off) and ``truncated`` (bool).
     """
-    total_sup = sum(1 for x in labels if x != IGNORE_INDEX)
-    kept = sum(1 for x in labels[:max_len] if x != IGNORE_INDEX)
+    total_sup = len(labels) - labels.count(IGNORE_INDEX)
+    kept = min(len(labels), max_len) - labels[:max_len].count(IGNORE_INDEX)
     return {"input_ids": ids[:max_len], "labels": labels[:max_len], "n_supervised": kept, "n_lost": total_sup - kept,
             "truncated": len(ids) > max_len}
 
@@ -120,3 +124,21 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
 def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str]) -> dict:
     """The first sample of one conversation (see :func:`encode_samples`)."""
     return encode_samples(tokenizer, [conv_messages], eot_id, max_len, system_message, "truncate")[0][0]
+
+
+def limit_tokenizer_threads(processes_per_node: int) -> None:
+    """Share this node's cores among the processes that tokenize on it (``processes_per_node``: local ranks x
+    ``--preprocessing_num_workers``), unless the user chose: the fast tokenizer's batch call otherwise runs one
+    thread per core in every process (``processes_per_node`` x cores threads on the node). Sets
+    ``RAYON_NUM_THREADS`` (the tokenizer's thread pool; read when the pool starts, at its first parallel call) to
+    cores // processes, or ``TOKENIZERS_PARALLELISM=false`` where that is 1 thread (which also spares forked workers
+    the tokenizers library's warning). Cores: those this process may run on (``os.sched_getaffinity``)."""
+    if "TOKENIZERS_PARALLELISM" in os.environ or "RAYON_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, processes_per_node))
+    if threads == 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    else:
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+    logger.debug("tokenizer threads per process: %d (%d cores, %d processes)", threads, cores, processes_per_node)
