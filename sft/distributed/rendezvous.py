@@ -147,24 +147,35 @@ def _missing_message(c: Contract, nodes: dict) -> str:
             "they stopped")
 
 
-def _worker_rendezvous(c: Contract, log) -> None:
-    """Node rank > 0: connect to the master (retrying until RDZV_TIMEOUT), say hello, wait for the verdict."""
-    deadline = time.monotonic() + c.rdzv_timeout
-    last = "no attempt"
+def _connect(c: Contract, deadline: float, unreachable, waiting=None) -> socket.socket:
+    """A connection to MASTER_ADDR:MASTER_PORT, retried every 0.5 s until ``deadline`` (``time.monotonic()``).
+
+    Raises:
+        PreflightError: ``unreachable(last error)`` when no attempt succeeded in time. ``waiting()`` is called
+            once, after the first failed attempt."""
     addrs = [a for a in resolve(c.master_addr) if ":" not in a] or resolve(c.master_addr)
-    conn = None
-    while conn is None:
+    last, said = "no attempt", False
+    while True:
         try:
-            conn = socket.create_connection((addrs[0], c.master_port), timeout=max(0.1, min(3.0, deadline - time.monotonic())))
+            return socket.create_connection((addrs[0], c.master_port),
+                                            timeout=max(0.1, min(3.0, deadline - time.monotonic())))
         except OSError as e:
             last = e.strerror or ("no answer (connection timed out)" if isinstance(e, TimeoutError) else type(e).__name__)
-            if time.monotonic() >= deadline:
-                raise PreflightError(
-                    f"node rank {c.node_rank}: cannot reach the master at {c.master_addr}:{c.master_port} within "
-                    f"RDZV_TIMEOUT={c.rdzv_timeout} s (last error: {last}). Check that MASTER_ADDR is node rank 0's "
-                    "address as seen from this node, that node rank 0 was started (with the same MASTER_PORT), and "
-                    "that no firewall blocks the port") from None
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        if time.monotonic() >= deadline:
+            raise PreflightError(unreachable(last)) from None
+        if waiting is not None and not said:
+            waiting()
+            said = True
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+def _worker_rendezvous(c: Contract, log) -> None:
+    """Node rank > 0: connect to the master (retrying until RDZV_TIMEOUT), say hello, wait for the verdict."""
+    conn = _connect(c, time.monotonic() + c.rdzv_timeout, lambda last: (
+        f"node rank {c.node_rank}: cannot reach the master at {c.master_addr}:{c.master_port} within "
+        f"RDZV_TIMEOUT={c.rdzv_timeout} s (last error: {last}). Check that MASTER_ADDR is node rank 0's "
+        "address as seen from this node, that node rank 0 was started (with the same MASTER_PORT), and "
+        "that no firewall blocks the port"))
     with conn:
         _send(conn, _hello(c))
         log(f"rendezvous: connected to the master {c.master_addr}:{c.master_port}; waiting for all {c.nnodes} nodes")
@@ -187,26 +198,13 @@ def _wait_for_store(c: Contract, log) -> None:
     """Elastic job, a node that does not serve the store: wait (up to RDZV_TIMEOUT) until the store host's
     launcher accepts connections on MASTER_PORT. The probe connects and closes without a word: the c10d store
     drops such a connection."""
-    deadline = time.monotonic() + c.rdzv_timeout
-    addrs = [a for a in resolve(c.master_addr) if ":" not in a] or resolve(c.master_addr)
-    last, said = "no attempt", False
-    while True:
-        try:
-            socket.create_connection((addrs[0], c.master_port), timeout=max(0.1, min(3.0, deadline - time.monotonic()))).close()
-            return
-        except OSError as e:
-            last = e.strerror or ("no answer (connection timed out)" if isinstance(e, TimeoutError) else type(e).__name__)
-        if time.monotonic() >= deadline:
-            raise PreflightError(
-                f"this node cannot reach the elastic job's rendezvous store at {c.master_addr}:{c.master_port} within "
-                f"RDZV_TIMEOUT={c.rdzv_timeout} s (last error: {last}). The store is served by the launcher on the host "
-                "that owns MASTER_ADDR: start it there (same MASTER_PORT and NNODES), check that MASTER_ADDR is that "
-                "host's address as seen from here and that no firewall blocks the port")
-        if not said:
-            log(f"rendezvous: waiting for the rendezvous store at {c.master_addr}:{c.master_port} (up to "
-                f"RDZV_TIMEOUT={c.rdzv_timeout} s)")
-            said = True
-        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    _connect(c, time.monotonic() + c.rdzv_timeout, lambda last: (
+        f"this node cannot reach the elastic job's rendezvous store at {c.master_addr}:{c.master_port} within "
+        f"RDZV_TIMEOUT={c.rdzv_timeout} s (last error: {last}). The store is served by the launcher on the host "
+        "that owns MASTER_ADDR: start it there (same MASTER_PORT and NNODES), check that MASTER_ADDR is that "
+        "host's address as seen from here and that no firewall blocks the port"),
+        lambda: log(f"rendezvous: waiting for the rendezvous store at {c.master_addr}:{c.master_port} (up to "
+                    f"RDZV_TIMEOUT={c.rdzv_timeout} s)")).close()
 
 
 def node_rendezvous(c: Contract, log=lambda m: print(m, file=sys.stderr, flush=True)) -> None:

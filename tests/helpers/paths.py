@@ -14,3 +14,13 @@ def pythonpath_env(env: dict | None = None) -> dict:
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != ROOT]
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *rest])
     return env
+
+
+def load_bench_module(name: str):
+    """``bench/NAME.py`` loaded as a module (bench/ is a folder of scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

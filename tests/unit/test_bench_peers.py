@@ -10,15 +10,12 @@ import types
 
 import pytest
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_bench_module
 
 
 @pytest.fixture(scope="module")
 def peers():
-    spec = importlib.util.spec_from_file_location("compare_peers", f"{ROOT}/bench/compare_peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_module("compare_peers")
 
 
 def test_llamafactory_runs_the_same_lora_length_steps_and_neat_packing(peers, tmp_path):

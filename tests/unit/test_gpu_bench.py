@@ -2,21 +2,17 @@
 the argument handling, the dry-run plan, the datasheet peaks. No training runs here."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 
 import pytest
 import torch
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_bench_module
 
 
 @pytest.fixture(scope="module")
 def gpu_bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", f"{ROOT}/bench/gpu_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_module("gpu_bench")
 
 
 def test_refuses_without_cuda_with_exit_2(gpu_bench, monkeypatch, capsys):
