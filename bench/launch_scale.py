@@ -79,7 +79,9 @@ def elastic(n: int, steps: int) -> None:
     data = write_jsonl(os.path.join(tmp, "toy.jsonl"), TOY)
     out = os.path.join(tmp, "out")
     preset = os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh")
+    # global batch (n - 1) x n: kept at both world sizes (accumulation n - 1 at world size n, n at n - 1)
     flags = ["--output_dir", out, "--max_steps", str(steps), "--lora_r", "4", "--per_device_train_batch_size", "1",
+             "--gradient_accumulation_steps", str(n - 1),
              "--save_strategy", "steps", "--save_steps", "4", "--disable_tqdm", "True", "--ddp_timeout", "60"]
     hosts = netns.Hosts(n, tag="le")
     logs = [open(os.path.join(tmp, f"node{i}.log"), "w+") for i in range(n)]
