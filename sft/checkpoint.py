@@ -35,11 +35,11 @@ from typing import Optional
 from transformers import TrainerCallback
 
 from .errors import SFTError
-from .integrity import HASH, checkpoint_files, file_digest, hash_own_files, owner_rank, read_marker, verify_entries
+from .integrity import (HASH, MARKER, checkpoint_files, file_digest, hash_own_files, owner_rank, read_marker,
+                        verify_entries)
 
 logger = logging.getLogger("sft")
 
-MARKER = "sft_checkpoint_complete.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 AUTO_VALUES = ("auto", "true")  # "true": Qwen-era scripts pass --resume_from_checkpoint True
 

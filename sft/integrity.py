@@ -30,6 +30,8 @@ import re
 import shutil
 from typing import Optional
 
+MARKER = "sft_checkpoint_complete.json"  # a checkpoint's completion marker (sft.checkpoint writes it last)
+
 HASH = "xxh3_128"
 _CHUNK = 8 << 20  # bytes per read; large enough that the Python loop costs nothing next to the hashing
 _RANK_FILE = re.compile(r"^(?:rng_state_(\d+)\.pth|(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt"

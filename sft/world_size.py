@@ -21,8 +21,8 @@ import os
 from typing import Optional
 
 from .errors import ConfigError
+from .integrity import MARKER, read_marker
 
-MARKER = "sft_checkpoint_complete.json"  # sft.checkpoint.MARKER (not imported: this module stays import-light)
 
 
 @dataclasses.dataclass
@@ -56,11 +56,10 @@ def saved_shape(checkpoint: str) -> Optional[dict]:
     """The run shape recorded in ``checkpoint``'s completion marker: ``{"world_size", "per_device_train_batch_size",
     "gradient_accumulation_steps", "global_batch"}`` (ints; ``global_batch`` computed for markers of older versions
     that lack it), or None when the marker is missing, unreadable or has no shape."""
+    info, _ = read_marker(checkpoint, MARKER)
     try:
-        with open(os.path.join(checkpoint, MARKER), encoding="utf-8") as f:
-            info = json.load(f)
         shape = {k: int(info[k]) for k in ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # no marker (None), or one without a run shape
         return None
     shape["global_batch"] = int(info.get("global_batch") or shape["world_size"] * shape["per_device_train_batch_size"]
                                 * shape["gradient_accumulation_steps"])
