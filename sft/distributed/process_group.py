@@ -78,7 +78,6 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
 
     if not dist.is_available() or dist.is_initialized():
         return False
-    die_with_agent()
     dist.init_process_group(backend=backend or "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
@@ -93,6 +92,7 @@ def prepare_training_args(args) -> None:
     """
     import torch
 
+    die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
     args.fp16_requested_without_cuda = False
     if not torch.cuda.is_available():
         args.use_cpu = True
