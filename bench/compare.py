@@ -12,8 +12,10 @@ cut at the max length: ours with ``--long_conversations truncate``, as TRL and L
 fresh process (so peak RSS is its own). One table per
 dtype (``--dtypes``: fp32, and bf16 where :func:`sft.precision.auto_bf16` finds fast bf16; every system in
 the same dtype), each with every length of ``--max_lengths``; the micro batch is ``--batch`` per length
-(default 1024 // length, at least 1: 2 at 512, 1 at 2048), the packed systems' micro batch the rows that
-carry about as many tokens (at least 1):
+(default: as many conversations as fill about one row of the length on average, round(length / mean sample),
+at least 1: 2 at 512 and 3 at 2048 on the example's data), the packed systems' micro batch the rows that carry
+about as many tokens (at least 1), so that a step's fixed cost weighs alike in every system; ``--rounds N`` runs the
+systems N times interleaved and keeps each one's best round:
 
 * ``ours``          -- sft defaults: padding-free batches (``--padding_free True``: the micro batch's samples end to
   end in one row, attention per sample without a mask, :mod:`sft.attention`; LM head at supervised positions);
@@ -227,6 +229,21 @@ def run_system(a, system: str, nproc: int = 1, threads: int | None = None, tag: 
     return results
 
 
+def rate(result: list[dict]) -> float:
+    """Real tokens/s of one run (rank 0's result; 0.0 for a failed run)."""
+    return result[0]["real"] / result[0]["seconds"] if result else 0.0
+
+
+def best_rounds(a, rounds: dict) -> dict:
+    """Per (dtype, length, system) the round with the most real tokens/s (the one least slowed by other load, as
+    ``timeit`` takes the minimum time); with several rounds it prints every round's rate first."""
+    if a.rounds > 1:
+        print("rounds (real tokens/s; the table takes the best):")
+        for (dtype, length, system), runs in rounds.items():
+            print(f"  {dtype} {length} {system}: " + ", ".join(f"{rate(r):.1f}" if r else "failed" for r in runs))
+    return {key: max(runs, key=rate) for key, runs in rounds.items()}
+
+
 def first_conversations(path: str, n: int, work: str) -> str:
     """A JSONL copy of the first ``n`` records of the JSONL file ``path`` in ``work``; returns its path.
 
@@ -290,7 +307,10 @@ def parse(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"),
                    help="one table per dtype; bf16 only where sft.precision.auto_bf16 finds fast bf16")
     p.add_argument("--batch", type=int, nargs="*", default=None, help="micro batch (conversations) per device, one "
-                   "per --max_lengths entry or one for all (default: 1024 // length, at least 1)")
+                   "per --max_lengths entry or one for all (default: the conversations that fill about one row of "
+                   "the length on average, round(length / mean sample), at least 1)")
+    p.add_argument("--rounds", type=int, default=1, help="run the systems this many times, interleaved; the table "
+                   "takes each system's best round")
     p.add_argument("--packing_batch", type=int, default=0, help="rows per micro batch with packing (0: about the "
                    "same tokens as --batch conversations, at least 1)")
     p.add_argument("--max_conversations", type=int, default=400, help="train on the first N conversations of --data "
@@ -329,6 +349,9 @@ def main(argv=None) -> int:
     if a.max_steps < 2:
         print("error: --max_steps must be at least 2 (step 1 is warm-up)", file=sys.stderr)
         return 2
+    if a.rounds < 1:
+        print(f"error: --rounds must be at least 1, got {a.rounds}", file=sys.stderr)
+        return 2
     import torch
 
     from sft.precision import auto_bf16
@@ -352,28 +375,34 @@ def main(argv=None) -> int:
             dtypes.remove("bf16")
     if a.max_conversations:
         a.data = first_conversations(a.data, a.max_conversations, a.work)
-    batches = dict(zip(a.max_lengths, (a.batch * len(a.max_lengths) if a.batch and len(a.batch) == 1 else a.batch)
-                       if a.batch else [max(1, 1024 // n) for n in a.max_lengths]))
-    packing = {}
+    given = dict(zip(a.max_lengths, a.batch * len(a.max_lengths) if a.batch and len(a.batch) == 1 else a.batch)) \
+        if a.batch else {}
+    batches, packing = {}, {}
     for a.max_length in a.max_lengths:
         mean = mean_tokens_per_conversation(a)
+        # by default a step carries about one full row of the length in every system: the unpacked systems as many
+        # conversations as fill it on average, the packed ones one row (a step's fixed cost weighs alike)
+        batches[a.max_length] = given.get(a.max_length) or max(1, round(a.max_length / mean))
         packing[a.max_length] = a.packing_batch or max(1, round(batches[a.max_length] * mean / a.max_length))
         print(f"length {a.max_length}: mean sample {mean:.0f} tokens; micro batch {batches[a.max_length]}; packed "
               f"micro batch {packing[a.max_length]} row(s) of <= {a.max_length} tokens")
     print(f"model {a.model}\ndata {a.data}\nLoRA r={a.lora_r} alpha={2 * a.lora_r} dropout 0.05 all-linear; "
           f"{a.max_steps} optimizer steps per system (step 1 not timed); systems {' '.join(a.systems)}")
-    results, t_all = {}, time.perf_counter()
+    rounds, t_all = {}, time.perf_counter()
     for dtype in dtypes:
         a.bf16 = dtype == "bf16"
         a.peak_tflops = peaks[dtype] / 1e12
         for a.max_length in a.max_lengths:
             a.batch, a.packing_batch = batches[a.max_length], packing[a.max_length]
-            for system in a.systems:
-                t0 = time.perf_counter()
-                results[(dtype, a.max_length, system)] = run_system(a, system)
-                print(f"  ran {system} ({dtype}, length {a.max_length}) in {time.perf_counter() - t0:.0f} s; load "
-                      f"{os.getloadavg()[0]:.2f}", flush=True)
+            for rnd in range(a.rounds):  # rounds interleaved: a changing load touches every system alike
+                for system in a.systems:
+                    t0 = time.perf_counter()
+                    got = run_system(a, system, tag=f"-round{rnd + 1}" if a.rounds > 1 else "")
+                    rounds.setdefault((dtype, a.max_length, system), []).append(got)
+                    print(f"  ran {system} ({dtype}, length {a.max_length}{f', round {rnd + 1}' if a.rounds > 1 else ''})"
+                          f" in {time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
     print(f"all systems ran in {time.perf_counter() - t_all:.0f} s")
+    results = best_rounds(a, rounds)
     peaks = best_peaks(peaks_path, torch.device(device), True)
     for dtype in dtypes:
         print_table(a, dtype, results, peaks)
