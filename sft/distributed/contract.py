@@ -7,6 +7,8 @@
 and ``RDZV_ID`` (the SLURM or PBS job id, else ``sft``). :func:`choose_interface` picks the network
 interface gloo should use. ``finetune/launch.sh`` evaluates both through ``python -m sft.distributed plan``
 (see :mod:`sft.distributed.__main__`); nothing here imports torch, so the launcher does not pay for it.
+:func:`scheduler_nnodes` gives the SLURM and PBS scripts the ``NNODES`` of every node (``MIN_NODES`` asks for
+an elastic job over the scheduler's nodes).
 """
 from __future__ import annotations
 

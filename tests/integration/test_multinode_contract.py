@@ -184,11 +184,14 @@ def test_slurm_elastic_job_keeps_going_without_a_failed_node(tmp_path):
             "the job's exit code is a1's, the rendezvous store host's: 0") in r.stderr, r.stderr
     assert "slurm: elastic job 1234 finished on the nodes left; lost on the way: c3 (DOWN+NOT_RESPONDING: Not " \
            "responding)" in r.stderr, r.stderr
-    # the first node failing is the job failing
-    env.update(SFT_FAIL_RANK="0", SFT_FAIL_CODE="3", FAKE_DOWN="")
-    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 3, r.stderr
+    # the first node failing is the job failing; preempted (75): requeued
+    for code in (3, 75):
+        (tmp_path / "calls.log").unlink()
+        env.update(SFT_FAIL_RANK="0", SFT_FAIL_CODE=str(code), FAKE_DOWN="")
+        r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == code, r.stderr
+        assert ("scontrol requeue 1234" in (tmp_path / "calls.log").read_text()) == (code == 75), r.stderr
 
 
 def test_slurm_and_pbs_refuse_a_bad_node_range(tmp_path):
