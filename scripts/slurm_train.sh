@@ -188,12 +188,14 @@ if [[ -n "$ELASTIC" ]]; then
   first_rc="$(cat "$SFT_SLURM_RC_DIR/node0" 2>/dev/null)" || true
   lost="$(lost_nodes)" || true
   if [[ "$first_rc" =~ ^[0-9]+$ ]] && (( first_rc != rc )); then
-    echo "slurm: elastic job: srun exit $rc (a node's launcher failed while its host stayed up: its lines are above); the job's exit code is $MASTER_ADDR's, the rendezvous store host's: $first_rc" >&2
+    if [[ -z "$STOPPED" ]] && (( rc > first_rc )); then  # no signal (SLURM's end of the job, a preemption) came
+      echo "slurm: elastic job: srun exit $rc (a node's launcher failed while its host stayed up: its lines are above); the job's exit code is $MASTER_ADDR's, the rendezvous store host's: $first_rc" >&2
+    fi
     rc="$first_rc"
   fi
   if [[ -n "$lost" ]]; then
     if (( rc == 0 )); then
-      echo "slurm: elastic job $SLURM_JOB_ID finished on the nodes left; lost on the way: $lost (SLURM removed it from the job: sbatch --no-kill)" >&2
+      echo "slurm: elastic job $SLURM_JOB_ID finished on the nodes left; lost on the way: $lost (taken out of the job by SLURM: sbatch --no-kill)" >&2
     else
       echo "slurm: elastic job $SLURM_JOB_ID: lost on the way: $lost" >&2
     fi

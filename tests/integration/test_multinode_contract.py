@@ -158,6 +158,7 @@ def test_pbs_unique_hosts_distinct_ranks_and_failures(tmp_path):
 
 ELASTIC_PRESET = """#!/usr/bin/env bash
 if [[ "$NODE_RANK" == "${SFT_FAIL_RANK:-none}" ]]; then sleep "${SFT_FAIL_AFTER:-0}"; exit "${SFT_FAIL_CODE:-1}"; fi
+if [[ "$NODE_RANK" == "${SFT_SLOW_RANK:-none}" ]]; then sleep 30; fi
 sleep "${SFT_RUN_S:-1}"
 echo "node $NODE_RANK of $NNODES rdzv=${RDZV_ID:-} job=${SLURM_JOB_ID:-}${PBS_JOBID:-} restarts ${MAX_RESTARTS:-} finished" >> "$SFT_NODES_LOG"
 """
@@ -219,7 +220,8 @@ def test_slurm_and_pbs_refuse_a_bad_node_range(tmp_path):
 
 def test_pbs_elastic_job_keeps_going_without_a_failed_node(tmp_path):
     """MIN_NODES=2 over 3 hosts: node rank 2 failing (a lost host's ssh exits 255) does not stop the others, which
-    finish; the job exits 0 naming it. The first host failing stops every node within seconds."""
+    finish; the job exits 0 naming it. A node still running ELASTIC_GRACE_S after the first host ended is stopped.
+    The first host failing stops every node within seconds."""
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("h1\nh2\nh1\nh3\n")
     env, bin_dir = scheduler_env(tmp_path, PBS_NODEFILE=nodefile, PBS_JOBID="31.server", PBS_O_WORKDIR=tmp_path,
@@ -236,6 +238,12 @@ def test_pbs_elastic_job_keeps_going_without_a_failed_node(tmp_path):
     assert "pbs: lost: node rank 2 (h3): exit 255" in r.stderr, r.stderr
     assert "pbs: elastic job 31.server finished on the nodes left (node rank 0, h1, exit 0)" in r.stderr, r.stderr
     assert "stopping every node" not in r.stderr, r.stderr
+    # a node still running once the first host has ended (a hung ssh to a crashed host) is stopped after the grace
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env={**env, "SFT_SLOW_RANK": "1",
+                       "ELASTIC_GRACE_S": "1"}, capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 0 and time.monotonic() - t0 < 15, r.stderr
+    assert "pbs: node rank 0 (h1) ended 1 s ago: stopping every node" in r.stderr, r.stderr
     (tmp_path / "nodes.log").unlink()
     env.update(SFT_FAIL_RANK="0", SFT_FAIL_CODE="4", SFT_FAIL_AFTER="1", SFT_RUN_S="30")
     t0 = time.monotonic()
