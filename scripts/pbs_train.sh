@@ -12,8 +12,9 @@
 # pbsdsh passes no environment and numbers tasks differently between PBS Pro and Torque. It needs
 # passwordless ssh between the job's nodes (usual on clusters; PBS_RSH names another command, e.g.
 # "ssh -p 2222"). The node's environment is sent explicitly: NNODES NODE_RANK MASTER_ADDR MASTER_PORT and
-# every set variable named PYTHON, RDZV_TIMEOUT, NPROC_PER_NODE, GPUS_PER_NODE, CUDA_VISIBLE_DEVICES,
-# OMP_NUM_THREADS, HF_*, TRANSFORMERS_*, NCCL_*, GLOO_*, TORCH_*, SFT_*.
+# every set variable named PYTHON, RDZV_TIMEOUT, MAX_RESTARTS, RDZV_ID, RDZV_LAST_CALL_TIMEOUT, PBS_JOBID,
+# NPROC_PER_NODE, GPUS_PER_NODE, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, HF_*, TRANSFORMERS_*, NCCL_*, GLOO_*,
+# TORCH_*, SFT_*.
 # MASTER_PORT: default 10000 + (numeric part of PBS_JOBID) % 20000.
 #
 # Stopping: each node's launcher runs in its own process group, watched over its ssh connection. The first
