@@ -10,7 +10,9 @@ rerun resumes and ends where an uninterrupted run ends; its job log has to read 
 A host that dies mid-run (its slurmd and job processes SIGKILLed; kept last, it brings the host back)
 ends the run within SlurmdTimeout + KillWait + 30 s, SLURM requeues the job (the log names the node and
 says it was no preemption), and once the host's slurmd is back the rerun resumes from the last complete
-checkpoint and ends where an uninterrupted run ends.
+checkpoint and ends where an uninterrupted run ends. An elastic job (``MIN_NODES=2 sbatch --no-kill``) that
+loses node2 the same way goes on without it: the other two resume from the checkpoint at world size 2 and the
+job completes.
 """
 from __future__ import annotations
 
