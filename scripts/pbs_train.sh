@@ -12,8 +12,9 @@
 # pbsdsh passes no environment and numbers tasks differently between PBS Pro and Torque. It needs
 # passwordless ssh between the job's nodes (usual on clusters; PBS_RSH names another command, e.g.
 # "ssh -p 2222"). The node's environment is sent explicitly: NNODES NODE_RANK MASTER_ADDR MASTER_PORT and
-# every set variable named PYTHON, RDZV_TIMEOUT, NPROC_PER_NODE, GPUS_PER_NODE, CUDA_VISIBLE_DEVICES,
-# OMP_NUM_THREADS, HF_*, TRANSFORMERS_*, NCCL_*, GLOO_*, TORCH_*, SFT_*.
+# every set variable named PYTHON, RDZV_TIMEOUT, MAX_RESTARTS, RDZV_ID, RDZV_LAST_CALL_TIMEOUT, PBS_JOBID,
+# NPROC_PER_NODE, GPUS_PER_NODE, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, HF_*, TRANSFORMERS_*, NCCL_*, GLOO_*,
+# TORCH_*, SFT_*.
 # MASTER_PORT: default 10000 + (numeric part of PBS_JOBID) % 20000.
 #
 # Stopping: each node's launcher runs in its own process group, watched over its ssh connection. The first
@@ -23,6 +24,15 @@
 # no remote process is left running (killing a local ssh alone would leave the remote command running).
 # Exit code: the first failing node's (0 only if all succeeded), naming every node that failed; a node
 # that exits 75 (preempted) makes the job exit 75: resubmit it (qrerun).
+#
+# Elastic job (docs/multi-node.md "PBS"): MIN_NODES=MIN (or NNODES=MIN:N, N the job's unique hosts) goes on
+# with at least MIN of the N nodes: every launcher gets NNODES=MIN:N (torchrun's c10d rendezvous, id
+# PBS_JOBID, its store on the first host, which must stay up), and MAX_RESTARTS, RDZV_ID and
+# RDZV_LAST_CALL_TIMEOUT are sent too. A failing node other than the first (a lost host's ssh exits 255) does
+# not stop the others: they restart from the last checkpoint without it. The exit code is the first host's
+# (the store host, in every round): 0 when the job finished on the nodes left; the nodes lost on the way
+# are named. Once the first host has ended, a node still running is stopped after 30 s (ELASTIC_GRACE_S;
+# a crashed host's ssh may not notice for a long time) and its ssh ended 10 s later.
 #PBS -N sft
 #PBS -j oe
 set -euo pipefail
@@ -49,18 +59,32 @@ PRESET="$(cd "$(dirname "$PRESET")" && pwd)/$(basename "$PRESET")"
 [[ -n "${PBS_NODEFILE:-}" && -r "${PBS_NODEFILE:-}" ]] || die "PBS_NODEFILE is not set or not readable: submit this script with qsub"
 # Unique hosts, first-appearance order (the file repeats a host once per slot, not always adjacently).
 mapfile -t HOSTS < <(awk 'NF && !seen[$1]++ {print $1}' "$PBS_NODEFILE")
-NNODES="${#HOSTS[@]}"
-(( NNODES > 0 )) || die "$PBS_NODEFILE lists no host"
+ALLOCATED="${#HOSTS[@]}"
+(( ALLOCATED > 0 )) || die "$PBS_NODEFILE lists no host"
+# NNODES: the job's host count; MIN:count for an elastic job (validated in sft/distributed/contract.py).
+ELASTIC=""
+if [[ -n "${MIN_NODES:-}" || "${NNODES:-}" == *:* ]]; then
+  PY="${PYTHON:-}"
+  if [[ -z "$PY" ]]; then if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi; fi
+  NNODES="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m sft.distributed nodes --allocated "$ALLOCATED" \
+            --source "$ALLOCATED unique host(s) in PBS_NODEFILE $PBS_NODEFILE")" || exit $?
+  ELASTIC=1
+else
+  NNODES="$ALLOCATED"
+fi
 MASTER_ADDR="${HOSTS[0]}"
 JOBNUM="${PBS_JOBID:-0}"; JOBNUM="${JOBNUM%%[!0-9]*}"; JOBNUM="${JOBNUM:-0}"
 MASTER_PORT="${MASTER_PORT:-$((10000 + 10#$JOBNUM % 20000))}"
 read -r -a RSH <<< "${PBS_RSH:-ssh}"
-echo "pbs: job ${PBS_JOBID:-?}, $NNODES node(s) (${HOSTS[*]}), master $MASTER_ADDR:$MASTER_PORT, preset $PRESET" >&2
+echo "pbs: job ${PBS_JOBID:-?}, $ALLOCATED node(s) (${HOSTS[*]}), master $MASTER_ADDR:$MASTER_PORT, preset $PRESET" >&2
+if [[ -n "$ELASTIC" ]]; then
+  echo "pbs: elastic job: NNODES=$NNODES on every node (store on $MASTER_ADDR, which must stay up): a node other than the first that fails or is lost does not stop the others" >&2
+fi
 
 # The remote command: cd to this folder, set the node's environment, run the preset; every word quoted.
 FORWARD=()
 for name in $(compgen -e); do
-  if [[ "$name" =~ ^(PYTHON|RDZV_TIMEOUT|NPROC_PER_NODE|GPUS_PER_NODE|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|HF_[A-Z_]+|TRANSFORMERS_[A-Z_]+|NCCL_[A-Z_]+|GLOO_[A-Z_]+|TORCH_[A-Z_]+|SFT_[A-Z_]+)$ ]]; then
+  if [[ "$name" =~ ^(PYTHON|RDZV_TIMEOUT|MAX_RESTARTS|RDZV_ID|RDZV_LAST_CALL_TIMEOUT|PBS_JOBID|NPROC_PER_NODE|GPUS_PER_NODE|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|HF_[A-Z_]+|TRANSFORMERS_[A-Z_]+|NCCL_[A-Z_]+|GLOO_[A-Z_]+|TORCH_[A-Z_]+|SFT_[A-Z_]+)$ ]]; then
     FORWARD+=("$name=${!name}")
   fi
 done
@@ -113,23 +137,47 @@ for rank in "${!HOSTS[@]}"; do
 done
 # Poll (portable to bash 4: no wait -n -p): record each node's exit as it comes.
 declare -A RC=()
-first=0 failed=()
-while (( ${#RC[@]} < NNODES )); do
+first=0 failed=() lost=()
+GRACE_S="${ELASTIC_GRACE_S:-30}"
+first_done=""
+while (( ${#RC[@]} < ALLOCATED )); do
   for rank in "${!HOSTS[@]}"; do
     [[ -n "${RC[$rank]:-}" ]] && continue
     kill -0 "${PIDS[$rank]}" 2>/dev/null && continue
     rc=0
     wait "${PIDS[$rank]}" || rc=$?
     RC[$rank]=$rc
-    if (( rc != 0 )); then
+    if (( rank == 0 )); then first_done=$SECONDS; fi
+    if [[ -n "$ELASTIC" && -z "$STOPPING" ]] && (( rank > 0 && rc != 0 )); then
+      lost+=("node rank $rank (${HOSTS[$rank]}): exit $rc")
+      echo "pbs: node rank $rank (${HOSTS[$rank]}) lost (exit $rc); elastic job: the other nodes go on without it" >&2
+    elif (( rc != 0 )); then
       failed+=("node rank $rank (${HOSTS[$rank]}): exit $rc")
       if (( first == 0 )); then first=$rc; fi
       if (( rc != 75 )); then stop_nodes "node rank $rank (${HOSTS[$rank]}) failed (exit $rc)"; fi
     fi
   done
-  (( ${#RC[@]} < NNODES )) && sleep 0.5
+  # An elastic job is over when the first host (the store) has ended: stop what still runs, then end its ssh
+  if [[ -n "$ELASTIC" && -n "$first_done" ]] && (( ${#RC[@]} < ALLOCATED )); then
+    if (( SECONDS - first_done >= GRACE_S )); then stop_nodes "node rank 0 (${HOSTS[0]}) ended $GRACE_S s ago"; fi
+    if (( SECONDS - first_done >= GRACE_S + 10 )); then
+      for rank in "${!HOSTS[@]}"; do
+        if [[ -z "${RC[$rank]:-}" ]]; then kill -TERM "${PIDS[$rank]}" 2>/dev/null || true; fi
+      done
+    fi
+  fi
+  (( ${#RC[@]} < ALLOCATED )) && sleep 0.5
 done
 if (( ${#failed[@]} > 0 )); then
   printf 'pbs: failed: %s\n' "${failed[@]}" >&2
+fi
+if [[ -n "$ELASTIC" ]]; then
+  first="${RC[0]}"
+  if (( ${#lost[@]} > 0 )); then
+    printf 'pbs: lost: %s\n' "${lost[@]}" >&2
+    if (( first == 0 )); then
+      echo "pbs: elastic job ${PBS_JOBID:-?} finished on the nodes left (node rank 0, ${HOSTS[0]}, exit 0)" >&2
+    fi
+  fi
 fi
 exit "$first"

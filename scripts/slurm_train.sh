@@ -29,6 +29,15 @@
 # complete checkpoint. The SIGTERM that SLURM's end of the job then sends is no preemption: the log says
 # "slurm: ... node failure: NODE (DOWN...) lost; SLURM has ... requeued job ID itself", and this script does
 # not requeue the job a second time (nor after SLURM's own preemption by requeue).
+#
+# Elastic job (docs/multi-node.md "SLURM"): MIN_NODES=MIN (or NNODES=MIN:N, N the job's node count) goes on
+# with at least MIN of the job's N nodes: every node's launcher gets NNODES=MIN:N (torchrun's c10d rendezvous,
+# id SLURM_JOB_ID, its store on the first node, which must stay up), srun runs with --no-kill and without
+# --kill-on-bad-exit, and a lost node's task ends alone; the others restart from the last checkpoint at the
+# smaller world size. Submit it with `sbatch --no-kill` as well, or SLURM itself ends (and requeues) the whole
+# job when a node fails. The exit code is the first node's launcher's (the store host, in every round): 0
+# when the job finished on the nodes left; the log names the nodes lost on the way.
+#   e.g. MIN_NODES=2 sbatch --nodes 3 --no-kill scripts/slurm_train.sh finetune_lora_single_gpu.sh -m ... -d ...
 #SBATCH --job-name=sft
 #SBATCH --ntasks-per-node=1
 #SBATCH --requeue
@@ -59,16 +68,32 @@ if [[ "$PRESET" != */* && -f "$ROOT/finetune/$PRESET" ]]; then PRESET="$ROOT/fin
 
 [[ -n "${SLURM_JOB_ID:-}" ]] || die "SLURM_JOB_ID is not set: submit this script with sbatch"
 [[ -n "${SLURM_JOB_NODELIST:-}" ]] || die "SLURM_JOB_NODELIST is not set: submit this script with sbatch"
-NNODES="${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-}}"
-[[ -n "$NNODES" ]] || die "SLURM_NNODES is not set: submit this script with sbatch"
+ALLOCATED="${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-}}"
+[[ -n "$ALLOCATED" ]] || die "SLURM_NNODES is not set: submit this script with sbatch"
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 [[ -n "$MASTER_ADDR" ]] || die "scontrol show hostnames $SLURM_JOB_NODELIST printed no host"
 MASTER_PORT="${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}"
+# NNODES: the job's node count; MIN:count for an elastic job (validated in sft/distributed/contract.py).
+ELASTIC=""
+if [[ -n "${MIN_NODES:-}" || "${NNODES:-}" == *:* ]]; then
+  PY="${PYTHON:-}"
+  if [[ -z "$PY" ]]; then if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi; fi
+  NNODES="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m sft.distributed nodes --allocated "$ALLOCATED" \
+            --source "SLURM_NNODES=$ALLOCATED")" || exit $?
+  ELASTIC=1
+else
+  NNODES="$ALLOCATED"
+fi
 export NNODES MASTER_ADDR MASTER_PORT
-echo "slurm: job $SLURM_JOB_ID, $NNODES node(s) ($SLURM_JOB_NODELIST), master $MASTER_ADDR:$MASTER_PORT, preset $PRESET" >&2
+echo "slurm: job $SLURM_JOB_ID, $ALLOCATED node(s) ($SLURM_JOB_NODELIST), master $MASTER_ADDR:$MASTER_PORT, preset $PRESET" >&2
+if [[ -n "$ELASTIC" ]]; then
+  echo "slurm: elastic job: NNODES=$NNODES on every node (rendezvous ${RDZV_ID:-$SLURM_JOB_ID}, store on $MASTER_ADDR, which must stay up); srun --no-kill: a lost node's task ends alone and the others go on. Submitted without sbatch --no-kill, SLURM still ends the whole job when a node fails" >&2
+fi
 
 # One task per node; each sets its NODE_RANK from SLURM_NODEID. --kill-on-bad-exit: a node that fails
-# ends the others now instead of after their timeouts. The task runs the preset with SIGUSR1 ignored (so a
+# ends the others now instead of after their timeouts (an elastic job instead: --no-kill, so that SLURM does
+# not end the step when a node fails, and --kill-on-bad-exit=0: a lost node's launcher ends alone; the first
+# node's task writes its code to SFT_SLURM_RC_DIR, on this host, for the verdict). The task runs the preset with SIGUSR1 ignored (so a
 # SIGUSR1 sent to every step process does not kill the launcher, torchrun and the workers) and sends the
 # launcher one SIGTERM on the first SIGUSR1 or SIGTERM it gets itself; it exits with the launcher's code.
 # shellcheck disable=SC2016  # expanded by the task's bash
@@ -79,6 +104,7 @@ trap stop TERM USR1
 (trap "" USR1; exec bash "$0" "$@") &
 child=$!
 while :; do trapped=""; rc=0; wait "$child" || rc=$?; if (( rc > 128 )) && [[ -n "$trapped" ]]; then continue; fi; break; done
+if [[ -n "${SFT_SLURM_RC_DIR:-}" && "$SLURM_NODEID" == 0 ]]; then echo "$rc" > "$SFT_SLURM_RC_DIR/node0" || true; fi
 exit "$rc"'
 # A signal to this shell: SIGUSR1 to srun, which passes it on to every process of the step (SIGUSR1 is
 # passed as is; a SIGTERM would be answered with SIGKILL), and each task turns it into one SIGTERM to its
@@ -87,23 +113,31 @@ exit "$rc"'
 # above this run's SLURM_RESTART_COUNT (SLURM has requeued it already: after a node failure, or its own
 # preemption) and nodes of the job DOWN / FAIL / NOT_RESPONDING (a node failure). slurm_ended prints what
 # happened, nothing when neither is so.
-slurm_ended() {
-  local job restarts state lost="" n info
-  job="$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null)" || return 0
-  restarts="$(sed -n 's/.*\bRestarts=\([0-9]*\).*/\1/p' <<<"$job")"
-  state="$(sed -n 's/.*\bJobState=\([A-Z_]*\).*/\1/p' <<<"$job")"
+# Nodes of the job that slurmctld shows DOWN / FAIL / NOT_RESPONDING, with their state and reason, comma-separated.
+lost_nodes() {
+  local n info lost=""
   for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
     info="$(scontrol -o show node "$n" 2>/dev/null)" || continue
     if [[ "$info" =~ State=([A-Z_+]*(DOWN|FAIL|NOT_RESPONDING)[A-Z_+]*) ]]; then
       lost+="${lost:+, }$n (${BASH_REMATCH[1]}$([[ "$info" =~ Reason=([^[]*) ]] && echo ": ${BASH_REMATCH[1]% }"))"
     fi
   done
+  echo "$lost"
+}
+slurm_ended() {
+  local job restarts state lost
+  job="$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null)" || return 0
+  restarts="$(sed -n 's/.*\bRestarts=\([0-9]*\).*/\1/p' <<<"$job")"
+  state="$(sed -n 's/.*\bJobState=\([A-Z_]*\).*/\1/p' <<<"$job")"
+  lost="$(lost_nodes)"
+  local hint=""
+  if [[ -n "$ELASTIC" ]]; then hint=" (an elastic job goes on without a lost node only when submitted with sbatch --no-kill)"; fi
   if (( ${restarts:-0} > ${SLURM_RESTART_COUNT:-0} )) && [[ -n "$lost" ]]; then
-    echo "node failure: $lost lost; SLURM has ended this run and requeued job $SLURM_JOB_ID itself (JobState=$state, Restarts=$restarts); it runs again when enough nodes are up and resumes from the last complete checkpoint in --output_dir"
+    echo "node failure: $lost lost; SLURM has ended this run and requeued job $SLURM_JOB_ID itself (JobState=$state, Restarts=$restarts)$hint; it runs again when enough nodes are up and resumes from the last complete checkpoint in --output_dir"
   elif (( ${restarts:-0} > ${SLURM_RESTART_COUNT:-0} )); then
     echo "SLURM has requeued job $SLURM_JOB_ID itself (JobState=$state, Restarts=$restarts: preempted by SLURM or scontrol requeue); it resumes from the last complete checkpoint in --output_dir when it runs again"
   elif [[ -n "$lost" || "$state" == NODE_FAIL ]]; then
-    echo "node failure: ${lost:-a node of the job} lost; SLURM has ended this run (JobState=$state) and does not requeue it (submitted with --no-requeue, or JobRequeue=0 in slurm.conf): submit the same command again to resume from the last complete checkpoint in --output_dir"
+    echo "node failure: ${lost:-a node of the job} lost; SLURM has ended this run (JobState=$state)$hint and does not requeue it (submitted with --no-requeue, or JobRequeue=0 in slurm.conf): submit the same command again to resume from the last complete checkpoint in --output_dir"
   fi
 }
 STOPPED="" SRUN="" ENDED="" TOLD="" TRAPPED=""
@@ -130,9 +164,16 @@ trap 'stop_nodes TERM' TERM
 # StepId=JOB.0`) to the node once it is back, where it would SIGTERM the rerun's step 0 (SLURM 22.05).
 if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
   echo "slurm: rerun $SLURM_RESTART_COUNT of job $SLURM_JOB_ID: an empty step 0 first (a late signal for the previous run's step 0 then reaches no launcher)" >&2
-  srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 true || true
+  srun --nodes="$ALLOCATED" --ntasks="$ALLOCATED" --ntasks-per-node=1 true || true
 fi
-srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL \
+KILL=(--kill-on-bad-exit=1)
+if [[ -n "$ELASTIC" ]]; then
+  KILL=(--no-kill --kill-on-bad-exit=0)
+  SFT_SLURM_RC_DIR="$(mktemp -d "${TMPDIR:-/tmp}/sft-slurm.XXXXXX")"
+  export SFT_SLURM_RC_DIR
+  trap 'rm -rf "$SFT_SLURM_RC_DIR"' EXIT
+fi
+srun --nodes="$ALLOCATED" --ntasks="$ALLOCATED" --ntasks-per-node=1 "${KILL[@]}" --export=ALL \
   bash -c "$TASK" "$PRESET" "$@" &
 SRUN=$!
 while :; do  # a trapped signal interrupts wait (rc > 128): wait again for srun's own exit code
@@ -140,6 +181,26 @@ while :; do  # a trapped signal interrupts wait (rc > 128): wait again for srun'
   if (( rc > 128 )) && [[ -n "$TRAPPED" ]]; then continue; fi
   break
 done
+# An elastic job's verdict is the first node's launcher's (the rendezvous store host takes part in every round
+# and, after the final save's barrier, exits 0 only when the job finished); srun's is the highest code of any
+# task, also of a node that dropped out while its host stayed up (a lost host's task counts for nothing).
+if [[ -n "$ELASTIC" ]]; then
+  first_rc="$(cat "$SFT_SLURM_RC_DIR/node0" 2>/dev/null)" || true
+  lost="$(lost_nodes)" || true
+  if [[ "$first_rc" =~ ^[0-9]+$ ]] && (( first_rc != rc )); then
+    if [[ -z "$STOPPED" ]] && (( rc > first_rc )); then  # no signal (SLURM's end of the job, a preemption) came
+      echo "slurm: elastic job: srun exit $rc (a node's launcher failed while its host stayed up: its lines are above); the job's exit code is $MASTER_ADDR's, the rendezvous store host's: $first_rc" >&2
+    fi
+    rc="$first_rc"
+  fi
+  if [[ -n "$lost" ]]; then
+    if (( rc == 0 )); then
+      echo "slurm: elastic job $SLURM_JOB_ID finished on the nodes left; lost on the way: $lost (taken out of the job by SLURM: sbatch --no-kill)" >&2
+    else
+      echo "slurm: elastic job $SLURM_JOB_ID: lost on the way: $lost" >&2
+    fi
+  fi
+fi
 # Asked twice: SLURM's end of the job SIGTERMs every process of the batch step, the first scontrol too.
 for _ in 1 2; do
   if (( rc == 0 )) || [[ -n "$ENDED" ]]; then break; fi

@@ -2,6 +2,7 @@
 
     python -m sft.distributed plan --gpus N   # validate, print the node's start line (stderr) and shell assignments (stdout)
     python -m sft.distributed rendezvous      # the preflight node rendezvous, from the (validated) environment
+    python -m sft.distributed nodes --allocated N --source TEXT   # NNODES for a scheduler's N nodes (stdout)
 
 Both exit 2 with ``error: ...`` on stderr when the user has something to fix (the policy of :mod:`sft.cli`).
 """
@@ -14,7 +15,7 @@ import sys
 from typing import Optional
 
 from ..cli import run_cli
-from .contract import choose_interface, read_contract, start_line
+from .contract import choose_interface, read_contract, scheduler_nnodes, start_line
 from .rendezvous import node_rendezvous
 
 
@@ -43,6 +44,12 @@ def _cli_rendezvous(args) -> int:
     return 0
 
 
+def _cli_nodes(args) -> int:
+    """NNODES for the SLURM and PBS scripts: N, or MIN:N with MIN_NODES / NNODES=MIN:MAX (an elastic job)."""
+    print(scheduler_nnodes(os.environ, args.allocated, args.source))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sft.distributed", description="The launcher's environment contract and preflight rendezvous (finetune/launch.sh).")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -51,6 +58,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         p = sub.add_parser(name, help=text)
         p.add_argument("--gpus", type=int, default=0, help="GPUs visible on this node")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("nodes", help="NNODES for every node of a scheduler's job: N, or MIN:N for an elastic job "
+                       "(MIN_NODES=MIN or NNODES=MIN:N in the environment)")
+    p.add_argument("--allocated", type=int, required=True, help="nodes the scheduler gave the job")
+    p.add_argument("--source", required=True, help="where that count came from, for messages (SLURM_NNODES=3)")
+    p.set_defaults(fn=_cli_nodes)
     args = parser.parse_args(argv)
     return run_cli(lambda: args.fn(args))
 

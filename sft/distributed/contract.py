@@ -7,6 +7,8 @@
 and ``RDZV_ID`` (the SLURM or PBS job id, else ``sft``). :func:`choose_interface` picks the network
 interface gloo should use. ``finetune/launch.sh`` evaluates both through ``python -m sft.distributed plan``
 (see :mod:`sft.distributed.__main__`); nothing here imports torch, so the launcher does not pay for it.
+:func:`scheduler_nnodes` gives the SLURM and PBS scripts the ``NNODES`` of every node (``MIN_NODES`` asks for
+an elastic job over the scheduler's nodes).
 """
 from __future__ import annotations
 
@@ -194,6 +196,49 @@ def _read_elastic(env: Mapping[str, str], gpus: int, raw: str, p: list[str]) -> 
         raise ContractError(p)
     return Contract(hi, 0, master, port, nproc, "cuda" if gpus > 0 else "cpu", timeout,
                     Elastic(lo, restarts, rdzv_id, store_host, last_call))
+
+
+def scheduler_nnodes(env: Mapping[str, str], allocated: int, source: str) -> str:
+    """``NNODES`` for every node's launcher of a job that a scheduler gave ``allocated`` nodes, one launcher each
+    (``scripts/slurm_train.sh``, ``scripts/pbs_train.sh``): ``"N"`` (a static job, also when ``NNODES`` holds a
+    plain number: the allocation wins, as it always has) or ``"MIN:N"`` (an elastic job), asked for with
+    ``MIN_NODES=MIN`` or ``NNODES=MIN:MAX``. The maximum is always the allocation: nodes are the scheduler's to
+    give, so ``NNODES=MIN:MAX`` must name it. ``source`` says where ``allocated`` came from in messages
+    (``SLURM_NNODES=3``, ``PBS_NODEFILE /path``).
+
+    Raises:
+        ContractError: one line per problem: ``MIN_NODES`` not a whole number in ``1..allocated``; ``NNODES=MIN:MAX``
+            malformed or with MAX other than ``allocated``; ``MIN_NODES`` and ``NNODES=MIN:MAX`` both given with
+            different minimums; ``allocated`` < 1.
+    """
+    p: list[str] = []
+    if allocated < 1:
+        raise ContractError([f"{source}: the job has {allocated} nodes; submit it with at least one"])
+    raw_min, raw_nn = env.get("MIN_NODES", ""), env.get("NNODES", "")
+    lo = None
+    if raw_min != "":
+        if not _UINT.match(raw_min) or not 1 <= int(raw_min) <= allocated:
+            more = (f", or submit the job with at least {raw_min} nodes" if _UINT.match(raw_min) and int(raw_min) >
+                    allocated else "")
+            p.append(f"MIN_NODES={raw_min}: the fewest nodes the elastic job goes on with must be a whole number in "
+                     f"1..{allocated} (this job has {allocated} node(s): {source}){more}")
+        else:
+            lo = int(raw_min)
+    if ":" in raw_nn:
+        lo_raw, _, hi_raw = raw_nn.partition(":")
+        if not (_UINT.match(lo_raw) and _UINT.match(hi_raw)) or int(lo_raw) < 1 or int(hi_raw) < int(lo_raw):
+            p.append(f"NNODES={raw_nn}: an elastic job needs MIN:MAX with whole numbers 1 <= MIN <= MAX; here MAX is "
+                     f"the job's {allocated} node(s) ({source}): give NNODES=MIN:{allocated} or MIN_NODES=MIN")
+        elif int(hi_raw) != allocated:
+            p.append(f"NNODES={raw_nn}: MAX must be the job's node count, {allocated} ({source}): give "
+                     f"NNODES={lo_raw}:{allocated}, or MIN_NODES={lo_raw} alone")
+        elif raw_min != "" and lo is not None and lo != int(lo_raw):
+            p.append(f"MIN_NODES={raw_min} and NNODES={raw_nn} ask for different minimums; set only one of them")
+        else:
+            lo = int(lo_raw)
+    if p:
+        raise ContractError(p)
+    return str(allocated) if lo is None else f"{lo}:{allocated}"
 
 
 def _check_master(master: str, node_rank: int, nnodes: int) -> list[str]:

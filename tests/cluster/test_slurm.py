@@ -10,7 +10,9 @@ rerun resumes and ends where an uninterrupted run ends; its job log has to read 
 A host that dies mid-run (its slurmd and job processes SIGKILLed; kept last, it brings the host back)
 ends the run within SlurmdTimeout + KillWait + 30 s, SLURM requeues the job (the log names the node and
 says it was no preemption), and once the host's slurmd is back the rerun resumes from the last complete
-checkpoint and ends where an uninterrupted run ends.
+checkpoint and ends where an uninterrupted run ends. An elastic job (``MIN_NODES=2 sbatch --no-kill``) that
+loses node2 the same way goes on without it: the other two resume from the checkpoint at world size 2 and the
+job completes.
 """
 from __future__ import annotations
 
@@ -250,6 +252,67 @@ def test_pbs_failing_node_stops_the_others_and_leaves_nothing_running(cluster, t
     while stray_processes(cluster) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not stray_processes(cluster), stray_processes(cluster)
+
+
+# ------------------------------------------------------------------------------------ an elastic job under SLURM
+
+_ELASTIC_STEPS = 12
+_ELASTIC_SAVE_STEPS = 2
+
+
+def test_elastic_job_loses_a_node_and_finishes_on_the_others(cluster, tmp_path, tiny_model_dir, data):  # noqa: F811
+    """``MIN_NODES=2 sbatch --no-kill --nodes 3``: node2 crashes (its slurmd and every job process SIGKILLed) after
+    the first complete checkpoint; node0 and node1 restart from it at world size 2 (global batch 6 kept:
+    accumulation 2 -> 3) and the job completes with exit 0, not requeued, the adapter written, and the log names
+    node2; SLURM takes node2 out of the job instead of ending it."""
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model_dir, data, steps=_ELASTIC_STEPS, tqdm=False)
+    flags[flags.index("--save_strategy") + 1] = "steps"
+    flags[flags.index("--gradient_accumulation_steps") + 1] = "2"  # global batch 6: world sizes 3 and 2 divide it
+    flags += ["--save_steps", str(_ELASTIC_SAVE_STEPS), "--ddp_timeout", "30"]
+    log = str(tmp_path / "slurm-%j.out")
+    # the DDP preset (a ZeRO-2 resume at another world size converts a universal checkpoint first: slower);
+    # a last call of 5 s: round 0 waits for the third node (the preflight has them meet within ~1 s) and round 1,
+    # after the loss, starts 5 s after the survivors' restart
+    env = job_env(cluster, MIN_NODES=2, MAX_RESTARTS=1, RDZV_LAST_CALL_TIMEOUT=5)
+    jid = cluster.sbatch(["--no-kill", "--nodes", "3", "--output", log, SLURM_SH, "finetune_lora_single_gpu.sh",
+                          *flags, "--output_dir", str(out)], env, cwd=ROOT)
+    log = log.replace("%j", str(jid))
+    killed = []
+    try:
+        deadline = time.monotonic() + JOB_LIMIT_S
+        while ckpt.latest_complete(str(out)) is None:
+            state = cluster.job(jid).get("JobState")
+            assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (state, read(log)[-3000:])
+            time.sleep(0.3)
+        saved = int(ckpt.latest_complete(str(out)).rsplit("-", 1)[1])
+        assert cluster.job(jid)["NodeList"] == "node[0-2]"
+        killed = cluster.crash(2)  # slurmd, slurmstepd, node2's launcher, torchrun and worker
+        t_kill = time.monotonic()
+        assert killed, "nothing ran on node2"
+        info = cluster.wait_job(jid, ("COMPLETED", "FAILED", "NODE_FAIL", "CANCELLED", "PENDING"), JOB_LIMIT_S)
+        ended = time.monotonic() - t_kill
+        text = read(log)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-4000:])
+        assert info["Restarts"] == "0" and info["NodeList"] == "node[0-1]", info  # node2 removed, not requeued
+        assert "slurm: elastic job: NNODES=2:3 on every node" in text, text[-3000:]
+        assert text.count(f"launch: elastic job {jid}: 2 to 3 nodes") == 3, text[-3000:]
+        m = re.search(r"elastic: this round has world size 2 \(2 node\(s\)\); failures restarted so far on this node: "
+                      r"1 of 1; resuming from \S*checkpoint-(\d+)", text)
+        assert m and saved <= int(m.group(1)) < _ELASTIC_STEPS, text[-4000:]
+        assert "gradient accumulation 2 -> 3" in text, text[-4000:]
+        assert "srun: error: Node failure on node2" in text, text[-3000:]
+        assert re.search(rf"slurm: elastic job {jid} finished on the nodes left; lost on the way: node2 \(DOWN\S*: "
+                         r"Not responding\)", text), text[-3000:]
+        assert "slurm: preempted" not in text and "launch: preempted" not in text, text[-4000:]
+        assert "Traceback (most recent call last)" not in text, text[-4000:]
+        losses, weights = mn.results(out)  # the adapter and every step's loss
+        assert len(losses) == _ELASTIC_STEPS and weights, losses
+        print(f"\nelastic job: node2 killed after checkpoint-{saved}; the job completed {ended:.0f} s later")
+    finally:
+        cluster.run(["scancel", str(jid)], check=False)
+        if killed:
+            cluster.restart_slurmd(2)
 
 
 # ------------------------------------------------------------------------- a node lost under SLURM (kept last)

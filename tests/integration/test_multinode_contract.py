@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from tests.helpers.cluster_fakes import fake_slurm, fake_ssh, write_tool
 from tests.helpers.paths import ROOT, pythonpath_env
@@ -151,3 +152,103 @@ def test_pbs_unique_hosts_distinct_ranks_and_failures(tmp_path):
     assert [c.split()[1] for c in calls] == ["h1", "h2", "h3"]  # one per unique host
     assert all(f"NODE_RANK={i} " in c for i, c in enumerate(calls))
     assert r.returncode == 3 and "pbs: failed: node rank 2 (h3): exit 3" in r.stderr
+
+
+# ------------------------------------------------------------------------ elastic jobs through the scheduler scripts
+
+ELASTIC_PRESET = """#!/usr/bin/env bash
+if [[ "$NODE_RANK" == "${SFT_FAIL_RANK:-none}" ]]; then sleep "${SFT_FAIL_AFTER:-0}"; exit "${SFT_FAIL_CODE:-1}"; fi
+if [[ "$NODE_RANK" == "${SFT_SLOW_RANK:-none}" ]]; then sleep 30; fi
+sleep "${SFT_RUN_S:-1}"
+echo "node $NODE_RANK of $NNODES rdzv=${RDZV_ID:-} job=${SLURM_JOB_ID:-}${PBS_JOBID:-} restarts ${MAX_RESTARTS:-} finished" >> "$SFT_NODES_LOG"
+"""
+
+
+def test_slurm_elastic_job_keeps_going_without_a_failed_node(tmp_path):
+    """MIN_NODES=2 with 3 nodes: every task gets NNODES=2:3, srun runs with --no-kill and without
+    --kill-on-bad-exit, a node whose launcher fails does not stop the others, and the job's exit code is the first
+    node's (the rendezvous store host's): 0, with the failed code and the lost node (DOWN in scontrol) named."""
+    env, bin_dir = scheduler_env(tmp_path, SLURM_JOB_ID=1234, SLURM_NNODES=3, SLURM_JOB_NODELIST="a1,b2,c3",
+                                 MIN_NODES=2, SFT_FAIL_RANK=2, SFT_FAIL_CODE=9, FAKE_DOWN="c3", MAX_RESTARTS=4)
+    fake_slurm(bin_dir)
+    (tmp_path / "preset.sh").write_text(ELASTIC_PRESET)
+    script = os.path.join(ROOT, "scripts", "slurm_train.sh")
+    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sorted((tmp_path / "nodes.log").read_text().splitlines()) == [
+        f"node {i} of 2:3 rdzv= job=1234 restarts 4 finished" for i in (0, 1)]  # RDZV_ID: the contract's default
+    srun = [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith("srun")]
+    assert len(srun) == 1 and "--no-kill --kill-on-bad-exit=0" in srun[0] and "--kill-on-bad-exit=1" not in srun[0]
+    assert "slurm: elastic job: NNODES=2:3 on every node (rendezvous 1234, store on a1" in r.stderr, r.stderr
+    assert ("slurm: elastic job: srun exit 9 (a node's launcher failed while its host stayed up: its lines are above); "
+            "the job's exit code is a1's, the rendezvous store host's: 0") in r.stderr, r.stderr
+    assert "slurm: elastic job 1234 finished on the nodes left; lost on the way: c3 (DOWN+NOT_RESPONDING: Not " \
+           "responding)" in r.stderr, r.stderr
+    # the first node failing is the job failing; preempted (75): requeued
+    for code in (3, 75):
+        (tmp_path / "calls.log").unlink()
+        env.update(SFT_FAIL_RANK="0", SFT_FAIL_CODE=str(code), FAKE_DOWN="")
+        r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == code, r.stderr
+        assert ("scontrol requeue 1234" in (tmp_path / "calls.log").read_text()) == (code == 75), r.stderr
+
+
+def test_slurm_and_pbs_refuse_a_bad_node_range(tmp_path):
+    """One line naming the variable, the allocation and the fix; exit 2; nothing started."""
+    env, bin_dir = scheduler_env(tmp_path, SLURM_JOB_ID=7, SLURM_NNODES=3, SLURM_JOB_NODELIST="a1,b2,c3", MIN_NODES=4)
+    fake_slurm(bin_dir)
+    fake_ssh(bin_dir)
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_train.sh"), str(tmp_path / "preset.sh")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: MIN_NODES=4: the fewest nodes the elastic job goes on with must be a whole number in 1..3 (this job "
+        "has 3 node(s): SLURM_NNODES=3), or submit the job with at least 4 nodes"), r.stderr
+    assert "Traceback" not in r.stderr and "srun" not in (tmp_path / "calls.log").read_text()
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("h1\nh2\nh2\n")
+    env.pop("MIN_NODES")
+    env.update(PBS_NODEFILE=str(nodefile), PBS_JOBID="5.server", NNODES="1:3")
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pbs_train.sh"), str(tmp_path / "preset.sh")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: NNODES=1:3: MAX must be the job's node count, 2 (2 unique host(s) in PBS_NODEFILE {nodefile}): give "
+        "NNODES=1:2, or MIN_NODES=1 alone"), r.stderr
+    assert "ssh" not in (tmp_path / "calls.log").read_text()
+
+
+def test_pbs_elastic_job_keeps_going_without_a_failed_node(tmp_path):
+    """MIN_NODES=2 over 3 hosts: node rank 2 failing (a lost host's ssh exits 255) does not stop the others, which
+    finish; the job exits 0 naming it. A node still running ELASTIC_GRACE_S after the first host ended is stopped.
+    The first host failing stops every node within seconds."""
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("h1\nh2\nh1\nh3\n")
+    env, bin_dir = scheduler_env(tmp_path, PBS_NODEFILE=nodefile, PBS_JOBID="31.server", PBS_O_WORKDIR=tmp_path,
+                                 MIN_NODES=2, MAX_RESTARTS=5, SFT_FAIL_RANK=2, SFT_FAIL_CODE=255)
+    fake_ssh(bin_dir)
+    (tmp_path / "preset.sh").write_text(ELASTIC_PRESET)
+    script = os.path.join(ROOT, "scripts", "pbs_train.sh")
+    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
+                       timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert sorted((tmp_path / "nodes.log").read_text().splitlines()) == [
+        f"node {i} of 2:3 rdzv= job=31.server restarts 5 finished" for i in (0, 1)]  # sent over ssh
+    assert "pbs: node rank 2 (h3) lost (exit 255); elastic job: the other nodes go on without it" in r.stderr, r.stderr
+    assert "pbs: lost: node rank 2 (h3): exit 255" in r.stderr, r.stderr
+    assert "pbs: elastic job 31.server finished on the nodes left (node rank 0, h1, exit 0)" in r.stderr, r.stderr
+    assert "stopping every node" not in r.stderr, r.stderr
+    # a node still running once the first host has ended (a hung ssh to a crashed host) is stopped after the grace
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env={**env, "SFT_SLOW_RANK": "1",
+                       "ELASTIC_GRACE_S": "1"}, capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 0 and time.monotonic() - t0 < 15, r.stderr
+    assert "pbs: node rank 0 (h1) ended 1 s ago: stopping every node" in r.stderr, r.stderr
+    (tmp_path / "nodes.log").unlink()
+    env.update(SFT_FAIL_RANK="0", SFT_FAIL_CODE="4", SFT_FAIL_AFTER="1", SFT_RUN_S="30")
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
+                       timeout=60, cwd="/")
+    assert r.returncode == 4 and time.monotonic() - t0 < 15, r.stderr
+    assert "pbs: node rank 0 (h1) failed (exit 4): stopping every node" in r.stderr, r.stderr
+    assert not (tmp_path / "nodes.log").exists()

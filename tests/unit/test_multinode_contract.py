@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from sft.distributed.contract import Contract, choose_interface, read_contract, route_source, start_line
+from sft.distributed.contract import (Contract, choose_interface, read_contract, route_source, scheduler_nnodes,
+                                     start_line)
 from sft.distributed.failures import explain_collective_failure
 from sft.distributed.fingerprints import compare_fingerprints, input_fingerprint
 from sft.distributed.rendezvous import node_rendezvous
@@ -252,6 +253,49 @@ def test_elastic_contract_errors(env, fragment):
     with pytest.raises(ContractError) as e:
         read_contract(env)
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("env,nnodes", [
+    ({}, "3"),
+    ({"NNODES": "5"}, "3"),  # a plain NNODES: the allocation wins, as before elastic jobs
+    ({"MIN_NODES": "2"}, "2:3"),
+    ({"MIN_NODES": "3"}, "3:3"),  # restarts in place, no node to lose
+    ({"NNODES": "1:3"}, "1:3"),
+    ({"MIN_NODES": "2", "NNODES": "2:3"}, "2:3"),
+    ({"MIN_NODES": "", "NNODES": ""}, "3"),
+])
+def test_scheduler_nnodes_for_a_job_of_three_nodes(env, nnodes):
+    assert scheduler_nnodes(env, 3, "SLURM_NNODES=3") == nnodes
+
+
+@pytest.mark.parametrize("env,problem", [
+    ({"MIN_NODES": "4"}, "MIN_NODES=4: the fewest nodes the elastic job goes on with must be a whole number in 1..3 "
+                         "(this job has 3 node(s): SLURM_NNODES=3), or submit the job with at least 4 nodes"),
+    ({"MIN_NODES": "0"}, "MIN_NODES=0: the fewest nodes the elastic job goes on with must be a whole number in 1..3 "
+                         "(this job has 3 node(s): SLURM_NNODES=3)"),
+    ({"MIN_NODES": "two"}, "MIN_NODES=two: the fewest nodes"),
+    ({"MIN_NODES": "02"}, "MIN_NODES=02: the fewest nodes"),
+    ({"NNODES": "2:4"}, "NNODES=2:4: MAX must be the job's node count, 3 (SLURM_NNODES=3): give NNODES=2:3, or "
+                        "MIN_NODES=2 alone"),
+    ({"NNODES": "2:2"}, "NNODES=2:2: MAX must be the job's node count, 3"),
+    ({"NNODES": "3:2"}, "NNODES=3:2: an elastic job needs MIN:MAX with whole numbers 1 <= MIN <= MAX; here MAX is the "
+                        "job's 3 node(s) (SLURM_NNODES=3): give NNODES=MIN:3 or MIN_NODES=MIN"),
+    ({"NNODES": ":3"}, "NNODES=:3: an elastic job needs MIN:MAX"),
+    ({"MIN_NODES": "1", "NNODES": "2:3"}, "MIN_NODES=1 and NNODES=2:3 ask for different minimums; set only one of them"),
+])
+def test_scheduler_nnodes_errors_name_the_variable_the_allocation_and_the_fix(env, problem):
+    with pytest.raises(ContractError) as e:
+        scheduler_nnodes(env, 3, "SLURM_NNODES=3")
+    assert e.value.problems[0].startswith(problem) and len(e.value.problems) == 1, e.value.problems
+    assert "\n" not in str(e.value)
+
+
+def test_scheduler_nnodes_reports_every_problem_and_refuses_an_empty_job():
+    with pytest.raises(ContractError) as e:
+        scheduler_nnodes({"MIN_NODES": "9", "NNODES": "1:9"}, 2, "PBS_NODEFILE nf")
+    assert [p.split(":")[0] for p in e.value.problems] == ["MIN_NODES=9", "NNODES=1"]
+    with pytest.raises(ContractError, match="the job has 0 nodes"):
+        scheduler_nnodes({"MIN_NODES": "1"}, 0, "PBS_NODEFILE nf")
 
 
 def test_elastic_preflight_waits_for_the_store_then_reports_it_unreachable():
