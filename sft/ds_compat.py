@@ -1,7 +1,7 @@
 """The one place that touches DeepSpeed internals (checked against deepspeed 0.19.8).
 
-DeepSpeed is driven through transformers' integration (``--deepspeed CONFIG.json``); this module only
-removes a cost that buys nothing for training.
+DeepSpeed is driven through transformers' integration (``--deepspeed CONFIG.json``); this module removes a cost
+that buys nothing for training, and repairs the Adam step counters of a ZeRO-3 universal checkpoint load.
 """
 from __future__ import annotations
 
@@ -39,3 +39,48 @@ def skip_shm_comm_op_build() -> None:
         logger.warning("deepspeed %s: skipping its shm comm op build was checked against %s only",
                        deepspeed.__version__, CHECKED_DEEPSPEED_VERSION)
     ds_torch_comm.build_shm_op = lambda: None
+
+
+def separate_zero3_universal_steps() -> None:
+    """Give each ZeRO-3 optimizer sub group its own Adam step counter after a universal checkpoint is loaded.
+
+    ``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3`` (deepspeed 0.19.8) stores
+    one and the same ``step`` tensor (read from the checkpoint's first state) in the optimizer state of every sub
+    group (one per parameter group: transformers' decay and no-decay groups in full fine-tuning). torch's Adam and
+    AdamW increment ``state["step"]`` in place, once per sub group per optimizer step, so with two sub groups the
+    shared counter advanced twice per step and Adam's bias correction used step 4 for group 2 at the first resumed
+    step (measured: the tiny model's full fine-tuning resumed at world size 1 ended 7.1e-5 away from the
+    uninterrupted run, 10% of what the 2 resumed steps moved the weights; with separate counters 3e-8). A LoRA
+    adapter has one non-empty group, which is why it was exact. This wraps that method so that, after it ran, each
+    sub group's ``step`` is a copy of its own. Idempotent.
+
+    Private API: ``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3``,
+    ``fp32_partitioned_groups_flat`` and ``optimizer.state`` (deepspeed 0.19.8). On another version the wrapper is
+    still applied if the method exists, with a warning naming the version it was checked against.
+    """
+    import deepspeed
+    import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    name = "load_hp_checkpoint_state_from_checkpoint_dir_stage3"
+    original = getattr(Stage3, name, None)
+    if original is None:
+        logger.warning("deepspeed %s has no %s (checked against %s): ZeRO-3's Adam step counters after a universal "
+                       "checkpoint are left as DeepSpeed loads them", deepspeed.__version__, name,
+                       CHECKED_DEEPSPEED_VERSION)
+        return
+    if getattr(original, "sft_separate_steps", False):
+        return
+    if deepspeed.__version__ != CHECKED_DEEPSPEED_VERSION:
+        logger.warning("deepspeed %s: separating ZeRO-3's Adam step counters after a universal checkpoint was checked "
+                       "against %s only", deepspeed.__version__, CHECKED_DEEPSPEED_VERSION)
+
+    def load(self, checkpoint_dir):
+        original(self, checkpoint_dir)
+        for flat in self.fp32_partitioned_groups_flat:
+            state = self.optimizer.state.get(flat)
+            if state is not None and torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    load.sft_separate_steps = True
+    setattr(Stage3, name, load)

@@ -186,11 +186,16 @@ def load_universal(training_args) -> None:
     """Rebuild ``training_args``' DeepSpeed config with ``"checkpoint": {"load_universal": true}`` and the current
     gradient accumulation and global batch filled in (its ``"auto"`` values), as transformers 5.24's Trainer rebuilds
     it for hyperparameter sweeps (``Trainer._hp_search_setup``: ``HfTrainerDeepSpeedConfig``, ``trainer_config_process``,
-    ``DeepSpeedPlugin``). Call before the Trainer is built."""
+    ``DeepSpeedPlugin``), and installs :func:`sft.ds_compat.separate_zero3_universal_steps` (without it ZeRO-3 full
+    fine-tuning resumed with Adam's bias correction of a later step). Call before the Trainer is built."""
     import copy
 
     from accelerate.utils import DeepSpeedPlugin
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from .ds_compat import separate_zero3_universal_steps
+
+    separate_zero3_universal_steps()  # ZeRO-3 loads one Adam step counter shared by every parameter group
 
     value = training_args.deepspeed  # the user's file path or dict: left unmodified
     if isinstance(value, dict):

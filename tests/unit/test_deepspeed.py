@@ -135,3 +135,43 @@ def test_deepspeed_config_as_a_yaml_mapping(tiny_model_dir, tmp_path, capsys, fo
                         "--output_dir", str(tmp_path / "out"), "--report_to", "none"])
     err = capsys.readouterr().err
     assert rc == 2 and "--deepspeed (inline JSON)" not in err and "(ZeRO-3): ZeRO-3 partitions" in err, err
+
+
+def test_zero3_universal_load_gets_one_adam_step_counter_per_parameter_group(monkeypatch):
+    """deepspeed 0.19.8's ZeRO-3 universal loader puts one and the same ``step`` tensor into every sub group's Adam
+    state; torch's AdamW increments it in place per group, so two groups advance it twice per step (Adam's bias
+    correction of a later step). sft.ds_compat.separate_zero3_universal_steps gives each group its own copy. The
+    loader is replaced by a stand-in that aliases the counter as DeepSpeed's does; the end-to-end case (ZeRO-3 full
+    fine-tuning resumed at another world size) is in tests/integration/test_world_size_resume.py."""
+    import types
+
+    import torch
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    from sft.ds_compat import separate_zero3_universal_steps
+
+    flats = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]  # two sub groups' fp32 partitions
+    adam = torch.optim.AdamW([{"params": [flats[0]]}, {"params": [flats[1]]}], lr=1e-3)
+    for p in flats:
+        p.grad = torch.ones_like(p)
+    adam.step()  # both states exist now; step 1 each
+
+    def aliasing_loader(self, checkpoint_dir):  # what DeepSpeed's loader does with the counter
+        shared = torch.tensor(2.0)
+        for flat in self.fp32_partitioned_groups_flat:
+            self.optimizer.state[flat]["step"] = shared
+
+    stub = types.SimpleNamespace(fp32_partitioned_groups_flat=flats, optimizer=adam)
+    aliasing_loader(stub, "unused")
+    adam.step()
+    assert [adam.state[p]["step"].item() for p in flats] == [4.0, 4.0]  # the defect: 2 -> 4 in one step
+
+    monkeypatch.setattr(Stage3, "load_hp_checkpoint_state_from_checkpoint_dir_stage3", aliasing_loader)
+    separate_zero3_universal_steps()
+    separate_zero3_universal_steps()  # idempotent: wrapped once
+    wrapped = Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3
+    assert wrapped is not aliasing_loader and wrapped.sft_separate_steps
+    wrapped(stub, "unused")
+    assert adam.state[flats[0]]["step"] is not adam.state[flats[1]]["step"]
+    adam.step()
+    assert [adam.state[p]["step"].item() for p in flats] == [3.0, 3.0]
