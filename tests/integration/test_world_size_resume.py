@@ -94,12 +94,12 @@ def test_ddp_resumed_at_another_world_size_continues_the_same_global_batches(tmp
     assert (f"resuming {ckpt} (written at world size 2) at world size 1: gradient accumulation 2 -> 4, so micro batch "
             "2 x gradient accumulation 4 x world size 1 = global batch 8 samples as configured") in log
     assert "different run shape" not in log and "Traceback" not in log
-    _, again_steps, again_losses, again = _run(tmp_path, "again", 1, tiny_model_dir, data, 2,
-                                               "--resume_from_checkpoint", ckpt, mode=mode)
-
-    # determinism: the same checkpoint resumed at the same new world size twice
-    assert again_steps == resumed_steps and again_losses == resumed_losses
-    assert sorted(resumed) == sorted(again) and all(torch.equal(resumed[k], again[k]) for k in resumed)
+    if mode == "lora":  # determinism: the same checkpoint resumed at the same new world size twice (once: the
+        # resume path is the same for full fine-tuning, and the suite's time is budgeted)
+        _, again_steps, again_losses, again = _run(tmp_path, "again", 1, tiny_model_dir, data, 2,
+                                                   "--resume_from_checkpoint", ckpt, mode=mode)
+        assert again_steps == resumed_steps and again_losses == resumed_losses
+        assert sorted(resumed) == sorted(again) and all(torch.equal(resumed[k], again[k]) for k in resumed)
     # nothing repeated or skipped: steps 4-6 at world size 1 consumed the samples of the uninterrupted run's steps 4-6
     # at world size 2 (8 distinct each, every sample once per epoch)
     assert sorted(resumed_steps) == [4, 5, 6] and sorted(two_steps) == list(range(1, STEPS + 1))
