@@ -21,9 +21,11 @@ kill, whose replacement starts meanwhile, and 10 after a worker kill); the fault
 3. kill 3, a node: host 3 (the first replacement); replacement host 4 is started (join 2);
 4. kill 4, a worker: host 4's; and corruption 2 as in 2;
 5. kill 5, a node: host 1; the two left (hosts 0 and 4, the minimum) train on at world size 2;
-6. a full disk: ``--output_dir`` lies on its own tmpfs; once the round after kill 5 trains, a filler file
-   (another job, say) takes all but half a checkpoint of its free space, so the next save overflows; the
-   drill deletes the filler when the out-of-space message appears, and the job's next restart has room.
+6. a full disk: ``--output_dir`` lies on its own tmpfs; once the round after kill 5 has written a checkpoint
+   (at world size 2: accumulation 3, not the configured 2), a filler file (another job, say) takes all but half
+   a checkpoint of its free space, so the next save overflows; the drill deletes the filler when the
+   out-of-space message appears, and the job's next restart has room and resumes that checkpoint at its own
+   world size (which must keep its accumulation 3).
 
 Each kill must be followed by a restart of the workers (by torchrun, no person) that resumes from the newest
 verified checkpoint at that moment (for a corrupted one: the previous complete one, with the log line that
@@ -87,14 +89,14 @@ def say(msg: str) -> None:
 
 def draw_kill_steps(seed: int, steps: int, gap: int, join_gap: int) -> list[int]:
     """5 global steps, increasing, each after the first checkpoint (so that every restart resumes one, with the
-    global batch it recorded), the last at least two checkpoints before the end (room for the full disk); after a
+    global batch it recorded), the last at least three checkpoints before the end (room for the full disk); after a
     node kill (kills 1 and 3: a replacement is started and admitted meanwhile) the next is at least ``join_gap``
     steps later, after a worker kill at least ``gap``."""
-    lo, hi = SAVE_STEPS + 1, steps - 2 * SAVE_STEPS
+    lo, hi = SAVE_STEPS + 1, steps - 3 * SAVE_STEPS
     gaps = [join_gap, gap, join_gap, gap]
     if hi - lo < sum(gaps):
         raise SystemExit(f"--steps {steps} leaves no room for 5 kills after step {lo} with gaps {gaps}; give --steps "
-                         f"{lo + sum(gaps) + 2 * SAVE_STEPS} or more, or smaller --gap/--join_gap")
+                         f"{lo + sum(gaps) + 3 * SAVE_STEPS} or more, or smaller --gap/--join_gap")
     rng = random.Random(seed)
     slack = sorted(rng.randint(0, hi - lo - sum(gaps)) for _ in range(5))  # spread out again by the gaps
     return [lo + s + sum(gaps[:i]) for i, s in enumerate(slack)]
@@ -341,9 +343,14 @@ def drill(a, hosts, job: Job, out: str, tmpfs: str, faults: dict[str, Fault]) ->
                            + f", world size 3 resumed from {resumed}")
             say(f"  admitted after {took:.0f} s: world size {world}, resuming from {resumed}")
 
-    # the full disk, in the round after kill 5
+    # the full disk, in the round after kill 5, once it has written a checkpoint at world size 2: the restart then
+    # resumes, at the world size it was written at, a checkpoint whose accumulation (3) is not the configured one (2)
     df = faults["full disk"]
-    job.wait_for(lambda: job.logged > fresh, "a step of the round after kill 5", a.limit)
+    from sft.checkpoint import checkpoint_dirs
+
+    resumed_step = int(resumed.rsplit("-", 1)[1]) if resumed else 0
+    job.wait_for(lambda: any(s > resumed_step and os.path.exists(os.path.join(p, MARKER))
+                             for s, p in checkpoint_dirs(out)), "a checkpoint of the round after kill 5", a.limit)
     start = job.step
     st = os.statvfs(tmpfs)
     free = st.f_bavail * st.f_frsize
@@ -372,13 +379,22 @@ def drill(a, hosts, job: Job, out: str, tmpfs: str, faults: dict[str, Fault]) ->
     say(f"  host {i}: 'out of disk space while writing {m.group(1)}: ...'; {previous} verifies: {intact is None}; "
         "filler removed")
     job.wait_for(lambda: len(job.rounds()) > seen, "the restart after the full disk", a.limit)
+    fresh = job.logged
     world, resumed = job.rounds()[-1]
     one_line = [ln for ln in job.text(i).splitlines() if "out of disk space" in ln]
     df.ok = bool(intact is None and resumed and os.path.realpath(resumed) == os.path.realpath(previous) and one_line)
+    # sft.world_size's line when the checkpoint's own world size keeps its accumulation (not the configured 2)
+    kept_shape = re.compile(rf"resuming {re.escape(previous)} at the world size 2 it was written at, with its gradient "
+                            r"accumulation 3 \(set by an earlier resume at another world size\) instead of the configured 2")
+    job.wait_for(lambda: any(kept_shape.search(job.text(h)) for h in job.procs) or job.logged > fresh,
+                 "the resume line after the full disk", a.limit)
+    shape = any(kept_shape.search(job.text(h)) for h in job.procs)
     df.evidence = (f"filler at step {start}; host {i}'s log: 'out of disk space while writing "
                    f"{os.path.relpath(m.group(1), out)} ... the previous complete checkpoint {os.path.basename(previous)} "
                    f"is intact'; it verified: {intact is None}{'' if intact is None else f' ({intact})'}; after the "
-                   f"filler was deleted the next round (world size {world}) resumed {resumed}")
+                   f"filler was deleted the next round (world size {world}) resumed {resumed}"
+                   + (" with its gradient accumulation 3 (global batch 6), not the configured 2" if shape else
+                      " (no line saying it kept the checkpoint's accumulation 3)"))
     say(f"  next round: world size {world}, resuming from {resumed}")
 
 
@@ -482,9 +498,11 @@ def main(argv: list[str] | None = None) -> int:
                            f"{dw:.2e} over {len(weights)} tensors (tolerance {ATOL_WEIGHTS:g}); reference: one process, "
                            f"micro batch 1 x accumulation 6, uninterrupted, {ref_s:.0f} s")
                 if not same:
+                    compare = "NO: " + compare
                     for f in faults.values():  # something was lost: no fault counts as survived
                         if f.ok:
-                            f.ok, f.evidence = False, f.evidence + " (but the final adapter differs: see below)"
+                            f.ok, f.evidence = False, f.evidence + " (but the job's result is not the reference's: " \
+                                                                   "see 'nothing lost')"
         else:
             for f in faults.values():
                 if f.tried and f.ok:
