@@ -231,22 +231,26 @@ class AtomicCheckpoints(TrainerCallback):
             rotate(args.output_dir, self.save_total_limit, state.best_model_checkpoint, verified=path)
 
 
-def run_info(training_args) -> dict:
+def run_info(training_args, configured_grad_accum: Optional[int] = None) -> dict:
     """What a checkpoint records about the run that wrote it (compared on resume), read from the Trainer's
     arguments: world size, micro batch, gradient accumulation, global batch (their product, samples per optimizer
-    step; kept when resuming at another world size, :mod:`sft.world_size`), seed, LoRA or not."""
+    step; kept when resuming at another world size, :mod:`sft.world_size`), seed, LoRA or not, and
+    ``configured_grad_accum``: the ``--gradient_accumulation_steps`` given, before a resume at another world size
+    replaced it (default: the one in ``training_args``)."""
     return {"world_size": training_args.world_size,
             "per_device_train_batch_size": training_args.per_device_train_batch_size,
             "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+            "configured_gradient_accumulation_steps": configured_grad_accum or training_args.gradient_accumulation_steps,
             "global_batch": training_args.world_size * training_args.per_device_train_batch_size
             * training_args.gradient_accumulation_steps,
             "seed": training_args.seed, "use_lora": bool(getattr(training_args, "use_lora", False))}
 
 
-def install(training_args) -> AtomicCheckpoints:
+def install(training_args, configured_grad_accum: Optional[int] = None) -> AtomicCheckpoints:
     """The callback for ``transformers.Trainer(callbacks=[...])``; moves ``save_total_limit`` from the Trainer
-    to it (side effect: ``training_args.save_total_limit`` becomes None)."""
-    cb = AtomicCheckpoints(training_args.save_total_limit, run_info(training_args))
+    to it (side effect: ``training_args.save_total_limit`` becomes None). ``configured_grad_accum``: see
+    :func:`run_info`."""
+    cb = AtomicCheckpoints(training_args.save_total_limit, run_info(training_args, configured_grad_accum))
     training_args.save_total_limit = None
     return cb
 
@@ -408,7 +412,8 @@ def warn_if_different(path: str, now: dict) -> None:
         saved = json.load(f)
     same_global = saved.get("global_batch", now.get("global_batch")) == now.get("global_batch")
     diff = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v
-            and not (same_global and k in ("world_size", "gradient_accumulation_steps"))]  # sft.world_size's change
+            and not (same_global and k in ("world_size", "gradient_accumulation_steps",
+                                           "configured_gradient_accumulation_steps"))]  # sft.world_size's change
     if diff:
         logger.warning("resuming from %s with a different run shape (%s): training continues, but the data order "
                        "and the result will differ from an uninterrupted run", path, "; ".join(diff))

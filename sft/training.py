@@ -291,7 +291,7 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
     from .distributed.process_group import elastic_start_line
     from .integrity import is_out_of_space, out_of_space_message
     from .preemption import Preempted, PreemptionHandler
-    from .world_size import ensure_universal, load_universal, plan_world_size_change
+    from .world_size import ensure_universal, load_universal, plan_world_size_change, rebuild_deepspeed_config
 
     setup_logging()
     # Installed before loading (a signal then still ends in a checkpoint after the first step) and kept
@@ -309,8 +309,9 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
         line = elastic_start_line(os.environ, training_args.world_size, resume)
         if line and training_args.local_process_index == 0:  # one line per node, every round
             logger.warning(line)
+        configured_grad_accum = training_args.gradient_accumulation_steps  # recorded in every checkpoint's marker
         change = plan_world_size_change(resume, training_args.world_size, training_args.per_device_train_batch_size,
-                                        training_args.gradient_accumulation_steps)
+                                        configured_grad_accum)
         if change:  # before the Trainer exists: its accelerator and the checkpoint marker's run shape read it
             training_args.gradient_accumulation_steps = change.grad_accum
         if training_args.deepspeed and resume and zero_world_size(resume) not in (None, training_args.world_size):
@@ -322,13 +323,15 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
             else:
                 logger.info("resuming %s: ZeRO's optimizer state re-partitioned from the universal checkpoint %s",
                             resume, universal)
+        elif change and training_args.deepspeed:  # the same world size, the checkpoint's accumulation: DeepSpeed's
+            rebuild_deepspeed_config(training_args)  # config was filled with the configured one ("auto")
         if change:
             logger.info("%s", change.line())
-        callbacks = [install(training_args), preemption]
+        callbacks = [install(training_args, configured_grad_accum), preemption]
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)
         if resume:
             logger.info("resuming from %s", os.path.abspath(resume))
-            warn_if_different(resume, run_info(training_args))
+            warn_if_different(resume, run_info(training_args, configured_grad_accum))
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted and trainer.state.global_step < trainer.state.max_steps:
             where = os.path.join(os.path.abspath(training_args.output_dir), f"checkpoint-{preemption.stopped_at}")

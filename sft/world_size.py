@@ -11,6 +11,11 @@ micro batches of that order to the ranks in turn (``BatchSamplerShard``: micro b
 transformers' Trainer skips ``(global step mod steps per epoch) x gradient accumulation`` micro batches per rank on
 resume, i.e. ``global step x global batch`` samples of the epoch's order, whatever the world size.
 
+The same command resumed at the world size a checkpoint was written at keeps that checkpoint's accumulation when
+an earlier resume at another world size had recomputed it (an elastic job's second round at 2 nodes, or a second
+resume at the new world size): the marker records the accumulation the command configured next to the one it
+trained with, so the configured value is not mistaken for a wish to change the global batch.
+
 Refused (exit 2): a global batch that is not a multiple of micro batch x ``W'``.
 """
 from __future__ import annotations
@@ -28,7 +33,9 @@ from .integrity import MARKER, read_marker
 @dataclasses.dataclass
 class WorldSizeChange:
     """A resume at another world size: ``old_world_size`` -> ``world_size`` processes, gradient accumulation
-    ``old_grad_accum`` -> ``grad_accum``, with ``micro_batch`` and ``global_batch`` (samples) unchanged."""
+    ``old_grad_accum`` (the checkpoint's) -> ``grad_accum``, with ``micro_batch`` and ``global_batch`` (samples)
+    unchanged. At the same world size (``old_world_size == world_size``): ``old_grad_accum`` is the configured
+    accumulation, replaced by the checkpoint's ``grad_accum``."""
 
     checkpoint: str
     old_world_size: int
@@ -43,6 +50,12 @@ class WorldSizeChange:
         """The one line logged on resume."""
         via = (f" (ZeRO's optimizer state re-partitioned from the universal checkpoint {self.universal})"
                if self.universal else "")
+        if self.old_world_size == self.world_size:
+            return (f"resuming {self.checkpoint} at the world size {self.world_size} it was written at, with its "
+                    f"gradient accumulation {self.grad_accum} (set by an earlier resume at another world size) instead "
+                    f"of the configured {self.old_grad_accum}, so micro batch {self.micro_batch} x gradient accumulation "
+                    f"{self.grad_accum} x world size {self.world_size} = global batch {self.global_batch} samples as "
+                    f"configured; optimizer, scheduler and data position carry over")
         new_ranks = (f"; ranks {self.old_world_size}..{self.world_size - 1} have no RNG file in the checkpoint and "
                      "start from the RNG state --seed gives them" if self.world_size > self.old_world_size else "")
         return (f"resuming {self.checkpoint} (written at world size {self.old_world_size}) at world size "
@@ -54,8 +67,9 @@ class WorldSizeChange:
 
 def saved_shape(checkpoint: str) -> Optional[dict]:
     """The run shape recorded in ``checkpoint``'s completion marker: ``{"world_size", "per_device_train_batch_size",
-    "gradient_accumulation_steps", "global_batch"}`` (ints; ``global_batch`` computed for markers of older versions
-    that lack it), or None when the marker is missing, unreadable or has no shape."""
+    "gradient_accumulation_steps", "global_batch", "configured_gradient_accumulation_steps"}`` (ints; ``global_batch``
+    computed for markers of older versions that lack it; the configured accumulation None for those), or None when
+    the marker is missing, unreadable or has no shape."""
     info, _ = read_marker(checkpoint, MARKER)
     try:
         shape = {k: int(info[k]) for k in ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")}
@@ -63,6 +77,8 @@ def saved_shape(checkpoint: str) -> Optional[dict]:
         return None
     shape["global_batch"] = int(info.get("global_batch") or shape["world_size"] * shape["per_device_train_batch_size"]
                                 * shape["gradient_accumulation_steps"])
+    configured = info.get("configured_gradient_accumulation_steps")
+    shape["configured_gradient_accumulation_steps"] = int(configured) if isinstance(configured, int) else None
     return shape
 
 
@@ -70,19 +86,27 @@ def plan_world_size_change(checkpoint: Optional[str], world_size: int, micro_bat
                            grad_accum: int) -> Optional[WorldSizeChange]:
     """What resuming ``checkpoint`` with ``world_size`` processes and ``micro_batch`` samples per rank changes.
 
-    Returns None when nothing is recomputed: no checkpoint, no recorded shape, the same world size, or another micro
-    batch than the checkpoint's (then the configured accumulation is kept and
-    :func:`sft.checkpoint.warn_if_different` says the run shape changed). ``grad_accum``: the configured
-    ``--gradient_accumulation_steps`` (replaced, not used, when the world size changed).
+    Returns None when nothing is recomputed: no checkpoint, no recorded shape, another micro batch than the
+    checkpoint's, or the same world size with the accumulation the checkpoint trained with or with another one than
+    its run configured (then the configured accumulation is kept and :func:`sft.checkpoint.warn_if_different` says
+    the run shape changed). ``grad_accum``: the configured ``--gradient_accumulation_steps`` (replaced, not used,
+    when the world size changed, and at the same world size when it is the one the checkpoint's run configured but
+    that run trained with another: the same command, after a resume at another world size recomputed it).
 
     Raises:
         ConfigError: the checkpoint's global batch is not a multiple of ``micro_batch x world_size`` (naming the
             numbers and the world sizes that keep it).
     """
     saved = saved_shape(checkpoint) if checkpoint else None
-    if saved is None or saved["world_size"] == world_size or saved["per_device_train_batch_size"] != micro_batch:
+    if saved is None or saved["per_device_train_batch_size"] != micro_batch:
         return None
     g, w0 = saved["global_batch"], saved["world_size"]
+    if w0 == world_size:
+        if saved["configured_gradient_accumulation_steps"] != grad_accum or saved["gradient_accumulation_steps"] == \
+                grad_accum:
+            return None
+        return WorldSizeChange(checkpoint, w0, world_size, micro_batch, grad_accum, saved["gradient_accumulation_steps"],
+                               g)
     per_step = micro_batch * world_size
     if g % per_step:
         fits = [w for w in range(1, g // micro_batch + 1) if (g // micro_batch) % w == 0] if g % micro_batch == 0 else []
@@ -188,14 +212,20 @@ def load_universal(training_args) -> None:
     it for hyperparameter sweeps (``Trainer._hp_search_setup``: ``HfTrainerDeepSpeedConfig``, ``trainer_config_process``,
     ``DeepSpeedPlugin``), and installs :func:`sft.ds_compat.separate_zero3_universal_steps` (without it ZeRO-3 full
     fine-tuning resumed with Adam's bias correction of a later step). Call before the Trainer is built."""
+    from .ds_compat import separate_zero3_universal_steps
+
+    separate_zero3_universal_steps()  # ZeRO-3 loads one Adam step counter shared by every parameter group
+    rebuild_deepspeed_config(training_args, load_universal=True)
+
+
+def rebuild_deepspeed_config(training_args, load_universal: bool = False) -> None:
+    """Rebuild ``training_args``' DeepSpeed config from the user's (file or dict, left unmodified) with the current
+    gradient accumulation and global batch filled in, and ``"checkpoint": {"load_universal": true}`` when
+    ``load_universal`` (see :func:`load_universal`). Call before the Trainer is built."""
     import copy
 
     from accelerate.utils import DeepSpeedPlugin
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-
-    from .ds_compat import separate_zero3_universal_steps
-
-    separate_zero3_universal_steps()  # ZeRO-3 loads one Adam step counter shared by every parameter group
 
     value = training_args.deepspeed  # the user's file path or dict: left unmodified
     if isinstance(value, dict):
@@ -203,7 +233,8 @@ def load_universal(training_args) -> None:
     else:
         with open(value, encoding="utf-8") as f:
             config = json.load(f)
-    config["checkpoint"] = {**(config.get("checkpoint") or {}), "load_universal": True}
+    if load_universal:
+        config["checkpoint"] = {**(config.get("checkpoint") or {}), "load_universal": True}
     training_args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(config)
     training_args.hf_deepspeed_config.trainer_config_process(training_args)
     training_args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=training_args.hf_deepspeed_config)

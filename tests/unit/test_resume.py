@@ -230,6 +230,37 @@ def test_another_world_size_keeps_the_global_batch_or_is_refused_with_the_number
     assert plan_world_size_change(old, 3, 1, 3).grad_accum == 2  # markers of older versions: global batch derived
 
 
+def test_the_same_command_at_the_checkpoints_world_size_keeps_the_accumulation_an_earlier_resume_set(tmp_path):
+    """An elastic job (or any run resumed twice): started at world size 3 with accumulation 2 (global batch 6), resumed
+    at 2 (accumulation 3), then resumed again at 2 by the same command (accumulation 2 as given). The checkpoint of
+    world size 2 must be continued with accumulation 3, not the configured 2 (global batch 4: found by
+    bench/fault_drill.py, whose next round at 3 nodes was then refused)."""
+    from types import SimpleNamespace
+
+    from sft.world_size import plan_world_size_change
+
+    path = fake_checkpoint(tmp_path / "out", 44, complete=False)
+    args = SimpleNamespace(world_size=2, per_device_train_batch_size=1, gradient_accumulation_steps=3, seed=1,
+                           use_lora=True)
+    info = ck.run_info(args, configured_grad_accum=2)
+    assert (info["gradient_accumulation_steps"], info["configured_gradient_accumulation_steps"], info["global_batch"]) \
+        == (3, 2, 6)
+    ck.mark_complete(path, info)
+    same = plan_world_size_change(path, 2, 1, 2)
+    assert (same.old_world_size, same.world_size, same.old_grad_accum, same.grad_accum, same.global_batch) == \
+        (2, 2, 2, 3, 6)
+    assert same.line() == (f"resuming {path} at the world size 2 it was written at, with its gradient accumulation 3 (set "
+                           "by an earlier resume at another world size) instead of the configured 2, so micro batch 1 "
+                           "x gradient accumulation 3 x world size 2 = global batch 6 samples as configured; optimizer, "
+                           "scheduler and data position carry over")
+    assert plan_world_size_change(path, 3, 1, 2).grad_accum == 2  # back at 3 nodes
+    assert plan_world_size_change(path, 2, 1, 3) is None  # configured as it trained: nothing to change
+    assert plan_world_size_change(path, 2, 1, 4) is None  # another accumulation than configured: the user's choice
+    assert ck.run_info(args)["configured_gradient_accumulation_steps"] == 3  # none given: the one it trains with
+    old = shaped_checkpoint(tmp_path / "old", 5, world_size=2, micro_batch=1, grad_accum=3)  # a marker without it
+    assert plan_world_size_change(old, 2, 1, 2) is None
+
+
 def test_validate_refuses_a_world_size_that_cannot_keep_the_global_batch(tmp_path, tiny_model_dir, toy_data,
                                                                         monkeypatch, capsys):
     from sft.arguments import parse_args, validate
