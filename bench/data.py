@@ -7,7 +7,7 @@ temporary folder, then prepares them as training does (stream + validate + token
 
 * ``one``: 1 process; ``many``: P processes (``--processes``) on this host sharing one cache folder (ranks of one
   job: each prepares its shard, then waits for the others' completion markers and memory-maps all shards);
-* ``hosts``: P network-namespace hosts x 1 process (``tests/helpers/netns.py``; needs root), sharing one cache
+* ``hosts``: P network-namespace hosts x 1 process (``tests/helpers/netns.py``: needs root and ``PYTHONPATH=.``), sharing one cache
   folder as a P-node job does: on each host the real launcher (``python -m sft.distributed.torchrun
   --nnodes P --node_rank i --nproc_per_node 1``, which sets RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK) starts
   one rank that joins the process group (gloo, :func:`sft.distributed.process_group.init_process_group`), agrees
@@ -21,7 +21,7 @@ temporary folder, then prepares them as training does (stream + validate + token
   preparation loads every record, then tokenizes on rank 0; a later one is run as this one).
 
     .venv/bin/python bench/data.py --conversations 1000000 --processes 2 --runs plain many
-    .venv/bin/python bench/data.py --conversations 20000 --runs plain one many hosts
+    PYTHONPATH=. .venv/bin/python bench/data.py --conversations 20000 --runs plain one many hosts
     .venv/bin/python bench/data.py --conversations 200000 --before /path/to/old/checkout
 
 Every process runs in its own session with ``OMP_NUM_THREADS=1`` and ``TOKENIZERS_PARALLELISM=false`` (one core
@@ -198,8 +198,7 @@ def run_hosts(n: int, data: str, model: str, cache: str, max_len: int, long_conv
 
     Raises:
         SystemExit: a rank failed (its exit code and the last lines of its log)."""
-    sys.path.insert(0, HERE)
-    from tests.helpers import netns  # the namespace hosts of the cluster tests
+    from tests.helpers import netns  # the namespace hosts of the cluster tests (PYTHONPATH=., checked in main)
 
     script = os.path.join(work, "host_rank.py")
     with open(script, "w") as f:
@@ -270,9 +269,12 @@ def main() -> int:
                   f"{flag}", file=sys.stderr)
             return 2
     if "hosts" in a.runs:
-        sys.path.insert(0, HERE)
-        from tests.helpers import netns
-
+        try:
+            from tests.helpers import netns
+        except ImportError:
+            print("bench/data.py: --runs hosts uses the namespace hosts of tests/helpers/netns.py: run it from the "
+                  "repository root with PYTHONPATH=.", file=sys.stderr)
+            return 2
         why = netns.unavailable()
         if why:
             print(f"bench/data.py: --runs hosts cannot make namespace hosts here: {why}; run as root, or leave "
