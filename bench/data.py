@@ -3,17 +3,30 @@
 
 Writes N conversations (the example's chitchat repeated, every copy with its own id) as JSONL into a
 temporary folder, then prepares them as training does (stream + validate + tokenize + Arrow shards,
-:func:`sft.dataset.build_dataset`) with 1 and with P processes sharing one cache folder (ranks of one job:
-each prepares its shard, then waits for the others' completion markers and memory-maps all shards). Also
-measures a plain batched ``tokenizer()`` call on the same rendered texts (a sample of them), the reference of
-the "preparation >= 80% of plain tokenizer()" target, and, with ``--before REPO``, the same preparation with
-another checkout's ``sft`` (1 process; a checkout from before the sharded preparation loads every record, then
-tokenizes on rank 0; a later one is run as this one).
+:func:`sft.dataset.build_dataset`) in these configurations (``--runs``):
 
-    .venv/bin/python bench/data.py --conversations 1000000 --processes 2
+* ``one``: 1 process; ``many``: P processes (``--processes``) on this host sharing one cache folder (ranks of one
+  job: each prepares its shard, then waits for the others' completion markers and memory-maps all shards);
+* ``hosts``: P network-namespace hosts x 1 process (``tests/helpers/netns.py``: needs root and ``PYTHONPATH=.``), sharing one cache
+  folder as a P-node job does: on each host the real launcher (``python -m sft.distributed.torchrun
+  --nnodes P --node_rank i --nproc_per_node 1``, which sets RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK) starts
+  one rank that joins the process group (gloo, :func:`sft.distributed.process_group.init_process_group`), agrees
+  with the others on the run and on the cache folder being shared (:func:`sft.shards.agree`, two collectives
+  over the namespace bridge) and then prepares exactly as in training; its figures start after that agreement;
+* ``plain``: the reference: one batched ``tokenizer()`` call on the same rendered texts (the first
+  ``--plain_sample`` conversations), with 1 process and with P processes at once (each on its share of the
+  texts, ``index % P``; the call starts in all of them together and the rate is the texts over the time from
+  the first start to the last end): the best P processes could do when preparation were that call alone;
+* ``before``: another checkout's ``sft`` (``--before REPO``, 1 process; a checkout from before the sharded
+  preparation loads every record, then tokenizes on rank 0; a later one is run as this one).
+
+    .venv/bin/python bench/data.py --conversations 1000000 --processes 2 --runs plain many
+    PYTHONPATH=. .venv/bin/python bench/data.py --conversations 20000 --runs plain one many hosts
     .venv/bin/python bench/data.py --conversations 200000 --before /path/to/old/checkout
 
-Prints one line per configuration and the machine's load (``uptime``) before and after.
+Every process runs in its own session with ``OMP_NUM_THREADS=1`` and ``TOKENIZERS_PARALLELISM=false`` (one core
+each, so that 1 and P processes compare). Prints one line per configuration and rank and the machine's load
+(``uptime``) before and after. Exit 2 with one line when a configuration cannot run here (``hosts`` without root).
 """
 from __future__ import annotations
 
@@ -22,6 +35,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,6 +77,59 @@ print(json.dumps({"rank": rank, "samples": len(ds), "startup_s": t1 - t0, "prepa
 """
 
 
+# One rank of a P-node job on its namespace host, started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK,
+# MASTER_ADDR, MASTER_PORT set by it), as training reaches the data: process group, tokenizer, agree, prepare.
+_HOST_RANK = """
+import json, os, resource, socket, sys, time
+data, model, cache, max_len, long_conversations = sys.argv[1:6]
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+t0 = time.perf_counter()
+from sft.distributed.process_group import init_process_group
+assert init_process_group("gloo", 600.0), "no process group: not started by torchrun?"
+from sft.modeling import load_tokenizer
+tok, eot, _ = load_tokenizer(model)
+from sft.dataset import build_dataset
+from sft.shards import JobView, agree
+t1 = time.perf_counter()
+plan = agree(cache, JobView.from_env())  # as sft.training.load_records: probe files + two collectives
+t2 = time.perf_counter()
+ds, report = build_dataset([data], tok, eot, int(max_len), None, cache, plan=plan, long_conversations=long_conversations)
+t3 = time.perf_counter()
+peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 2**20
+import torch.distributed as dist
+dist.destroy_process_group()
+print(json.dumps({"rank": int(os.environ["RANK"]), "node_rank": int(os.environ["GROUP_RANK"]),
+                  "host": socket.gethostname(), "shared": plan.shared, "mine": plan.mine(int(os.environ["WORLD_SIZE"])),
+                  "samples": len(ds), "startup_s": t1 - t0, "agree_s": t2 - t1, "prepare_s": t3 - t2,
+                  "peak_rss_gib": peak}))
+"""
+
+# The plain reference, one of P processes: render its share of the sample (not timed), say so, wait for "go" on
+# stdin, then one batched tokenizer() call. CLOCK_MONOTONIC (time.monotonic) is one clock for every process.
+_PLAIN = """
+import json, os, sys, time
+model, data, sample, k, n = sys.argv[1:6]
+sample, k, n = int(sample), int(k), int(n)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from sft.data import RecordCheck, iter_conversations
+from sft.modeling import load_tokenizer
+tok, _, _ = load_tokenizer(model)
+head = data + f".plain-{k}-of-{n}.jsonl"
+with open(data, encoding="utf-8") as f, open(head, "w", encoding="utf-8") as g:
+    for i, line in zip(range(sample), f):
+        if i % n == k:
+            g.write(line)
+texts = [tok.apply_chat_template(c.messages, tokenize=False) for c in iter_conversations(head, RecordCheck(head))]
+os.remove(head)
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+tok(texts, add_special_tokens=False)
+t1 = time.monotonic()
+peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 2**20
+print(json.dumps({"k": k, "texts": len(texts), "start": t0, "end": t1, "peak_rss_gib": peak}), flush=True)
+"""
+
 def write_data(src: str, n: int, out: str) -> None:
     with open(src, encoding="utf-8") as f:
         base = [json.loads(line) for line in f if line.strip()]
@@ -75,7 +142,7 @@ def write_data(src: str, n: int, out: str) -> None:
 
 def run_ranks(world: int, data: str, model: str, cache: str, max_len: int, mode: str, pythonpath: str,
               long_conversations: str = "split") -> dict:
-    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+    env = _env(pythonpath)
     t0 = time.perf_counter()
     # cwd = the checkout measured: ``python -c`` puts the working directory first on the module path. Each rank
     # in its own session: with the kernel's autogroup scheduling (sched_autogroup_enabled) the processes of one
@@ -93,21 +160,82 @@ def run_ranks(world: int, data: str, model: str, cache: str, max_len: int, mode:
     return {"wall_s": wall, "ranks": ranks}
 
 
-def plain_tokenizer(model: str, data: str, sample: int) -> float:
-    """Conversations/s of one batched tokenizer() call on already-rendered texts (the first ``sample``)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from sft.data import load_conversations  # a small sample: a list is fine
-    from sft.modeling import load_tokenizer
+def _env(pythonpath: str) -> dict:
+    return dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
 
-    tok, _, _ = load_tokenizer(model)
-    head = os.path.join(os.path.dirname(data), "sample.jsonl")
-    with open(data, encoding="utf-8") as f, open(head, "w", encoding="utf-8") as g:
-        for _, line in zip(range(sample), f):
-            g.write(line)
-    texts = [tok.apply_chat_template(c.messages, tokenize=False) for c in load_conversations(head)]
-    t0 = time.perf_counter()
-    tok(texts, add_special_tokens=False)
-    return len(texts) / (time.perf_counter() - t0)
+
+def run_plain(world: int, model: str, data: str, sample: int) -> dict:
+    """The plain batched tokenizer() reference with ``world`` processes at once, each on the texts ``index %
+    world == k`` of the first ``sample`` conversations. Returns ``{"rate": conversations/s over the time from the
+    first call's start to the last one's end, "procs": [...]}``."""
+    procs = [subprocess.Popen([sys.executable, "-c", _PLAIN, model, data, str(sample), str(k), str(world)],
+                              env=_env(HERE), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=HERE,
+                              start_new_session=True)
+             for k in range(world)]
+    try:
+        for p in procs:  # every process has rendered its texts: start the calls together
+            line = p.stdout.readline().strip()
+            if line != "ready":
+                raise SystemExit(f"a plain tokenizer() process failed before its call (exit {p.wait()})")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"a plain tokenizer() process failed: {[p.returncode for p in procs]}")
+    span = max(o["end"] for o in outs) - min(o["start"] for o in outs)
+    return {"rate": sum(o["texts"] for o in outs) / span, "seconds": span, "procs": outs}
+
+
+def run_hosts(n: int, data: str, model: str, cache: str, max_len: int, long_conversations: str, work: str) -> dict:
+    """``n`` namespace hosts x 1 rank preparing into one ``cache`` (see the module docstring). Returns ``{"wall_s",
+    "ranks": [...]}`` with each rank's figures; the namespaces and every process in them are removed at the end.
+
+    Raises:
+        SystemExit: a rank failed (its exit code and the last lines of its log)."""
+    from tests.helpers import netns  # the namespace hosts of the cluster tests (PYTHONPATH=., checked in main)
+
+    script = os.path.join(work, "host_rank.py")
+    with open(script, "w") as f:
+        f.write(_HOST_RANK)
+    hosts = netns.Hosts(n, tag="bd")
+    logs = [open(os.path.join(work, f"host{i}.log"), "w+") for i in range(n)]
+    procs = []
+    try:
+        t0 = time.perf_counter()
+        for i in range(n):
+            # what finetune/launch.sh runs on node i (static rendezvous on node 0), one process per node
+            argv = [sys.executable, "-m", "sft.distributed.torchrun", "--nproc_per_node", "1", "--nnodes", str(n),
+                    "--node_rank", str(i), "--master_addr", hosts.addrs[0], "--master_port", "29511",
+                    script, data, model, cache, str(max_len), long_conversations]
+            env = dict(_env(HERE), GLOO_SOCKET_IFNAME="eth0", TORCH_CPP_LOG_LEVEL="ERROR")
+            procs.append(subprocess.Popen(hosts.cmd(i, argv), env=env, stdout=subprocess.PIPE, stderr=logs[i],
+                                          text=True, cwd=HERE, start_new_session=True))
+        outs = [p.communicate(timeout=7200)[0] for p in procs]
+        wall = time.perf_counter() - t0
+        bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
+        if bad:
+            tails = "; ".join(f"host {i} exit {rc}: " + " | ".join(open(logs[i].name).read().strip().splitlines()[-3:])
+                              for i, rc in bad)
+            raise SystemExit(f"a host's rank failed: {tails}")
+        ranks = sorted((json.loads(o.strip().splitlines()[-1]) for o in outs), key=lambda x: x["rank"])
+        return {"wall_s": wall, "ranks": ranks}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        for f in logs:
+            f.close()
+        hosts.close()
 
 
 def uptime() -> str:
@@ -120,7 +248,8 @@ def uptime() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversations", type=int, default=1_000_000)
-    ap.add_argument("--processes", type=int, default=2, help="ranks of the multi-process run")
+    ap.add_argument("--processes", type=int, default=2,
+                    help="P: ranks of the 'many' run, hosts of the 'hosts' run, processes of the P-process plain call")
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--data", default=DEFAULT_DATA, help="conversations to repeat")
     ap.add_argument("--max_length", type=int, default=512)
@@ -128,10 +257,29 @@ def main() -> int:
                     help="as the training flag (the 'before' checkout always truncates)")
     ap.add_argument("--plain_sample", type=int, default=20000, help="conversations for the plain tokenizer() figure")
     ap.add_argument("--before", default=None, help="a checkout whose sft is measured too (1 process)")
-    ap.add_argument("--runs", nargs="+", default=["one", "many", "before"], choices=["one", "many", "before"],
-                    help="one: 1 process; many: --processes processes; before: --before's sft, 1 process")
+    ap.add_argument("--runs", nargs="+", default=["plain", "one", "many", "before"],
+                    choices=["plain", "one", "many", "hosts", "before"],
+                    help="plain: the tokenizer() reference with 1 and P processes; one: 1 process; many: P processes; "
+                         "hosts: P namespace hosts x 1 process (root); before: --before's sft, 1 process")
     ap.add_argument("--work", default=None, help="folder for data and caches (default: a new temporary one, removed)")
     a = ap.parse_args()
+    for flag, path in (("--model", a.model), ("--data", a.data)):
+        if not os.path.exists(path):
+            print(f"bench/data.py: {flag} {path}: not found; build the example with scripts/run_example.sh or pass "
+                  f"{flag}", file=sys.stderr)
+            return 2
+    if "hosts" in a.runs:
+        try:
+            from tests.helpers import netns
+        except ImportError:
+            print("bench/data.py: --runs hosts uses the namespace hosts of tests/helpers/netns.py: run it from the "
+                  "repository root with PYTHONPATH=.", file=sys.stderr)
+            return 2
+        why = netns.unavailable()
+        if why:
+            print(f"bench/data.py: --runs hosts cannot make namespace hosts here: {why}; run as root, or leave "
+                  "'hosts' out of --runs", file=sys.stderr)
+            return 2
     work = a.work or tempfile.mkdtemp(prefix="sft-bench-data-")
     try:
         print(f"load before: {uptime()}", flush=True)
@@ -140,29 +288,52 @@ def main() -> int:
         write_data(a.data, a.conversations, data)
         print(f"wrote {a.conversations} conversations ({os.path.getsize(data) / 2**20:.0f} MiB) in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
-        plain = plain_tokenizer(a.model, data, min(a.plain_sample, a.conversations))
-        print(f"plain batched tokenizer() on rendered texts: {plain:.0f} conversations/s (1 process)", flush=True)
+        plain: dict[int, float] = {}
+        if "plain" in a.runs:
+            sample = min(a.plain_sample, a.conversations)
+            for world in sorted({1, a.processes}):
+                r = run_plain(world, a.model, data, sample)
+                plain[world] = r["rate"]
+                each = ", ".join(f"{o['texts']} texts in {o['end'] - o['start']:.1f} s" for o in r["procs"])
+                speed = f", {r['rate'] / plain[1]:.2f}x one process" if world > 1 else ""
+                print(f"plain batched tokenizer() on rendered texts, {world} process(es) at once: {r['rate']:.0f} "
+                      f"conversations/s{speed} ({each}); at that rate 1,000,000 conversations take "
+                      f"{1e6 / r['rate'] / 60:.1f} min", flush=True)
         configs = [c for run, c in (("one", ("after", 1, HERE)), ("many", ("after", a.processes, HERE)),
-                                    ("before", ("before", 1, a.before))) if run in a.runs and c[2]]
-        single = None
+                                    ("hosts", ("hosts", a.processes, HERE)), ("before", ("before", 1, a.before)))
+                   if run in a.runs and c[2]]
+        single, samples = None, {}
         for mode, world, repo in configs:
-            # a checkout with the sharded preparation (e.g. main before a speed-up) is called as this one
-            api = "after" if mode == "after" or os.path.exists(os.path.join(repo, "sft", "shards.py")) else "before"
             cache = os.path.join(work, f"cache-{mode}-{world}")
-            r = run_ranks(world, data, a.model, cache, a.max_length, api, repo, a.long_conversations)
-            prep = max(x["prepare_s"] for x in r["ranks"])  # from the tokenizer loaded to every shard mapped
+            if mode == "hosts":
+                r = run_hosts(world, data, a.model, cache, a.max_length, a.long_conversations, work)
+            else:
+                # a checkout with the sharded preparation (e.g. main before a speed-up) is called as this one
+                api = "after" if mode == "after" or os.path.exists(os.path.join(repo, "sft", "shards.py")) else "before"
+                r = run_ranks(world, data, a.model, cache, a.max_length, api, repo, a.long_conversations)
+            prep = max(x["prepare_s"] for x in r["ranks"])  # until every rank has every shard mapped
             rate = a.conversations / prep
             single = rate if (mode, world) == ("after", 1) else single
-            extra = ""
-            if world == 1:
-                extra = f"; {100 * rate / plain:.0f}% of plain tokenizer()"
-            elif mode == "after" and single:
-                extra = f"; {rate / single:.2f}x one process"
-            rss = ", ".join(f"rank {x['rank']} {x['peak_rss_gib']:.2f} GiB" for x in r["ranks"])
-            print(f"{mode} ({repo}), {world} process(es): {prep:.0f} s preparing ({r['wall_s']:.0f} s with start-up), "
-                  f"{rate:.0f} conversations/s{extra}; "
-                  f"peak RSS {rss}; samples {r['ranks'][0]['samples']}", flush=True)
+            samples[(mode, world)] = r["ranks"][0]["samples"]
+            extra = f"; {100 * rate / plain[world]:.0f}% of plain tokenizer() with {world}" if world in plain else ""
+            if world > 1 and mode != "before" and single:
+                extra += f"; {rate / single:.2f}x one process"
+            if mode == "hosts":
+                what = f"hosts, {world} namespace hosts x 1 process, shared cache"
+                ranks = "; ".join(f"rank {x['rank']} (node {x['node_rank']}, {x['host']}): shards {x['mine']}, "
+                                  f"agree {x['agree_s']:.1f} s, preparing {x['prepare_s']:.0f} s, peak RSS "
+                                  f"{x['peak_rss_gib']:.2f} GiB, cache seen as shared: {x['shared']}" for x in r["ranks"])
+            else:
+                what = f"{mode} ({repo}), {world} process(es)"
+                ranks = "; ".join(f"rank {x['rank']}: preparing {x['prepare_s']:.0f} s, peak RSS "
+                                  f"{x['peak_rss_gib']:.2f} GiB" for x in r["ranks"])
+            print(f"{what}: {prep:.1f} s preparing ({r['wall_s']:.0f} s with start-up), {rate:.0f} conversations/s"
+                  f"{extra}; samples {r['ranks'][0]['samples']}; {ranks}", flush=True)
             shutil.rmtree(cache, ignore_errors=True)
+        mine = {k: v for k, v in samples.items() if k[0] != "before"}
+        if len(set(mine.values())) > 1:
+            print(f"MISMATCH: the configurations made different numbers of samples: {mine}", flush=True)
+            return 1
         print(f"load after: {uptime()}", flush=True)
     finally:
         if not a.work:

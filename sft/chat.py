@@ -203,7 +203,8 @@ def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot
     """
     rendered = _Renderer.of(tokenizer).render_all(conversations)
     skip = context_replies if context_replies is not None else [0] * len(rendered)
-    enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True,
+                    return_attention_mask=False)  # not used: building its lists costs time
     return [Encoded(ids, labels_from_spans(ids, offs, spans[k:], eot_id), text, offs, spans)
             for ids, offs, (text, spans), k in zip(enc["input_ids"], enc["offset_mapping"], rendered, skip)]
 
@@ -223,6 +224,42 @@ _RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokeniz
 # it stays picklable)
 
 
+def _compile_template(template: str):
+    """``template`` compiled as ``apply_chat_template`` compiles it, with the sandbox's attribute check memoized.
+
+    Adapter over private APIs, checked against transformers 5.24 (``_compile_jinja_template``: a jinja2
+    ``ImmutableSandboxedEnvironment`` with transformers' filters, globals and extensions) and jinja2 3.1.6. Why:
+    the sandbox checks every attribute a template reads (``loop.first`` once per message in ChatML-style
+    templates) with ``is_safe_attribute(obj, attr, value)``, which in jinja2 3.1 depends on ``type(obj)`` and
+    ``attr`` only (``isinstance`` tests against the unsafe types and the mutable containers, and the attribute's
+    name; ``value`` is not read): about half of a ChatML rendering's time (measured: 3,000 chitchat
+    conversations, 0.23 s -> 0.13 s). The template is compiled again in an overlay of transformers' environment
+    (the same class, options, filters, globals and extensions) whose check answers from a memo keyed on
+    ``(type(obj), attr)`` and asks the sandbox's own check on a miss: the same answers, so the same text and the
+    same refusals. Any other environment class or jinja2 version gets transformers' compiled template unchanged.
+    """
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    compiled = _compile_jinja_template(template)
+    base = compiled.environment
+    if type(base) is not ImmutableSandboxedEnvironment or not jinja2.__version__.startswith("3.1."):
+        return compiled
+    env = base.overlay()
+    check, memo = env.is_safe_attribute, {}
+
+    def is_safe_attribute(obj, attr, value):
+        key = (type(obj), attr)
+        ok = memo.get(key)
+        if ok is None:
+            ok = memo[key] = check(obj, attr, value)
+        return ok
+
+    env.is_safe_attribute = is_safe_attribute  # an instance attribute: the sandbox calls self.is_safe_attribute
+    return env.from_string(template)
+
+
 class _Renderer:
     """One render per conversation, spans found in the same render (what :func:`render_with_spans` finds with two
     renders and more).
@@ -237,10 +274,10 @@ class _Renderer:
     """
 
     def __init__(self, tokenizer):
-        from transformers.utils.chat_template_utils import _compile_jinja_template, _plain_template_data
+        from transformers.utils.chat_template_utils import _plain_template_data
 
         self.tokenizer, self.template = tokenizer, tokenizer.chat_template
-        self.compiled = _compile_jinja_template(self.template)
+        self.compiled = _compile_template(self.template)
         self.variables = _plain_template_data(dict(tokenizer.special_tokens_map))
         self.skeletons: dict = {}
         self.memo: dict = {}  # small per-tokenizer results (e.g. sft.long_conversations' head lengths), capped

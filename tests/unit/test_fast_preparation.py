@@ -75,3 +75,37 @@ def test_tokenizer_threads_leave_the_users_choice(monkeypatch):
                                         "TOKENIZERS_PARALLELISM": "true"})
     limit_tokenizer_threads(16)
     assert os.environ["TOKENIZERS_PARALLELISM"] == "true" and "RAYON_NUM_THREADS" not in os.environ
+
+
+def test_memoized_sandbox_renders_and_refuses_as_transformers(smol_tok, qwen_tok, chitchat_messages):
+    """The chat template compiled with the memoized attribute check (sft.chat._compile_template) renders what
+    apply_chat_template renders, and still refuses what the sandbox refuses, also when the answer comes from the memo
+    (the second time)."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from sft.chat import _compile_template
+
+    for tok, _eot in (smol_tok, qwen_tok):
+        renderer = chat._Renderer.of(tok)
+        assert renderer.compiled is not _compile_jinja_template(tok.chat_template)  # the memoized one is in use
+        for m in chitchat_messages[:20]:
+            assert renderer.render(m) == tok.apply_chat_template(m, tokenize=False)
+    safe = _compile_template("{% for m in messages %}{{ loop.index }}{{ m.role.upper() }}{% endfor %}")
+    assert safe.render(messages=[{"role": "user"}, {"role": "assistant"}]) == "1USER2ASSISTANT"
+    # (template, refused): the sandbox raises for list mutation and dunder chains; an unsafe attribute printed on its
+    # own is an empty undefined
+    cases = [("{{ messages.append(1) }}", True), ("{{ messages.pop() }}", True), ("{{ ''.__class__.__mro__ }}", True),
+             ("{{ loop_fn.__globals__ }}", False), ("{% for m in messages %}{{ loop.__init__ }}{% endfor %}", False)]
+
+    def outcome(template):
+        try:
+            return "ok", template.render(messages=[1, 2], loop_fn=lambda: 0)
+        except jinja2.exceptions.SecurityError as e:
+            return "refused", str(e)
+
+    for source, refused in cases:
+        expected = outcome(_compile_jinja_template(source))
+        assert expected[0] == ("refused" if refused else "ok") and (refused or expected[1] == ""), (source, expected)
+        unsafe = _compile_template(source)
+        assert [outcome(unsafe), outcome(unsafe)] == [expected, expected], source  # the second time the memo answers
