@@ -35,7 +35,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -226,13 +225,7 @@ def run_hosts(n: int, data: str, model: str, cache: str, max_len: int, long_conv
         ranks = sorted((json.loads(o.strip().splitlines()[-1]) for o in outs), key=lambda x: x["rank"])
         return {"wall_s": wall, "ranks": ranks}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        netns.kill_groups(procs)
         for f in logs:
             f.close()
         hosts.close()

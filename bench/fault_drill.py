@@ -181,13 +181,9 @@ class Job:
         return None
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        from tests.helpers import netns
+
+        netns.kill_groups(self.procs.values())
 
 
 def newest_verified(out: str) -> str | None:

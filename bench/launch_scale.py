@@ -124,12 +124,7 @@ def elastic(n: int, steps: int) -> None:
               f"the kill; finished in {total:.1f} s; survivors' exit codes {sorted(set(rcs))}; global step "
               f"{state['global_step']} of {steps}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        netns.kill_groups(procs, wait=False)
         hosts.close()
         print(f"logs: {tmp}")
 

@@ -93,13 +93,7 @@ class Job:
         return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-2500:]}" for log in self.logs)
 
     def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        netns.kill_groups(self.procs)
 
 
 @pytest.fixture

@@ -45,6 +45,20 @@ def unavailable() -> str | None:
     return None
 
 
+def kill_groups(procs, wait: bool = True) -> None:
+    """SIGKILL the process group of every ``subprocess.Popen`` in ``procs`` that is still running (each started
+    with ``start_new_session=True`` / its own group: a launcher, its agent and workers go together), then reap it
+    unless ``wait`` is False. Never raises for a group that is already gone."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if wait:
+                p.wait()
+
+
 class Hosts:
     """``n`` namespace hosts on one private bridge. ``names[i]``, ``addrs[i]``, ``hostnames[i]``; ``cmd(i, argv)``."""
 
