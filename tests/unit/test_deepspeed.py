@@ -175,3 +175,26 @@ def test_zero3_universal_load_gets_one_adam_step_counter_per_parameter_group(mon
     assert adam.state[flats[0]]["step"] is not adam.state[flats[1]]["step"]
     adam.step()
     assert [adam.state[p]["step"].item() for p in flats] == [3.0, 3.0]
+
+
+def test_rebuilt_deepspeed_config_takes_the_recomputed_accumulation_and_leaves_the_users_file_alone(tmp_path):
+    """sft.world_size.rebuild_deepspeed_config: after a resume recomputed the gradient accumulation (another world
+    size, or the same world size after an earlier such resume), DeepSpeed's "auto" values follow it; the user's
+    config file is not modified; load_universal adds only the checkpoint switch."""
+    from transformers import TrainingArguments
+
+    from sft.world_size import rebuild_deepspeed_config
+
+    path = os.path.join(FT, "ds_config_zero2.json")
+    before = open(path, encoding="utf-8").read()
+    args = TrainingArguments(output_dir=str(tmp_path), deepspeed=path, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, use_cpu=True, report_to="none")
+    assert args.hf_deepspeed_config.config["gradient_accumulation_steps"] == 2
+    args.gradient_accumulation_steps = 3
+    rebuild_deepspeed_config(args)
+    config = args.hf_deepspeed_config.config
+    assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (3, 6)
+    assert "load_universal" not in (config.get("checkpoint") or {})
+    rebuild_deepspeed_config(args, load_universal=True)
+    assert args.hf_deepspeed_config.config["checkpoint"]["load_universal"] is True
+    assert open(path, encoding="utf-8").read() == before
