@@ -8,7 +8,8 @@ outcomes print:
   during which sft's workers save a checkpoint), but instead of logging "Received 15 death signal" and a
   Python traceback of its ``SignalException`` per node, this exits quietly with 128 + the signal number
   (143 for SIGTERM), the code a shell gives a process ended by that signal; the launcher turns it into 75
-  when a worker saved a checkpoint.
+  when a worker saved a checkpoint. Further signals during that shutdown are ignored (they no longer cut the
+  wait for the workers' checkpoint short or print a logging traceback).
 - A failed worker (torchrun's ``ChildFailedError``, e.g. a rank that stopped because a peer node died):
   instead of torchrun's traceback and its "finetune.py FAILED" report, one line on stderr,
   ``torchrun: global rank R (local rank L on this node, pid P) exited with code C; ...`` naming where the
@@ -85,6 +86,22 @@ def _rendezvous_lines(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _shutdown_uninterrupted(record: logging.LogRecord) -> bool:
+    """On the agent's "Received N death signal, shutting down workers" (logged right before its ``_shutdown``):
+    further stop signals are ignored from here on. torch's handler raises ``SignalException`` on every signal,
+    so a second one (``srun`` forcing a step's end sends SIGCONT+SIGTERM again; a second Ctrl-C) broke off the
+    shutdown: mid-write in a log record it printed logging's "--- Logging error ---" traceback (seen in a real
+    SLURM node-loss job log), mid-wait it left without waiting ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` for the
+    workers' checkpoint. The shutdown still ends: the workers got the signal, and are SIGKILLed at the timeout."""
+    if str(record.msg).startswith("Received ") and "death signal" in str(record.msg):
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+    return True
+
+
 def _not_failed_report(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("failed (exitcode")
 
@@ -157,6 +174,7 @@ def _run(argv: Optional[list[str]]) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     logging.getLogger(_AGENT_LOGGER).setLevel(logging.INFO)
+    logging.getLogger(_AGENT_LOGGER).addFilter(_shutdown_uninterrupted)  # first: a filter that says no stops the rest
     logging.getLogger(_AGENT_LOGGER).addFilter(_agent_lines)
     logging.getLogger(_AGENT_LOGGER).addFilter(_exit_barrier_line)
     logging.getLogger(_RDZV_LOGGER).setLevel(logging.INFO)
@@ -192,7 +210,7 @@ def _run(argv: Optional[list[str]]) -> int:
     except ChildFailedError as e:
         # the workers are gone; a signal now (a scheduler ending the other nodes' steps after this failure)
         # must not turn the worker's code into torchrun's SignalException
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        for s in _STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
         line, code = failure_line(e, argv)
         print(line, file=sys.stderr, flush=True)

@@ -114,7 +114,7 @@ def test_sigterm_under_strict_spread_then_resume_under_strict_pack(cluster, tmp_
     STRICT_PACK (both workers on one node) resumes from that checkpoint and finishes."""
     from sft.checkpoint import MARKER
 
-    out, steps = tmp_path / "out", 24
+    out, steps = tmp_path / "out", 80  # 24 ended before the stop reached the workers on a fast CI machine
     flags = ["--ray_address", cluster.address, "--num_workers", "2", "--logging_steps", "1"]
     p, log = launch(cluster, tmp_path, tiny_model_dir, data, out, *flags, "--placement_strategy", "STRICT_SPREAD",
                     steps=steps, name="first")

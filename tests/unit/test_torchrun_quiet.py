@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,9 +23,54 @@ def test_signal_is_a_quiet_exit_code(monkeypatch, capsys):
         raise SignalException("got signal", sigval=signal.SIGTERM)
 
     monkeypatch.setattr(run, "main", stopped)
-    assert torchrun.main(["--nproc_per_node", "2", "train.py", "--x", "1"]) == 128 + signal.SIGTERM
+    before = {s: signal.getsignal(s) for s in torchrun._STOP_SIGNALS}
+    try:
+        assert torchrun.main(["--nproc_per_node", "2", "train.py", "--x", "1"]) == 128 + signal.SIGTERM
+        # from the death signal on, the shutdown is not interrupted by another one
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in torchrun._STOP_SIGNALS)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
     assert seen == [["--nproc_per_node", "2", "train.py", "--x", "1"]]  # arguments passed through unchanged
     assert "death signal" not in capsys.readouterr().err
+
+
+def test_a_second_signal_does_not_cut_the_shutdown_short(tmp_path):
+    """A real torchrun: SIGTERM, then two more while its worker is still saving (srun sends SIGTERM again when it
+    forces a step's end; a user presses Ctrl-C twice). torchrun waits for the worker as after one signal: the
+    worker's last file exists when torchrun exits 143, the worker was signalled once, and no traceback (torch's
+    handler raised inside the shutdown; once mid-write in a log record: logging's "--- Logging error ---" in a
+    real SLURM node-loss job log)."""
+    script = tmp_path / "worker.py"
+    script.write_text("import pathlib, signal, sys, time\n"
+                      "d = pathlib.Path(sys.argv[1])\n"
+                      "def saving(*_):\n"
+                      "    (d / 'term').write_text('1'); time.sleep(3); (d / 'saved').write_text('1'); sys.exit(0)\n"
+                      "signal.signal(signal.SIGTERM, saving)\n"
+                      "(d / 'up').write_text('1')\n"
+                      "time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-m", "sft.distributed.torchrun", "--nproc_per_node", "1",
+                          "--master_port", "0", str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for name in ("up", "term"):
+            deadline = time.monotonic() + 60
+            while not (tmp_path / name).exists():
+                assert p.poll() is None and time.monotonic() < deadline, (name, p.communicate(timeout=30))
+                time.sleep(0.05)
+            p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)  # a third: torch's own second shutdown (its run()'s finally) was cut short too
+        _, err = p.communicate(timeout=60)
+        saved = (tmp_path / "saved").exists()  # read at once: a torchrun that left early finds it missing
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert saved, err
+    assert err.count("closing signal SIGTERM") == 1, err
+    assert "Traceback" not in err and "Logging error" not in err, err
 
 
 def test_other_outcomes_are_torchruns(monkeypatch):
