@@ -160,9 +160,24 @@ def labels_from_spans(ids: Sequence[int], offsets: Sequence[tuple[int, int]], sp
     """Labels for tokenized text: ``ids[i]`` where token i overlaps a reply span, the end-of-turn token
     right after each reply, ``-100`` elsewhere.
 
+    ``ids``: token ids; ``offsets``: each token's ``(start, end)`` characters in the text; ``spans``: each reply's
+    ``(start, end)`` characters, in order. A token overlaps span ``(a, b)`` when ``start < b`` and ``end > a``;
+    tokens are matched to replies in order (:func:`_labels_by_token`, the definition). Tokenizers' offsets rise
+    with the tokens, and then the same labels come from two binary searches per reply and list slices
+    (:func:`_labels_by_reply`, about 10x faster on chitchat's ~900-token conversations); any other offsets take
+    the token-by-token definition.
+
     Raises:
         TemplateError: a reply is not followed by ``eot_id``.
     """
+    labels = _labels_by_reply(ids, offsets, spans, eot_id)
+    return labels if labels is not None else _labels_by_token(ids, offsets, spans, eot_id)
+
+
+def _labels_by_token(ids, offsets, spans, eot_id) -> list[int]:
+    """:func:`labels_from_spans`, one token at a time: the current reply ``j`` is closed (its end-of-turn token
+    checked and labelled) at the first token of non-zero width that starts at or after its end; a token is
+    labelled when it overlaps the current reply; after the last reply is closed nothing more is labelled."""
     labels = [IGNORE_INDEX] * len(ids)
     j, last = 0, -1
     for i, (s, e) in enumerate(offsets):
@@ -177,6 +192,40 @@ def labels_from_spans(ids: Sequence[int], offsets: Sequence[tuple[int, int]], sp
             last = i
     if j < len(spans):
         _close_turn(ids, labels, last, eot_id, j)
+    return labels
+
+
+def _labels_by_reply(ids, offsets, spans, eot_id) -> Optional[list[int]]:
+    """:func:`_labels_by_token`'s labels, per reply instead of per token, when every token's ``start <= end`` and
+    starts and ends are each non-decreasing along the tokens (else None). Then, for reply ``j`` = ``(a, b)``:
+    the tokens starting before ``b`` are a prefix (up to ``R_j``, a binary search), those ending after ``a`` a
+    suffix (from ``L_j``), reply ``j`` is current from token ``A_(j-1)`` (``A_(-1) = 0``) to ``A_j``, the first
+    token of non-zero width from ``max(A_(j-1), R_j)`` on, and it labels the tokens ``max(A_(j-1), L_j) ..
+    R_j - 1``; it is closed at ``A_j`` (checked as the definition checks it), or at the end of the tokens,
+    after which no later reply is labelled or closed (as in the definition)."""
+    from bisect import bisect_left, bisect_right
+    from operator import itemgetter, sub
+
+    n = len(ids)
+    if not spans or n == 0 or len(offsets) != n:
+        return None
+    starts, ends = list(map(itemgetter(0), offsets)), list(map(itemgetter(1), offsets))
+    if starts != sorted(starts) or ends != sorted(ends) or min(map(sub, ends, starts)) < 0:
+        return None
+    labels = [IGNORE_INDEX] * n
+    current, last = 0, -1  # A_(j-1); the last labelled token
+    for j, (a, b) in enumerate(spans):
+        lo, hi = max(current, bisect_right(ends, a)), bisect_left(starts, b)
+        if lo < hi:
+            labels[lo:hi] = ids[lo:hi]
+            last = hi - 1
+        k = max(current, hi)
+        while k < n and ends[k] == starts[k]:
+            k += 1
+        _close_turn(ids, labels, last, eot_id, j)
+        if k == n:
+            break
+        current = k
     return labels
 
 
@@ -260,6 +309,95 @@ def _compile_template(template: str):
     return env.from_string(template)
 
 
+_ROLE_OR_CONTENT = ("role", "content")
+
+
+def content_is_opaque(template: str, env=None) -> bool:
+    """Whether ``template`` (a chat template) only ever writes each message's content verbatim into its output, so
+    that its rendering of any conversation is its rendering of the same roles with the contents put in place.
+
+    Decided on the template's jinja2 syntax tree, conservatively (False when unsure). True only when: every read
+    of a ``"content"`` key or attribute sits in an expression written to the output directly or only through
+    string concatenation (``+``, ``~``), never in a test, filter, call, condition or assignment; the loop
+    variables over ``messages`` (``{% for message in messages %}``) are used only as ``message['role']`` /
+    ``message['content']`` (or ``.role`` / ``.content``); ``messages`` itself only as that loop's sequence, as
+    ``messages[i]['role'|'content']`` with a constant ``i``, or with ``|length``; nothing is assigned, imported,
+    included or defined as a macro; ``loop.previtem`` / ``loop.nextitem`` are not read; and the environment
+    neither escapes (``autoescape``) nor post-processes (``finalize``) output. Everything else the template may do
+    depends only on the roles, the number of messages and the fixed variables, which the caller's skeleton (one
+    rendering per sequence of roles) covers. ChatML (Qwen) and SmolLM2's templates qualify; a template that
+    trims, inspects or rewrites content (e.g. removing earlier turns' reasoning) does not."""
+    from jinja2 import Environment, nodes
+
+    env = env or Environment()
+    if getattr(env, "autoescape", False) is not False or getattr(env, "finalize", None) is not None:
+        return False
+    try:
+        tree = env.parse(template)
+    except Exception:
+        return False
+    banned = (nodes.Assign, nodes.AssignBlock, nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.With,
+              nodes.Import, nodes.FromImport, nodes.Include, nodes.Extends, nodes.Block, nodes.Scope,
+              nodes.OverlayScope, nodes.ScopedEvalContextModifier)
+    parents: dict = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, banned):
+            return False
+        for child in node.iter_child_nodes():
+            parents[id(child)] = node
+            stack.append(child)
+    loops = set()
+    for f in tree.find_all(nodes.For):
+        if not isinstance(f.target, nodes.Name):
+            return False
+        if isinstance(f.iter, nodes.Name) and f.iter.name == "messages" and not f.recursive and f.test is None:
+            loops.add(f.target.name)
+    if any(isinstance(f.target, nodes.Name) and f.target.name in loops and not
+           (isinstance(f.iter, nodes.Name) and f.iter.name == "messages") for f in tree.find_all(nodes.For)):
+        return False  # a loop variable's name reused for something else
+
+    def key_of(node):
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            return node.arg.value
+        if isinstance(node, nodes.Getattr):
+            return node.attr
+        return None
+
+    def message_item(node) -> bool:  # node is ``message`` or ``messages[i]``: its parent must read role/content
+        parent = parents.get(id(node))
+        return (isinstance(parent, (nodes.Getitem, nodes.Getattr)) and parent.node is node
+                and key_of(parent) in _ROLE_OR_CONTENT)
+
+    for name in tree.find_all(nodes.Name):
+        if name.ctx != "load":
+            continue
+        parent = parents.get(id(name))
+        if name.name in loops:
+            if not message_item(name):
+                return False
+        elif name.name == "messages":
+            if isinstance(parent, nodes.For) and parent.iter is name:
+                continue
+            if isinstance(parent, nodes.Filter) and parent.name == "length" and parent.node is name:
+                continue
+            if not (isinstance(parent, nodes.Getitem) and parent.node is name and isinstance(parent.arg, nodes.Const)
+                    and isinstance(parent.arg.value, int) and message_item(parent)):
+                return False
+        elif name.name == "loop" and isinstance(parent, nodes.Getattr) and parent.attr in ("previtem", "nextitem"):
+            return False
+    for node in tree.find_all((nodes.Getitem, nodes.Getattr)):
+        if key_of(node) != "content":
+            continue
+        child, parent = node, parents.get(id(node))
+        while isinstance(parent, (nodes.Add, nodes.Concat)):
+            child, parent = parent, parents.get(id(parent))
+        if not (isinstance(parent, nodes.Output) and any(n is child for n in parent.nodes)):
+            return False
+    return True
+
+
 class _Renderer:
     """One render per conversation, spans found in the same render (what :func:`render_with_spans` finds with two
     renders and more).
@@ -270,7 +408,10 @@ class _Renderer:
     rendering of the same roles with every content replaced by a sentinel, cached per sequence of roles, split into
     the literal text between the contents. A conversation is accepted when the skeleton filled with its contents
     equals its real rendering exactly; otherwise (a template that inspects or rewrites content, other message keys)
-    it goes the way of :func:`render_with_spans`.
+    it goes the way of :func:`render_with_spans`. For a template that provably writes contents verbatim and nothing
+    else about them (:func:`content_is_opaque`: ChatML, SmolLM2) the filled skeleton *is* the rendering, and the
+    template is rendered once per sequence of roles instead of once per conversation (measured: 3,000 chitchat
+    conversations split at 512 tokens, 13,634 renderings, about 8% of the preparation's time).
     """
 
     def __init__(self, tokenizer):
@@ -278,6 +419,7 @@ class _Renderer:
 
         self.tokenizer, self.template = tokenizer, tokenizer.chat_template
         self.compiled = _compile_template(self.template)
+        self.opaque = content_is_opaque(self.template, self.compiled.environment)
         self.variables = _plain_template_data(dict(tokenizer.special_tokens_map))
         self.skeletons: dict = {}
         self.memo: dict = {}  # small per-tokenizer results (e.g. sft.long_conversations' head lengths), capped
@@ -307,6 +449,16 @@ class _Renderer:
             self.skeletons[roles] = pieces if pieces is not None and len(pieces) == len(roles) + 1 else None
         return self.skeletons[roles]
 
+    def exact_skeleton(self, roles: tuple) -> bool:
+        """For a template whose content is opaque (:func:`content_is_opaque`): whether this skeleton is the rendering
+        of every conversation with these roles once filled, i.e. no literal piece holds a sentinel (a template that
+        writes a content twice); checked once per sequence of roles."""
+        key = ("exact", roles)
+        if key not in self.skeletons:
+            pieces = self.skeleton(roles)
+            self.skeletons[key] = pieces is not None and not any("\ue000" in p or "\ue001" in p for p in pieces)
+        return self.skeletons[key]
+
     def render(self, messages: Sequence[dict]) -> str:
         """Exactly ``render(tokenizer, messages)`` for validated messages, without apply_chat_template's overhead."""
         return self.compiled.render(messages=list(messages), tools=None, documents=None, add_generation_prompt=False,
@@ -316,9 +468,9 @@ class _Renderer:
         out = []
         for messages in conversations:
             if all(type(m) is dict and len(m) == 2 and type(m.get("content")) is str for m in messages):
-                pieces = self.skeleton(tuple(m["role"] for m in messages))
+                roles = tuple(m["role"] for m in messages)
+                pieces = self.skeleton(roles)
                 if pieces is not None:
-                    text = self.render(messages)
                     parts, spans, pos = [pieces[0]], [], len(pieces[0])
                     for m, lit in zip(messages, pieces[1:]):
                         c = m["content"]
@@ -326,8 +478,9 @@ class _Renderer:
                             spans.append((pos, pos + len(c)))
                         parts += (c, lit)
                         pos += len(c) + len(lit)
-                    if "".join(parts) == text:
-                        out.append((text, spans))
+                    filled = "".join(parts)
+                    if (self.opaque and self.exact_skeleton(roles)) or filled == self.render(messages):
+                        out.append((filled, spans))
                         continue
             out.append(render_with_spans(self.tokenizer, messages))
         return out
