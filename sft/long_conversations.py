@@ -212,8 +212,14 @@ def _fit_pair(tokenizer, head: list[dict], user: dict, reply: dict, eot_id: int,
     tail with which the reply starts within the first half of the sample (the caller truncates it).
     Returns ``(sample, whether the user turn was cut)``."""
     text = user["content"]
+    memo: dict = {}  # keep -> sample: the search's last probe is usually the answer
 
     def encode(keep: int) -> Sample:
+        if keep not in memo:
+            memo[keep] = _encode_tail(keep)
+        return memo[keep]
+
+    def _encode_tail(keep: int) -> Sample:
         tail = text[len(text) - keep:]
         words = tail.split(None, 1)
         if keep < len(text) and len(words) == 2 and not text[len(text) - keep - 1].isspace():
@@ -226,8 +232,12 @@ def _fit_pair(tokenizer, head: list[dict], user: dict, reply: dict, eot_id: int,
     def reply_in_first_half(sample: Sample) -> bool:
         return next(k for k, x in enumerate(sample[1]) if x != IGNORE_INDEX) <= max_len // 2
 
-    ok = fits if fits(encode(1)) else reply_in_first_half
+    first = encode(1)
+    ok = fits if fits(first) else reply_in_first_half
     lo, hi = 1, len(text)  # ok(encode(lo)) holds (or nothing better exists); find the largest such keep
+    if ok is fits and len(text) > 64:
+        lo, hi = _bracket(lambda keep: ok(encode(keep)), lo, hi,
+                          _keep_guess(tokenizer, text, max_len - len(first[0]) + 1))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if ok(encode(mid)):
@@ -235,6 +245,44 @@ def _fit_pair(tokenizer, head: list[dict], user: dict, reply: dict, eot_id: int,
         else:
             hi = mid - 1
     return encode(lo), lo < len(text)
+
+
+def _keep_guess(tokenizer, text: str, room: int) -> int:
+    """How many characters from the end of ``text`` make about ``room`` tokens (``text`` tokenized alone: the
+    tokens at a cut differ a little from those in the sample, so this only starts :func:`_bracket`)."""
+    if room <= 0:
+        return 1
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+                        return_attention_mask=False)["offset_mapping"]
+    if room >= len(offsets):
+        return len(text)
+    return max(1, len(text) - offsets[len(offsets) - room][0])
+
+
+def _bracket(ok, lo: int, hi: int, guess: int, step: int = 24) -> tuple[int, int]:
+    """A narrower ``(lo, hi)`` for the binary search of the largest ``keep`` in ``lo..hi`` with ``ok(keep)`` (which
+    holds at ``lo``), from a ``guess``: probes ``guess`` and one point ``step`` characters beyond it on the side the
+    answer lies (doubling the step while it is still on that side), so that the search is left with about
+    log2(step) probes instead of log2(hi - lo). Where ``ok`` is monotone (it is, up to a token where a cut
+    changes how the text around it tokenizes) the search then finds the same largest keep."""
+    g = min(max(guess, lo), hi)
+    if g == lo:
+        return lo, hi
+    if ok(g):
+        lo = g
+        while lo < hi:
+            probe = min(hi, lo + step)
+            if not ok(probe):
+                return lo, probe - 1
+            lo, step = probe, step * 2
+        return lo, hi
+    hi = g - 1
+    while lo < hi:
+        probe = max(lo, hi - step)
+        if ok(probe):
+            return probe, hi
+        hi, step = probe - 1, step * 2
+    return lo, hi
 
 
 def _plan(lengths: list[int], costs: list[int], head_len: int, max_len: int, budget: int) -> list[tuple[int, int, int]]:
