@@ -163,3 +163,28 @@ def test_show_sample_prints_every_sample_of_a_split_record(tmp_path, tiny_model_
     assert show_sample_main([tiny_model_dir, path, "--model_max_length", "160", "--long_conversations", "truncate"]) == 0
     out = capsys.readouterr().out
     assert "sample 1 of" not in out and "truncated (" in out
+
+
+def test_bracket_holds_the_largest_keep_from_any_guess():
+    """sft.long_conversations._bracket: for a monotone ok (true up to some answer), from any guess, the bracket it
+    returns holds the answer and ok holds at its low end, so the binary search after it finds the same largest
+    keep as a search over the whole range; and it narrows the range (few probes) when the guess is close."""
+    import random
+
+    from sft.long_conversations import _bracket
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        hi = rng.randint(1, 3000)
+        answer = rng.randint(1, hi)
+        guess = rng.choice([rng.randint(-5, hi + 5), answer + rng.randint(-30, 30)])
+        probes = []
+
+        def ok(keep):
+            probes.append(keep)
+            return keep <= answer
+
+        lo2, hi2 = _bracket(ok, 1, hi, guess)
+        assert 1 <= lo2 <= answer <= hi2 <= hi and ok(lo2), (hi, answer, guess, lo2, hi2)
+        if abs(guess - answer) <= 24 and 1 < guess <= hi:
+            assert hi2 - lo2 <= 48 and len(probes) <= 4, (hi, answer, guess, lo2, hi2, probes)
