@@ -209,7 +209,9 @@ def _cut_tokens(tokenizer) -> frozenset:
 def _fit_pair(tokenizer, head: list[dict], user: dict, reply: dict, eot_id: int, max_len: int) -> tuple[Sample, bool]:
     """head + (user turn cut from the start) + reply: the longest tail of the user's text (starting at a word when
     it can) with which the sample fits ``max_len``; if none fits (the reply alone is too long), the longest
-    tail with which the reply starts within the first half of the sample (the caller truncates it).
+    tail with which the reply starts within the first half of the sample (the caller truncates it). "Longest" as
+    a binary search finds it: where the token count is not monotone in the characters kept (rare: a cut that
+    changes how the text around it tokenizes) a fitting tail a token short of the longest may be returned.
     Returns ``(sample, whether the user turn was cut)``."""
     text = user["content"]
     memo: dict = {}  # keep -> sample: the search's last probe is usually the answer
