@@ -71,8 +71,8 @@ def common_flags(a, system: str) -> list[str]:
     batch = a.packing_batch if system.startswith("ours-packing") else a.batch
     flags = ["--model_name_or_path", a.model, "--data_path", a.data, "--use_lora", "True", "--lora_r", str(a.lora_r),
              "--lora_alpha", str(2 * a.lora_r), "--lora_dropout", "0.05", "--per_device_train_batch_size", str(batch),
-             "--gradient_accumulation_steps", "1", "--model_max_length", str(a.max_length), "--max_steps",
-             str(a.max_steps), "--learning_rate", "2e-4", "--lr_scheduler_type", "linear", "--weight_decay", "0.0",
+             "--gradient_accumulation_steps", "1", "--model_max_length", str(a.max_length), *length_of_run(a),
+             "--learning_rate", "2e-4", "--lr_scheduler_type", "linear", "--weight_decay", "0.0",
              "--optim", "adamw_torch", "--gradient_checkpointing", "False", "--seed", "0", "--logging_steps", "1",
              "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True", "--overwrite_output_dir", "True",
              "--data_cache_dir", a.cache, "--peak_tflops", str(a.peak_tflops), "--train_embeddings", "false",
@@ -91,15 +91,41 @@ def common_flags(a, system: str) -> list[str]:
     return flags
 
 
+def length_of_run(a) -> list[str]:
+    """The Trainer flags that end a run: two epochs over ``--data`` with ``--timing epoch`` (the first is warm-up,
+    the second timed), else ``--max_steps`` optimizer steps (the first one not timed)."""
+    if a.timing == "epoch":
+        return ["--num_train_epochs", "2", "--max_steps", "-1"]
+    return ["--max_steps", str(a.max_steps)]
+
+
+def timed_steps(epochs: list[int], timing: str) -> list[int]:
+    """Indices of the timed optimizer steps, given each step's epoch (1, 2, ...): with ``timing`` "epoch" the steps
+    of epoch 2 (every conversation of ``--data`` once, in every system), else every step but the first.
+
+    Raises:
+        SystemExit: nothing is left to time (one step in all, or no second epoch).
+    """
+    keep = [i for i, e in enumerate(epochs) if e == 2] if timing == "epoch" else list(range(1, len(epochs)))
+    if not keep:
+        raise SystemExit(f"nothing to time: {len(epochs)} optimizer step(s) in epochs {sorted(set(epochs))} "
+                         f"(--timing {timing})")
+    return keep
+
+
 class StepTimer:
-    """Trainer callback: wall time of every optimizer step (on_step_begin -> on_step_end)."""
+    """Trainer callback: wall time of every optimizer step (on_step_begin -> on_step_end) and the epoch it belongs
+    to (``epochs``, counted from 1 by on_epoch_begin)."""
 
     def __new__(cls):
         from transformers import TrainerCallback
 
         class _Timer(TrainerCallback):
             def __init__(self):
-                self.times, self._t = [], None
+                self.times, self.epochs, self._t, self._epoch = [], [], None, 0
+
+            def on_epoch_begin(self, args, state, control, **kw):
+                self._epoch += 1
 
             def on_step_begin(self, args, state, control, **kw):
                 self._sync(args)
@@ -108,6 +134,7 @@ class StepTimer:
             def on_step_end(self, args, state, control, **kw):
                 self._sync(args)
                 self.times.append(time.perf_counter() - self._t)
+                self.epochs.append(self._epoch)
 
             @staticmethod
             def _sync(args):
@@ -162,8 +189,12 @@ def worker(a) -> int:
     timer = StepTimer()
     trainer.add_callback(timer)
     trainer.train()
-    wins = cb.windows[1:]  # step 1 (warm-up) left out, like the step timer's first step
-    t = timer.times[1:]
+    if len(cb.windows) != len(timer.times) or any(w["steps"] != 1 for w in cb.windows):
+        raise SystemExit(f"expected one throughput window per optimizer step (--logging_steps 1): "
+                         f"{len(cb.windows)} windows, {len(timer.times)} steps")
+    keep = timed_steps(timer.epochs, a.timing)  # the warm-up (epoch 1, or step 1) left out
+    wins = [cb.windows[i] for i in keep]
+    t = [timer.times[i] for i in keep]
     real, total = sum(w["real"] for w in wins), sum(w["total"] for w in wins)
     rank = int(os.environ.get("RANK", "0"))
     if a.cuda:
@@ -187,8 +218,8 @@ def worker(a) -> int:
 
 def worker_argv(a, system: str, json_path: str) -> list[str]:
     argv = [os.path.abspath(__file__), "--worker", system, "--json", json_path, "--model", a.model, "--data", a.data,
-            "--max_steps", str(a.max_steps), "--batch", str(a.batch), "--packing_batch", str(a.packing_batch),
-            "--max_length", str(a.max_length), "--lora_r", str(a.lora_r), "--cache", a.cache,
+            "--max_steps", str(a.max_steps), "--timing", a.timing, "--batch", str(a.batch), "--packing_batch",
+            str(a.packing_batch), "--max_length", str(a.max_length), "--lora_r", str(a.lora_r), "--cache", a.cache,
             "--peak_tflops", str(a.peak_tflops), f"--train_flags={a.train_flags}"]
     return argv + (["--bf16"] if a.bf16 else [])
 
@@ -220,8 +251,11 @@ def run_system(a, system: str, nproc: int = 1, threads: int | None = None, tag: 
         return []
     if p.returncode != 0:
         tail = open(log).read()[-3000:]
-        print(f"{system} (nproc {nproc}) failed (exit {p.returncode}); last lines of {log}:\n{tail}", file=sys.stderr)
-        a.failures[system] = f"exit {p.returncode}: " + (tail.strip().splitlines() or ["?"])[-1][:160]
+        # a negative code is the signal that ended it (-9: the kernel's OOM killer, among others): say so, as the
+        # log's last line then tells nothing of why
+        why = f"killed by signal {-p.returncode}" if p.returncode < 0 else f"exit {p.returncode}"
+        print(f"{system} (nproc {nproc}) failed ({why}); last lines of {log}:\n{tail}", file=sys.stderr)
+        a.failures[system] = f"{why}: " + (tail.strip().splitlines() or ["?"])[-1][:160]
         return []
     results = [json.load(open(f"{json_path}.{r}")) for r in range(nproc)]
     for r in results:
@@ -259,6 +293,14 @@ def first_conversations(path: str, n: int, work: str) -> str:
         for _, line in zip(range(n), lines):
             dst.write(line)
     return out
+
+
+def per_length(a, values: list[int] | None) -> dict:
+    """``{length: value}`` for a flag given once for every ``--max_lengths`` entry or once per entry ({} if not
+    given)."""
+    if not values:
+        return {}
+    return dict(zip(a.max_lengths, values * len(a.max_lengths) if len(values) == 1 else values))
 
 
 def mean_tokens_per_conversation(a) -> float:
@@ -301,7 +343,17 @@ def parse(argv=None):
     p.add_argument("--model", default=os.path.join(EXAMPLE, "smollm2-135m-instruct"))
     p.add_argument("--data", default=os.path.join(EXAMPLE, "chitchat.jsonl"))
     p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS)
-    p.add_argument("--max_steps", type=int, default=3, help="optimizer steps per system (first one is warm-up)")
+    p.add_argument("--timing", choices=("epoch", "steps"), default="epoch", help="epoch: every system trains two "
+                   "epochs over the same --epoch_conversations conversations and the second epoch is timed (every "
+                   "system times the same conversations); steps: --max_steps optimizer steps, the first one not timed "
+                   "(each system's steps draw their own conversations)")
+    p.add_argument("--epoch_conversations", type=int, nargs="*", default=None, help="--timing epoch: conversations "
+                   "per epoch (the first ones of the --max_conversations), one per --max_lengths entry or one for all "
+                   "(default: --epoch_batches unpacked micro batches of the length)")
+    p.add_argument("--epoch_batches", type=int, default=6, help="--timing epoch without --epoch_conversations: "
+                   "the epoch holds this many micro batches of the unpacked systems")
+    p.add_argument("--max_steps", type=int, default=3, help="--timing steps: optimizer steps per system (first one "
+                   "is warm-up)")
     p.add_argument("--max_lengths", type=int, nargs="+", default=[512, 2048],
                    help="model_max_length / Qwen-style padded length / TRL max_length / LLaMA-Factory cutoff_len")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"),
@@ -335,9 +387,14 @@ def parse(argv=None):
     a.cuda = torch.cuda.is_available()
     if a.worker:
         a.batch = a.batch[0]
-    elif a.batch and len(a.batch) not in (1, len(a.max_lengths)):
-        p.error(f"--batch takes one micro batch or one per --max_lengths entry ({len(a.max_lengths)}); "
-                f"got {len(a.batch)}")
+    else:
+        for name in ("batch", "epoch_conversations"):
+            given = getattr(a, name)
+            if given and len(given) not in (1, len(a.max_lengths)):
+                p.error(f"--{name} takes one value or one per --max_lengths entry ({len(a.max_lengths)}); "
+                        f"got {len(given)}")
+            if given and min(given) < 1:
+                p.error(f"--{name} must be at least 1, got {min(given)}")
     a.failures = {}
     return a
 
@@ -346,8 +403,11 @@ def main(argv=None) -> int:
     a = parse(argv)
     if a.worker:
         return worker(a)
-    if a.max_steps < 2:
+    if a.timing == "steps" and a.max_steps < 2:
         print("error: --max_steps must be at least 2 (step 1 is warm-up)", file=sys.stderr)
+        return 2
+    if a.epoch_batches < 1:
+        print(f"error: --epoch_batches must be at least 1, got {a.epoch_batches}", file=sys.stderr)
         return 2
     if a.rounds < 1:
         print(f"error: --rounds must be at least 1, got {a.rounds}", file=sys.stderr)
@@ -375,25 +435,35 @@ def main(argv=None) -> int:
             dtypes.remove("bf16")
     if a.max_conversations:
         a.data = first_conversations(a.data, a.max_conversations, a.work)
-    given = dict(zip(a.max_lengths, a.batch * len(a.max_lengths) if a.batch and len(a.batch) == 1 else a.batch)) \
-        if a.batch else {}
-    batches, packing = {}, {}
+    full_data = a.data
+    given, epoch_given = per_length(a, a.batch), per_length(a, a.epoch_conversations)
+    batches, packing, data = {}, {}, {}
     for a.max_length in a.max_lengths:
         mean = mean_tokens_per_conversation(a)
         # by default a step carries about one full row of the length in every system: the unpacked systems as many
         # conversations as fill it on average, the packed ones one row (a step's fixed cost weighs alike)
         batches[a.max_length] = given.get(a.max_length) or max(1, round(a.max_length / mean))
         packing[a.max_length] = a.packing_batch or max(1, round(batches[a.max_length] * mean / a.max_length))
+        data[a.max_length] = a.data
+        if a.timing == "epoch":  # every system's timed epoch: the same first N conversations
+            n = epoch_given.get(a.max_length) or a.epoch_batches * batches[a.max_length]
+            if a.max_conversations and n > a.max_conversations:
+                raise SystemExit(f"error: an epoch of {n} conversations at length {a.max_length} needs "
+                                 f"--max_conversations {n} or more (it is {a.max_conversations})")
+            data[a.max_length] = first_conversations(a.data, n, a.work)
         print(f"length {a.max_length}: mean sample {mean:.0f} tokens; micro batch {batches[a.max_length]}; packed "
-              f"micro batch {packing[a.max_length]} row(s) of <= {a.max_length} tokens")
+              f"micro batch {packing[a.max_length]} row(s) of <= {a.max_length} tokens"
+              + (f"; epoch: the first {n} conversations" if a.timing == "epoch" else ""))
+    timing = ("2 epochs per system over the same conversations (epoch 1 not timed)" if a.timing == "epoch" else
+              f"{a.max_steps} optimizer steps per system (step 1 not timed)")
     print(f"model {a.model}\ndata {a.data}\nLoRA r={a.lora_r} alpha={2 * a.lora_r} dropout 0.05 all-linear; "
-          f"{a.max_steps} optimizer steps per system (step 1 not timed); systems {' '.join(a.systems)}")
+          f"{timing}; systems {' '.join(a.systems)}")
     rounds, t_all = {}, time.perf_counter()
     for dtype in dtypes:
         a.bf16 = dtype == "bf16"
         a.peak_tflops = peaks[dtype] / 1e12
         for a.max_length in a.max_lengths:
-            a.batch, a.packing_batch = batches[a.max_length], packing[a.max_length]
+            a.batch, a.packing_batch, a.data = batches[a.max_length], packing[a.max_length], data[a.max_length]
             for rnd in range(a.rounds):  # rounds interleaved: a changing load touches every system alike
                 for system in a.systems:
                     t0 = time.perf_counter()
@@ -401,6 +471,7 @@ def main(argv=None) -> int:
                     rounds.setdefault((dtype, a.max_length, system), []).append(got)
                     print(f"  ran {system} ({dtype}, length {a.max_length}{f', round {rnd + 1}' if a.rounds > 1 else ''})"
                           f" in {time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
+    a.data = data[a.max_lengths[0]] if a.timing == "epoch" and a.scaling else full_data
     print(f"all systems ran in {time.perf_counter() - t_all:.0f} s")
     results = best_rounds(a, rounds)
     peaks = best_peaks(peaks_path, torch.device(device), True)

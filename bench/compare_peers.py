@@ -41,6 +41,13 @@ def marked_chatml_template(template: str) -> str:
 TRL_BEST = {"packing": True, "packing_strategy": "bfd", "padding_free": True, "loss_type": "nll"}
 
 
+def run_length(a) -> dict:
+    """The Trainer arguments that end a run (compare.py's ``--timing``): two epochs, or ``a.max_steps`` steps."""
+    if getattr(a, "timing", "steps") == "epoch":
+        return {"num_train_epochs": 2, "max_steps": -1}
+    return {"max_steps": a.max_steps}
+
+
 def build_trl(a, out_dir: str, best: bool):
     """A ``trl.SFTTrainer`` on the same model, data, LoRA and optimizer as ours; ``best``: :data:`TRL_BEST`
     with ``a.packing_batch`` packed rows per micro batch. Returns ``(trainer, extra result fields)``."""
@@ -62,7 +69,7 @@ def build_trl(a, out_dir: str, best: bool):
     cfg = SFTConfig(output_dir=out_dir, max_length=a.max_length, assistant_only_loss=True, **layout,
                     per_device_train_batch_size=a.packing_batch if best else a.batch, gradient_accumulation_steps=1,
                     learning_rate=2e-4, lr_scheduler_type="linear", weight_decay=0.0, optim="adamw_torch",
-                    max_steps=a.max_steps, logging_steps=1, save_strategy="no", report_to="none", bf16=a.bf16,
+                    **run_length(a), logging_steps=1, save_strategy="no", report_to="none", bf16=a.bf16,
                     gradient_checkpointing=False, seed=0, disable_tqdm=True, use_cpu=not a.cuda)
     peft_config = LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, lora_dropout=0.05, target_modules="all-linear",
                              task_type="CAUSAL_LM")
@@ -102,7 +109,7 @@ def llamafactory_config(a, data_dir: str, out_dir: str) -> dict:
         "cutoff_len": a.max_length, "packing": True, "neat_packing": True, "preprocessing_num_workers": 1,
         "overwrite_cache": True, "output_dir": out_dir, "per_device_train_batch_size": a.packing_batch,
         "gradient_accumulation_steps": 1, "learning_rate": 2e-4, "lr_scheduler_type": "linear", "warmup_steps": 0,
-        "weight_decay": 0.0, "optim": "adamw_torch", "max_steps": a.max_steps, "logging_steps": 1,
+        "weight_decay": 0.0, "optim": "adamw_torch", **run_length(a), "logging_steps": 1,
         "save_strategy": "no", "report_to": "none", "bf16": bool(a.bf16), "seed": 0, "disable_tqdm": True,
         "disable_gradient_checkpointing": True, "flash_attn": "sdpa", "dataloader_num_workers": 0,
         "plot_loss": False, "ddp_timeout": 180000000, "use_cpu": not a.cuda,
@@ -131,7 +138,7 @@ def run_llamafactory(a, json_path: str, log) -> subprocess.CompletedProcess | st
     if not os.path.exists(LF_PYTHON):
         return f"not installed: run `bash bench/setup_llamafactory.sh` (creates {os.path.relpath(LF_PYTHON, ROOT)})"
     work = os.path.dirname(json_path)
-    data_dir = os.path.join(work, "llamafactory-data")
+    data_dir = os.path.join(work, "llamafactory-data-" + os.path.splitext(os.path.basename(a.data))[0])
     if not os.path.exists(os.path.join(data_dir, "dataset_info.json")):
         write_llamafactory_data(a, data_dir)
     tag = os.path.basename(json_path)[:-len(".json")]
@@ -141,7 +148,8 @@ def run_llamafactory(a, json_path: str, log) -> subprocess.CompletedProcess | st
         json.dump(llamafactory_config(a, data_dir, out_dir), f, indent=1)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(TOKENIZERS_PARALLELISM="false", DISABLE_VERSION_CHECK="1", PYTHONNOUSERSITE="1")
-    cmd = [LF_PYTHON, LF_WORKER, "--config", cfg_path, "--json", f"{json_path}.0"]
+    cmd = [LF_PYTHON, LF_WORKER, "--config", cfg_path, "--json", f"{json_path}.0", "--timing",
+           getattr(a, "timing", "steps")]
     return subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=3600)
 
 

@@ -16,7 +16,7 @@ def summarise(r: dict, peak: float) -> dict:
     flops = ((r["flops_per_token"] - head) * r["real"] + head * r["supervised"]) / r["seconds"]
     return {"rate": rate, "pad": 1 - r["real"] / max(1, r["total"]), "median": r["median_step_s"],
             "mem": r["peak_mem_gib"], "mfu": flops / peak, "cb": r.get("callback_tokens_per_s", rate),
-            "batch": r["batch"], "attn": r.get("attn", "?")}
+            "batch": r["batch"], "attn": r.get("attn", "?"), "real": r["real"], "steps": r["steps"]}
 
 
 TARGETS = (("qwen-style", 512, 1.6), ("qwen-style", 2048, 3.0), ("trl-best", None, 1.3), ("llamafactory", None, 1.3))
@@ -27,7 +27,8 @@ def print_table(a, dtype: str, results: dict, peaks: dict) -> None:
     peak = peaks[dtype]
     mem_kind = "CUDA max alloc" if a.cuda else "peak RSS"
     print(f"\n== {dtype} (MFU against the measured {dtype} matmul peak, {peak / 1e9:.1f} GFLOP/s) ==")
-    print(f"{'system':<18}{'length':>7}{'micro batch':>12}{'real tok/s':>12}{'padding':>9}{'median step':>13}"
+    print(f"{'system':<18}{'length':>7}{'micro batch':>12}{'timed steps':>12}{'real tokens':>12}{'real tok/s':>12}"
+          f"{'padding':>9}{'median step':>13}"
           f"{mem_kind + ' GiB':>20}{'MFU':>8}{'callback tok/s':>16}  attention")
     got = {}
     for length in a.max_lengths:
@@ -37,7 +38,8 @@ def print_table(a, dtype: str, results: dict, peaks: dict) -> None:
                 print(f"{name:<18}{length:>7}  failed: {a.failures.get(name, 'see stderr')}")
                 continue
             v = got[(length, name)] = summarise(r[0], peak)
-            print(f"{name:<18}{length:>7}{v['batch']:>12d}{v['rate']:>12.1f}{v['pad']:>9.3f}{v['median']:>11.2f} s"
+            print(f"{name:<18}{length:>7}{v['batch']:>12d}{v['steps']:>12d}{v['real']:>12d}{v['rate']:>12.1f}"
+                  f"{v['pad']:>9.3f}{v['median']:>11.2f} s"
                   f"{v['mem']:>20.2f}{100 * v['mfu']:>7.1f}%{v['cb']:>16.1f}  {v['attn']}")
     print(f"ratios ({dtype}; real tokens/s of ours default over the other):")
     for length in a.max_lengths:

@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="JSON file of LLaMA-Factory training arguments")
     p.add_argument("--json", required=True, help="where to write the result")
+    p.add_argument("--timing", choices=("epoch", "steps"), default="steps", help="epoch: time epoch 2 only (the "
+                   "config trains two epochs); steps: every optimizer step but the first")
     a = p.parse_args(argv)
     import torch
     from transformers import TrainerCallback
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
 
     config = json.load(open(a.config, encoding="utf-8"))
     steps, pending = [], [0, 0, 0]
-    state = {}
+    state = {"epoch": 0}
 
     def hook(module, args, kwargs):
         if module.training and kwargs.get("input_ids") is not None:
@@ -68,17 +70,22 @@ def main(argv=None) -> int:
             state["attn"] = model.config._attn_implementation
             state["batch"] = args.per_device_train_batch_size
 
+        def on_epoch_begin(self, args, st, control, **kw):
+            state["epoch"] += 1
+
         def on_step_begin(self, args, st, control, **kw):
             pending[:] = [0, 0, 0]
             state["t"] = time.perf_counter()
 
         def on_step_end(self, args, st, control, **kw):
-            steps.append((time.perf_counter() - state["t"], *pending))
+            steps.append((time.perf_counter() - state["t"], *pending, state["epoch"]))
 
     run_exp(config, callbacks=[Measure()])
-    timed = steps[1:]  # step 1 is warm-up
+    # the warm-up left out: epoch 1 (--timing epoch), or step 1
+    timed = [s for s in steps if s[4] == 2] if a.timing == "epoch" else steps[1:]
     if not timed:
-        print("llamafactory_worker: fewer than 2 optimizer steps ran; nothing timed", file=sys.stderr)
+        print(f"llamafactory_worker: nothing to time ({len(steps)} optimizer step(s), --timing {a.timing})",
+              file=sys.stderr)
         return 1
     t = [s[0] for s in timed]
     real, total, sup = (sum(s[i] for s in timed) for i in (1, 2, 3))
@@ -87,6 +94,7 @@ def main(argv=None) -> int:
               "peak_mem_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
               "threads": torch.get_num_threads(), "callback_tokens_per_s": real / sum(t), **state}
     result.pop("t", None)
+    result.pop("epoch", None)
     with open(a.json, "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 0

@@ -24,6 +24,7 @@ def test_llamafactory_runs_the_same_lora_length_steps_and_neat_packing(peers, tm
     cfg = peers.llamafactory_config(a, str(tmp_path / "data"), str(tmp_path / "out"))
     assert (cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_dropout"], cfg["lora_target"]) == (16, 32, 0.05, "all")
     assert (cfg["cutoff_len"], cfg["per_device_train_batch_size"], cfg["max_steps"]) == (2048, 3, 5)
+    assert "num_train_epochs" not in cfg  # --timing steps (a namespace without timing: the steps mode)
     assert cfg["neat_packing"] and cfg["packing"] and cfg["disable_gradient_checkpointing"]
     assert cfg["bf16"] and cfg["use_cpu"] and cfg["optim"] == "adamw_torch" and cfg["warmup_steps"] == 0
 
@@ -50,3 +51,23 @@ def test_setup_script_takes_no_arguments():
     assert bad.returncode == 2 and "takes no arguments" in bad.stderr
     usage = subprocess.run(["bash", script, "-h"], capture_output=True, text=True, timeout=30)
     assert usage.returncode == 0 and "bash bench/setup_llamafactory.sh" in usage.stdout
+
+
+def test_epoch_timing_trains_two_epochs_in_every_system_and_times_the_second(peers, tmp_path, monkeypatch):
+    """bench/compare.py --timing epoch: every system (ours, TRL, LLaMA-Factory) runs two epochs over the same
+    conversations, and only the steps of the second are timed."""
+    a = types.SimpleNamespace(model="/m", lora_r=16, llamafactory_template="smollm2", max_length=512,
+                              packing_batch=1, max_steps=5, bf16=False, cuda=False, timing="epoch")
+    cfg = peers.llamafactory_config(a, str(tmp_path / "data"), str(tmp_path / "out"))
+    assert (cfg["num_train_epochs"], cfg["max_steps"]) == (2, -1)
+    assert peers.run_length(a) == {"num_train_epochs": 2, "max_steps": -1}
+    assert peers.run_length(types.SimpleNamespace(timing="steps", max_steps=5)) == {"max_steps": 5}
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))  # compare.py imports its sibling modules by name
+    compare = load_bench_module("compare")
+    assert compare.length_of_run(a) == ["--num_train_epochs", "2", "--max_steps", "-1"]
+    assert compare.timed_steps([1, 1, 1, 2, 2, 2], "epoch") == [3, 4, 5]
+    assert compare.timed_steps([1, 1, 1, 2, 2, 2], "steps") == [1, 2, 3, 4, 5]
+    with pytest.raises(SystemExit, match="nothing to time"):
+        compare.timed_steps([1, 1], "epoch")
+    with pytest.raises(SystemExit, match="nothing to time"):
+        compare.timed_steps([1], "steps")
