@@ -7,9 +7,11 @@
 
 Every system trains the same model (``--model``), on the same data (``--data``), with the same LoRA
 (r, alpha, dropout, all linear projections), precision, maximum length, optimizer (AdamW, linear schedule,
-no warm-up), number of optimizer steps and samples (the first ``--max_conversations`` of ``--data``, each once,
-cut at the max length: ours with ``--long_conversations truncate``, as TRL and LLaMA-Factory do), each in a
-fresh process (so peak RSS is its own). One table per
+no warm-up) and samples (each conversation once, cut at the max length: ours with ``--long_conversations
+truncate``, as TRL and LLaMA-Factory do), each in a fresh process (so peak RSS is its own), and every system is
+timed on the same conversations (``--timing epoch``, the default: two epochs over the first
+``--epoch_conversations`` of ``--data``, the second timed; ``--timing steps``: ``--max_steps`` optimizer steps over
+the first ``--max_conversations``, step 1 untimed, each system drawing its own conversations). One table per
 dtype (``--dtypes``: fp32, and bf16 where :func:`sft.precision.auto_bf16` finds fast bf16; every system in
 the same dtype), each with every length of ``--max_lengths``; the micro batch is ``--batch`` per length
 (default: as many conversations as fill about one row of the length on average, round(length / mean sample),
@@ -32,7 +34,7 @@ systems N times interleaved and keeps each one's best round:
 * ``llamafactory``  -- LLaMA-Factory 0.9.5 in ``.venv-llamafactory`` (``bash bench/setup_llamafactory.sh``),
   ``neat_packing: true`` (block-diagonal masks), the packed micro batch (bench/llamafactory_worker.py).
 
-Measured per system, over optimizer steps 2..N (step 1 is warm-up): real (non-pad) tokens/s, padding
+Measured per system over the timed steps (epoch 2, or steps 2..N): real (non-pad) tokens/s, padding
 ratio, median step time, peak RSS (CUDA: max allocated) and MFU = required FLOPs / s / the matmul peak
 measured here in the training dtype. Required FLOPs (the convention of :class:`sft.callbacks.ThroughputCallback`,
 the same for every system): 6 N per token for trained linear weights, 4 N for frozen ones, with the LM head's
