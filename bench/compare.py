@@ -73,7 +73,8 @@ def common_flags(a, system: str) -> list[str]:
     batch = a.packing_batch if system.startswith("ours-packing") else a.batch
     flags = ["--model_name_or_path", a.model, "--data_path", a.data, "--use_lora", "True", "--lora_r", str(a.lora_r),
              "--lora_alpha", str(2 * a.lora_r), "--lora_dropout", "0.05", "--per_device_train_batch_size", str(batch),
-             "--gradient_accumulation_steps", "1", "--model_max_length", str(a.max_length), *length_of_run(a),
+             "--gradient_accumulation_steps", "1", "--model_max_length", str(a.max_length),
+             *(x for k, v in compare_peers.run_length(a).items() for x in (f"--{k}", str(v))),
              "--learning_rate", "2e-4", "--lr_scheduler_type", "linear", "--weight_decay", "0.0",
              "--optim", "adamw_torch", "--gradient_checkpointing", "False", "--seed", "0", "--logging_steps", "1",
              "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True", "--overwrite_output_dir", "True",
@@ -91,14 +92,6 @@ def common_flags(a, system: str) -> list[str]:
     if system in ("ours-packing", "ours-packing-flat"):
         flags += ["--packing", "True"]
     return flags
-
-
-def length_of_run(a) -> list[str]:
-    """The Trainer flags that end a run: two epochs over ``--data`` with ``--timing epoch`` (the first is warm-up,
-    the second timed), else ``--max_steps`` optimizer steps (the first one not timed)."""
-    if a.timing == "epoch":
-        return ["--num_train_epochs", "2", "--max_steps", "-1"]
-    return ["--max_steps", str(a.max_steps)]
 
 
 def timed_steps(epochs: list[int], timing: str) -> list[int]:
@@ -450,8 +443,9 @@ def main(argv=None) -> int:
         if a.timing == "epoch":  # every system's timed epoch: the same first N conversations
             n = epoch_given.get(a.max_length) or a.epoch_batches * batches[a.max_length]
             if a.max_conversations and n > a.max_conversations:
-                raise SystemExit(f"error: an epoch of {n} conversations at length {a.max_length} needs "
-                                 f"--max_conversations {n} or more (it is {a.max_conversations})")
+                print(f"error: an epoch of {n} conversations at length {a.max_length} needs --max_conversations "
+                      f"{n} or more (it is {a.max_conversations})", file=sys.stderr)
+                return 2
             data[a.max_length] = first_conversations(a.data, n, a.work)
         print(f"length {a.max_length}: mean sample {mean:.0f} tokens; micro batch {batches[a.max_length]}; packed "
               f"micro batch {packing[a.max_length]} row(s) of <= {a.max_length} tokens"
@@ -473,7 +467,7 @@ def main(argv=None) -> int:
                     rounds.setdefault((dtype, a.max_length, system), []).append(got)
                     print(f"  ran {system} ({dtype}, length {a.max_length}{f', round {rnd + 1}' if a.rounds > 1 else ''})"
                           f" in {time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
-    a.data = data[a.max_lengths[0]] if a.timing == "epoch" and a.scaling else full_data
+    a.data = full_data  # preprocessing figures: every --max_conversations conversation
     print(f"all systems ran in {time.perf_counter() - t_all:.0f} s")
     results = best_rounds(a, rounds)
     peaks = best_peaks(peaks_path, torch.device(device), True)
@@ -488,6 +482,7 @@ def main(argv=None) -> int:
     elif a.scaling:
         a.bf16, a.max_length = dtypes[0] == "bf16", a.max_lengths[0]
         a.batch, a.packing_batch, a.peak_tflops = batches[a.max_length], packing[a.max_length], peaks[dtypes[0]] / 1e12
+        a.data = data[a.max_length]  # the timed conversations of that length (--timing epoch)
         threads = max(1, (os.cpu_count() or 2) // 2) if not a.cuda else None
         one = run_system(a, "ours", 1, threads, "-scaling")
         two = run_system(a, "ours", 2, threads, "-scaling")

@@ -42,7 +42,9 @@ TRL_BEST = {"packing": True, "packing_strategy": "bfd", "padding_free": True, "l
 
 
 def run_length(a) -> dict:
-    """The Trainer arguments that end a run (compare.py's ``--timing``): two epochs, or ``a.max_steps`` steps."""
+    """The Trainer arguments that end a run (compare.py's ``--timing``): two epochs over the data (the first is
+    warm-up, the second timed), or ``a.max_steps`` steps (the first one not timed). Ours gets them as flags, TRL as
+    SFTConfig fields, LLaMA-Factory as config keys."""
     if getattr(a, "timing", "steps") == "epoch":
         return {"num_train_epochs": 2, "max_steps": -1}
     return {"max_steps": a.max_steps}

@@ -79,8 +79,8 @@ def row_command(a, row: str, json_path: str, peak_tflops: float) -> list[str]:
     """The command line of one row (compare.py's ``ours`` worker, bf16; ZeRO-2 under torchrun, 1 process)."""
     _, flags, distributed = ROWS[row]
     worker = [COMPARE, "--worker", "ours", "--json", json_path, "--model", a.model, "--data", a.data, "--bf16",
-              "--timing", "steps", "--max_steps", str(a.max_steps), "--batch", str(a.batch), "--packing_batch", "1", "--max_length",
-              str(a.max_length), "--lora_r", "16", "--cache", os.path.join(tempfile.gettempdir(), "sft-gpu-bench-cache"),
+              "--timing", "steps", "--max_steps", str(a.max_steps), "--batch", str(a.batch), "--packing_batch", "1",
+              "--max_length", str(a.max_length), "--lora_r", "16", "--cache", os.path.join(tempfile.gettempdir(), "sft-gpu-bench-cache"),
               "--peak_tflops", f"{peak_tflops:.3f}", f"--train_flags={flags}"]
     if distributed:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *worker]
