@@ -176,7 +176,9 @@ def test_ray_node_drain_ends_in_a_checkpoint(cluster, tmp_path, tiny_model_dir, 
 
     from sft.checkpoint import MARKER
 
-    out, steps = tmp_path / "out", 100
+    # The drain reaches the workers seconds after the test asks for it (the `ray drain-node` CLI starts, the GCS tells
+    # Ray Train): 100 steps (~7 s on a fast CI machine) ended first. The run must outlast the notice, never the limit.
+    out, steps = tmp_path / "out", 3000
     p, log = launch(cluster, tmp_path, tiny_model_dir, data, out, "--ray_address", cluster.address, "--num_workers", "2",
                     "--logging_steps", "1", steps=steps)  # --placement_strategy left at its default, PACK
     _wait_for(log, f"step 2/{steps}", p)
