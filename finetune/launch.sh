@@ -18,6 +18,8 @@
 #   RDZV_ID        the job's rendezvous id, the same on every node (SLURM_JOB_ID or PBS_JOBID, else sft)
 #   RDZV_LAST_CALL_TIMEOUT  seconds a round waits for more nodes once MIN have joined (3)
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  network interface (default for gloo: the route to MASTER_ADDR)
+#   SFT_ALLOCATOR  auto (default: tcmalloc preloaded into CPU training processes when installed), tcmalloc
+#                  (required), glibc (nothing preloaded); docs/packing-and-throughput.md "The allocator"
 #   SFT_PREFLIGHT=0 (or --no_preflight) skips the node rendezvous and the cross-node input comparison
 #   PYTHON       interpreter with the sft package installed (default: the repository's .venv if present,
 #                else python3; scripts/setup_env.sh installs it)

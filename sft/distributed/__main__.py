@@ -15,6 +15,7 @@ import sys
 from typing import Optional
 
 from ..cli import run_cli
+from .allocator import choose_allocator
 from .contract import choose_interface, read_contract, scheduler_nnodes, start_line
 from .rendezvous import node_rendezvous
 
@@ -22,7 +23,9 @@ from .rendezvous import node_rendezvous
 def _cli_plan(args) -> int:
     c = read_contract(os.environ, args.gpus)
     iface, exports = choose_interface(c, os.environ)
-    print(start_line(c, iface), file=sys.stderr, flush=True)
+    allocator, preload = choose_allocator(os.environ, c.device)
+    exports.update(preload)
+    print(f"{start_line(c, iface)}, allocator {allocator}", file=sys.stderr, flush=True)
     # an elastic job keeps NNODES=MIN:MAX (the rendezvous step reads it again from the environment)
     values = {"NNODES": f"{c.elastic.min_nodes}:{c.nnodes}" if c.elastic else c.nnodes, "NODE_RANK": c.node_rank, "MASTER_ADDR": c.master_addr,
               "MASTER_PORT": c.master_port, "NPROC": c.nproc_per_node, "DEVICE": c.device,
