@@ -415,6 +415,19 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if a.cuda else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
     print(f"device: {name}; torch {torch.__version__}; LLaMA-Factory {compare_peers.llamafactory_version()}; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    # every system runs under the allocator finetune/launch.sh gives ours (tcmalloc on CPU when installed;
+    # SFT_ALLOCATOR=glibc for the C library's): the table compares steps, not allocators
+    from sft.distributed.allocator import choose_allocator
+
+    from sft.errors import SFTError
+
+    try:
+        allocator, preload = choose_allocator(os.environ, device)
+    except SFTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    os.environ.update(preload)
+    print(f"allocator (every system): {allocator}")
     a.work = a.work or tempfile.mkdtemp(prefix="sft-compare-")
     os.makedirs(a.work, exist_ok=True)
     print(f"results of each run: {a.work}", flush=True)
