@@ -1,7 +1,9 @@
 """The allocator finetune/launch.sh gives the training processes (sft/distributed/allocator.py): tcmalloc on CPU
 when installed, what the user preloaded kept, SFT_ALLOCATOR's choices and errors, and the preload reaching the
 training processes for real, with one process and under torchrun."""
+import _ctypes
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,11 +17,25 @@ from tests.helpers.paths import ROOT
 LAUNCH = os.path.join(ROOT, "finetune", "launch.sh")
 
 
+SHARED_OBJECT = _ctypes.__file__  # a real shared library of this Python's architecture (a C extension)
+
+
+def _lib(folder, name="libtcmalloc_minimal.so.4", data=None):
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    if data is None:
+        shutil.copyfile(SHARED_OBJECT, path)
+    else:
+        with open(path, "wb") as f:
+            f.write(data)
+    return path
+
+
 @pytest.fixture
 def fake_lib(tmp_path):
-    """A folder on LD_LIBRARY_PATH holding a file named like gperftools' library (found first: the folders of
-    LD_LIBRARY_PATH come before the system's)."""
-    (tmp_path / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    """A folder on LD_LIBRARY_PATH holding a loadable shared library named like gperftools' (found first: the
+    folders of LD_LIBRARY_PATH come before the system's)."""
+    _lib(tmp_path)
     return str(tmp_path)
 
 
@@ -36,11 +52,63 @@ def test_the_users_preload_and_threshold_are_kept(fake_lib):
     assert choose_allocator(env, "cpu")[1] == {"LD_PRELOAD": f"{path}:/opt/libprofiler.so"}
 
 
-@pytest.mark.parametrize("given", ["/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/opt/libtcmalloc.so.4",
-                                   "/x/libmimalloc.so"])
-def test_an_allocator_already_preloaded_is_left_alone(fake_lib, given):
-    what, exports = choose_allocator({"LD_LIBRARY_PATH": fake_lib, "LD_PRELOAD": given, "SFT_ALLOCATOR": "tcmalloc"}, "cpu")
+@pytest.mark.parametrize("given", ["/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/x/libmimalloc.so",
+                                   "/a/libz.so /opt/libjemalloc.so.2"])
+def test_an_allocator_already_preloaded_is_left_alone_and_said(fake_lib, given):
+    what, exports = choose_allocator({"LD_LIBRARY_PATH": fake_lib, "LD_PRELOAD": given}, "cpu")
     assert exports == {} and what.endswith("(LD_PRELOAD as given)")
+    what, exports = choose_allocator({"LD_LIBRARY_PATH": fake_lib, "LD_PRELOAD": given, "SFT_ALLOCATOR": "tcmalloc"}, "cpu")
+    assert exports == {} and what.endswith("(LD_PRELOAD as given; SFT_ALLOCATOR=tcmalloc not applied)")
+
+
+def test_a_users_tcmalloc_gets_the_quiet_threshold(fake_lib):
+    assert choose_allocator({"LD_PRELOAD": "/opt/libtcmalloc.so.4"}, "cpu") == (
+        "tcmalloc (LD_PRELOAD as given)", {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": QUIET_THRESHOLD})
+
+
+@pytest.mark.parametrize("preload", ["/tmp/tcmalloc-tools/libz.so.1", "/home/mimalloc_user/libfoo.so"])
+def test_an_allocators_name_in_a_folder_is_not_an_allocator(fake_lib, preload):
+    """Found by breaking it: a substring test took these for tcmalloc and mimalloc and preloaded nothing."""
+    what, exports = choose_allocator({"LD_LIBRARY_PATH": fake_lib, "LD_PRELOAD": preload}, "cpu")
+    assert what.startswith("tcmalloc (") and exports["LD_PRELOAD"].endswith(f":{preload}")
+
+
+def _wrong_machine() -> bytes:
+    data = bytearray(open(SHARED_OBJECT, "rb").read())
+    data[18:20] = (183 if data[18:20] != b"\xb7\x00" else 62).to_bytes(2, "little")  # aarch64, or x86-64 on aarch64
+    return bytes(data)
+
+
+@pytest.mark.parametrize("name,folder,data,why", [
+    ("text", "notso", b"not a library", "not a shared library"),
+    ("other architecture", "arm", None, "built for another architecture than this Python"),
+    ("space in path", "sp ace", b"", "its path holds a space or a colon"),
+    ("colon in path", "col:on/lib", b"", "its path holds a space or a colon"),  # through CONDA_PREFIX
+])
+def test_a_library_the_loader_would_refuse_is_never_chosen(tmp_path, monkeypatch, name, folder, data, why):
+    """Found by breaking it: each was named on the start line while the loader refused it ("cannot be preloaded:
+    ignored") and the ranks ran under glibc."""
+    monkeypatch.setattr(allocator, "DIRS", ())
+    if name == "other architecture":
+        data = _wrong_machine()
+    _lib(tmp_path / folder, data=data if data != b"" else None)
+    env = ({"CONDA_PREFIX": str(tmp_path / "col:on")} if ":" in folder else {"LD_LIBRARY_PATH": str(tmp_path / folder)})
+    what, exports = choose_allocator(env, "cpu")
+    assert exports == {} and what.startswith("glibc malloc (no tcmalloc found; skipped: ") and why in what
+    with pytest.raises(ContractError, match=f"SFT_ALLOCATOR=tcmalloc: no tcmalloc library found that this Python "
+                                            f"can preload .*{why}"):
+        choose_allocator({**env, "SFT_ALLOCATOR": "tcmalloc"}, "cpu")
+    good = _lib(tmp_path / "good")  # a loadable one further along LD_LIBRARY_PATH is still found
+    env["LD_LIBRARY_PATH"] = f"{env.get('LD_LIBRARY_PATH', '')}:{tmp_path / 'good'}"
+    assert choose_allocator(env, "cpu")[1]["LD_PRELOAD"] == good
+
+
+def test_a_relative_library_folder_gives_an_absolute_preload(tmp_path, monkeypatch):
+    monkeypatch.setattr(allocator, "DIRS", ())
+    _lib(tmp_path / "rel" / "lib")
+    monkeypatch.chdir(tmp_path)
+    assert choose_allocator({"LD_LIBRARY_PATH": "rel/lib"}, "cpu")[1]["LD_PRELOAD"] == \
+        str(tmp_path / "rel" / "lib" / "libtcmalloc_minimal.so.4")
 
 
 def test_glibc_and_gpus_preload_nothing(fake_lib):
@@ -62,8 +130,7 @@ def test_missing_library(monkeypatch):
 
 def test_conda_prefix_is_searched(tmp_path, monkeypatch):
     monkeypatch.setattr(allocator, "DIRS", ())
-    (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "libtcmalloc.so.4").write_bytes(b"")
+    _lib(tmp_path / "lib", "libtcmalloc.so.4")
     assert find_tcmalloc({"CONDA_PREFIX": str(tmp_path)}) == str(tmp_path / "lib" / "libtcmalloc.so.4")
 
 
