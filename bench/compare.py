@@ -418,7 +418,6 @@ def main(argv=None) -> int:
     # every system runs under the allocator finetune/launch.sh gives ours (tcmalloc on CPU when installed;
     # SFT_ALLOCATOR=glibc for the C library's): the table compares steps, not allocators
     from sft.distributed.allocator import choose_allocator
-
     from sft.errors import SFTError
 
     try:
