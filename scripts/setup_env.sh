@@ -10,13 +10,10 @@ VENV="$ROOT/.venv"
 STAMP="$VENV/.sft-requirements.sha256"
 # tcmalloc, which finetune/launch.sh preloads on CPU (sft/distributed/allocator.py: 1.25-1.36x at 2,048 tokens):
 # installed from the distribution as root when apt-get is there; otherwise only a hint (never fatal).
-have_tcmalloc() {  # the names sft/distributed/allocator.py looks for, in the system library folders
-  local p
-  for p in /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib/*/libtcmalloc.so.4 /usr/lib*/libtcmalloc_minimal.so.4 \
-           /usr/lib*/libtcmalloc.so.4 /usr/local/lib*/libtcmalloc_minimal.so.4 /usr/local/lib*/libtcmalloc.so.4; do
-    [[ -f "$p" ]] && return 0
-  done
-  return 1
+have_tcmalloc() {  # the search of sft/distributed/allocator.py itself (stdlib only: any python3 runs it)
+  PYTHONPATH="$ROOT" "${PYTHON:-python3}" -c 'import os, sys
+from sft.distributed.allocator import find_tcmalloc
+sys.exit(find_tcmalloc(os.environ) is None)' 2>/dev/null
 }
 if [[ "${SFT_ALLOCATOR:-auto}" != glibc ]] && ! have_tcmalloc; then
   if (( EUID == 0 )) && command -v apt-get >/dev/null 2>&1; then

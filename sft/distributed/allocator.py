@@ -110,9 +110,7 @@ def choose_allocator(env: Mapping[str, str], device: str) -> tuple[str, dict[str
     given = preloaded_allocator(preload)
     if given:
         ignored = "; SFT_ALLOCATOR=tcmalloc not applied" if choice == "tcmalloc" and given != "tcmalloc" else ""
-        quiet = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": QUIET_THRESHOLD} if (
-            given == "tcmalloc" and "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD" not in env) else {}
-        return f"{given} (LD_PRELOAD as given{ignored})", quiet
+        return f"{given} (LD_PRELOAD as given{ignored})", _quiet(env) if given == "tcmalloc" else {}
     if choice == "glibc" or (choice == "auto" and device != "cpu"):
         return "glibc malloc" + (" (SFT_ALLOCATOR=glibc)" if choice == "glibc" else ""), {}
     rejected: list[str] = []
@@ -125,7 +123,9 @@ def choose_allocator(env: Mapping[str, str], device: str) -> tuple[str, dict[str
                                  f"{', '.join(DIRS[:3])}, ...{skipped}); install it (Debian/Ubuntu: apt-get install "
                                  "libtcmalloc-minimal4; RHEL: dnf install gperftools-libs) or set SFT_ALLOCATOR=auto"])
         return f"glibc malloc (no tcmalloc found{skipped}: apt-get install libtcmalloc-minimal4 is faster on CPU)", {}
-    exports = {"LD_PRELOAD": f"{path}:{preload}" if preload else path}
-    if "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD" not in env:
-        exports["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] = QUIET_THRESHOLD
-    return f"tcmalloc ({path})", exports
+    return f"tcmalloc ({path})", {"LD_PRELOAD": f"{path}:{preload}" if preload else path, **_quiet(env)}
+
+
+def _quiet(env: Mapping[str, str]) -> dict[str, str]:
+    """tcmalloc's large-alloc report threshold, unless the user set one."""
+    return {} if "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD" in env else {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": QUIET_THRESHOLD}
