@@ -17,7 +17,9 @@ the same dtype), each with every length of ``--max_lengths``; the micro batch is
 (default: as many conversations as fill about one row of the length on average, round(length / mean sample),
 at least 1: 2 at 512 and 3 at 2048 on the example's data), the packed systems' micro batch the rows that carry
 about as many tokens (at least 1), so that a step's fixed cost weighs alike in every system; ``--rounds N`` runs the
-systems N times interleaved and keeps each one's best round:
+systems N times interleaved and keeps each one's best round for the table, while the verdict on which of ours is
+fastest is paired round by round (one layout is faster only when it is faster in every round;
+:func:`compare_report.paired_verdict`):
 
 * ``ours``          -- sft defaults: padding-free batches (``--padding_free True``: the micro batch's samples end to
   end in one row, attention per sample without a mask, :mod:`sft.attention`; LM head at supervised positions);
@@ -357,7 +359,8 @@ def parse(argv=None):
                    "per --max_lengths entry or one for all (default: the conversations that fill about one row of "
                    "the length on average, round(length / mean sample), at least 1)")
     p.add_argument("--rounds", type=int, default=1, help="run the systems this many times, interleaved; the table "
-                   "takes each system's best round")
+                   "takes each system's best round, the verdict on which of ours is fastest compares them round by "
+                   "round (faster only in every round; otherwise level)")
     p.add_argument("--packing_batch", type=int, default=0, help="rows per micro batch with packing (0: about the "
                    "same tokens as --batch conversations, at least 1)")
     p.add_argument("--max_conversations", type=int, default=400, help="train on the first N conversations of --data "
@@ -484,11 +487,11 @@ def main(argv=None) -> int:
     results = best_rounds(a, rounds)
     peaks = best_peaks(peaks_path, torch.device(device), True)
     for dtype in dtypes:
-        print_table(a, dtype, results, peaks)
+        print_table(a, dtype, results, peaks, {key: [rate(r) for r in runs] for key, runs in rounds.items()})
     if not a.skip_preprocessing:
         print("\npreprocessing (conversations/s):")
-        for label, rate in preprocessing(a):
-            print(f"  {label:<66}{rate:10.0f}")
+        for label, per_s in preprocessing(a):
+            print(f"  {label:<66}{per_s:10.0f}")
     if a.scaling and a.cuda and torch.cuda.device_count() < 2:
         print("\nscaling: 2 processes need 2 GPUs (one per process); skipped")
     elif a.scaling:

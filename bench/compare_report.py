@@ -22,8 +22,64 @@ def summarise(r: dict, peak: float) -> dict:
 TARGETS = (("qwen-style", 512, 1.6), ("qwen-style", 2048, 3.0), ("trl-best", None, 1.3), ("llamafactory", None, 1.3))
 
 
-def print_table(a, dtype: str, results: dict, peaks: dict) -> None:
-    """One dtype's table: every system at every length, then the ratios and targets the issue names."""
+def paired_verdict(mine: list[float], theirs: list[float]) -> tuple[str, list[float]]:
+    """Which of two systems is faster, from their real tokens/s in the same interleaved rounds.
+
+    Round ``i`` of both ran back to back, so a load that comes and goes touches the pair alike: the comparison is
+    paired, round by round. One is faster only when it is faster in *every* round both completed (with ``n``
+    rounds, the chance that noise alone orders all ``n`` pairs one way is 2 / 2**n: 0.25 with 3 rounds, 0.0625
+    with 5, the two-sided sign test); otherwise they are level. A round where either failed (rate 0) is left out.
+
+    Args:
+        mine, theirs: real tokens/s per round, same length, in round order.
+
+    Returns:
+        ``(verdict, ratios)``: verdict ``"faster"`` (``mine`` won every round), ``"slower"`` (lost every round),
+        ``"level"``, or ``"one round"`` (fewer than 2 rounds both completed: noise not measured, no verdict);
+        ratios ``mine / theirs`` per completed round.
+    """
+    ratios = [m / t for m, t in zip(mine, theirs) if m > 0 and t > 0]
+    if len(ratios) < 2:
+        return "one round", ratios
+    if all(x > 1 for x in ratios):
+        return "faster", ratios
+    if all(x < 1 for x in ratios):
+        return "slower", ratios
+    return "level", ratios
+
+
+def fastest_of_ours(rates: dict[str, list[float]]) -> tuple[list[str], list[str]]:
+    """Our systems that no other of ours beats in every round (:func:`paired_verdict`) at one length.
+
+    Args:
+        rates: ``{system: real tokens/s per round}`` for our systems (names starting with ``ours``).
+
+    Returns:
+        ``(unbeaten, lines)``: the unbeaten systems, best round first, and one printable line per pair with the
+        default (``ours``). With a single round the unbeaten system is the one with the best rate, as before.
+    """
+    names = sorted(rates, key=lambda n: -max(rates[n]))
+    beaten = {b for a in names for b in names if a != b and paired_verdict(rates[a], rates[b])[0] == "faster"}
+    unbeaten = [n for n in names if n not in beaten] or names[:1]
+    if len(next(iter(rates.values()), [])) < 2:
+        unbeaten = names[:1]
+    lines = []
+    for other in names:
+        if other != "ours" and "ours" in rates:
+            verdict, ratios = paired_verdict(rates["ours"], rates[other])
+            lines.append(f"ours / {other} round by round: {', '.join(f'{x:.3f}x' for x in ratios)}: "
+                         + {"faster": "ours faster in every round", "slower": f"{other} faster in every round",
+                            "level": "level (neither faster in every round)",
+                            "one round": "one round, noise not measured (--rounds 3 or more for a verdict)"}[verdict])
+    return unbeaten, lines
+
+
+def print_table(a, dtype: str, results: dict, peaks: dict, rounds: dict | None = None) -> None:
+    """One dtype's table: every system at every length, then the ratios and targets the issue names.
+
+    ``results``: ``{(dtype, length, system): result}`` (each system's best round); ``rounds``: ``{(dtype, length,
+    system): [real tokens/s per round]}``, for the paired verdict on which of ours is fastest
+    (:func:`fastest_of_ours`; without it, the best rounds alone decide)."""
     peak = peaks[dtype]
     mem_kind = "CUDA max alloc" if a.cuda else "peak RSS"
     print(f"\n== {dtype} (MFU against the measured {dtype} matmul peak, {peak / 1e9:.1f} GFLOP/s) ==")
@@ -49,9 +105,14 @@ def print_table(a, dtype: str, results: dict, peaks: dict) -> None:
         parts = [f"ours / {n} {ours['rate'] / got[(length, n)]['rate']:.2f}x" for n in a.systems
                  if n != "ours" and (length, n) in got]
         print(f"  {length}: " + "; ".join(parts))
-        best = max((n for n in a.systems if (length, n) in got and n.startswith("ours")),
-                   key=lambda n: got[(length, n)]["rate"])
-        print(f"  {length}: fastest of ours: {best}; ours MFU {100 * ours['mfu']:.1f}%; peak RSS ours {ours['mem']:.2f}"
+        mine = {n: (rounds or {}).get((dtype, length, n)) or [got[(length, n)]["rate"]]
+                for n in a.systems if (length, n) in got and n.startswith("ours")}
+        unbeaten, lines = fastest_of_ours(mine)
+        for line in lines:
+            print(f"  {length}: {line}")
+        best = unbeaten[0] + (f", level with {', '.join(unbeaten[1:])}" if len(unbeaten) > 1 else "")
+        print(f"  {length}: fastest of ours: {best}; the default {'is' if 'ours' in unbeaten else 'is NOT'} "
+              f"the fastest or level with it; ours MFU {100 * ours['mfu']:.1f}%; peak RSS ours {ours['mem']:.2f}"
               + "".join(f", {n} {got[(length, n)]['mem']:.2f}" for n in ("trl", "trl-best") if (length, n) in got)
               + " GiB")
     print(f"targets ({dtype}):")
