@@ -37,6 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, ".cache", "example")
 
 
+LAYOUTS = ("padded", "padding-free", "grouped", "packed-rows", "packed-flat-mask")
+
+
 def layouts(samples, batch: int, rows: int, max_len: int, tok):
     """``{name: (attention implementation, [batch dicts])}`` over the same samples."""
     from transformers import DataCollatorWithFlattening
@@ -81,6 +84,10 @@ def main(argv=None) -> int:
     p.add_argument("--lora_r", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="timed passes over the samples per layout (after one "
                    "untimed micro batch with each attention implementation)")
+    p.add_argument("--bf16", action="store_true", help="forward under bf16 autocast (as --bf16 True trains), not fp32")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="the layouts to time")
+    p.add_argument("--per_batch", action="store_true", help="also print every micro batch's tokens and seconds "
+                   "(per layout, the last round): how a micro batch's cost per token follows its size")
     a = p.parse_args(argv)
     import torch
     from sft.attention import register
@@ -102,34 +109,44 @@ def main(argv=None) -> int:
     model = apply_lora(model, tok, grew, r=a.lora_r, alpha=2 * a.lora_r, dropout=0.0, train_embeddings="false").train()
     register()
     base = model.get_base_model()
-    plan = layouts(samples, a.batch, a.rows, a.max_length, tok)
+    plan = {k: v for k, v in layouts(samples, a.batch, a.rows, a.max_length, tok).items() if k in a.layouts}
     n_real = sum(len(s["input_ids"]) for s in samples)
     for name, (_, batches) in plan.items():
         assert sum(real_tokens(b, tok.pad_token_id) for b in batches) == n_real, name  # every layout carries the same tokens
     print(f"{len(samples)} samples, {n_real} tokens (mean {n_real / len(samples):.0f}), length {a.max_length}, "
-          f"LoRA r {a.lora_r}, fp32, {torch.get_num_threads()} threads", flush=True)
-    for name in ("padded", "padding-free"):  # warm-up of both attention implementations, not timed
-        plan_impl, batches = plan[name]
-        base.set_attn_implementation(plan_impl)
-        model(**batches[0]).loss.backward()
+          f"LoRA r {a.lora_r}, {'bf16 autocast' if a.bf16 else 'fp32'}, {torch.get_num_threads()} threads", flush=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16)
+    warm = {impl: batches[0] for impl, batches in reversed(plan.values())}
+    for impl, b in warm.items():  # warm-up of every attention implementation used, not timed
+        base.set_attn_implementation(impl)
+        with autocast:
+            loss = model(**b).loss
+        loss.backward()
         model.zero_grad(set_to_none=True)
-    seconds = {name: 0.0 for name in plan}
+    seconds, last = {name: 0.0 for name in plan}, {}
     for rnd in range(a.rounds):
         order = list(plan)[rnd % len(plan):] + list(plan)[:rnd % len(plan)]
         for name in order:
             impl, batches = plan[name]
             base.set_attn_implementation(impl)
-            t0 = time.perf_counter()
+            t0, last[name] = time.perf_counter(), []
             for b in batches:
-                model(**b).loss.backward()
+                t1 = time.perf_counter()
+                with autocast:
+                    loss = model(**b).loss
+                loss.backward()
+                last[name].append((real_tokens(b, tok.pad_token_id), time.perf_counter() - t1))
             model.zero_grad(set_to_none=True)
             seconds[name] += time.perf_counter() - t0
             print(f"  round {rnd + 1} {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     timed = a.rounds
+    for name, runs in last.items() if a.per_batch else ():
+        print(f"  {name}, last round, per micro batch (real tokens: seconds, ms per token): "
+              + "; ".join(f"{n}: {s:.2f} s, {1e3 * s / n:.2f}" for n, s in runs))
     print(f"\n{'layout':<18}{'micro batches':>14}{'positions / real token':>24}{'real tokens/s':>15}{'vs padded':>11}")
     for name, (_, batches) in plan.items():
         rate = timed * n_real / seconds[name] if seconds[name] else float("nan")
-        base_rate = timed * n_real / seconds["padded"] if seconds["padded"] else float("nan")
+        base_rate = timed * n_real / seconds["padded"] if seconds.get("padded") else float("nan")
         positions = sum(b["input_ids"].numel() for b in batches) / n_real
         print(f"{name:<18}{len(batches):>14}{positions:>24.3f}{rate:>15.1f}{rate / base_rate:>10.2f}x")
     print("load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
