@@ -184,6 +184,8 @@ def test_the_backward_of_a_packed_row_is_linear_in_its_documents():
     out, _ = packed_attention_forward(module, q, k, v, None, position_ids=pos)
     nodes = _backward_nodes(out)
     assert "SliceBackward0" not in nodes and "SplitWithSizesBackward0" in nodes, nodes
+    # every piece stays 4-D: a 3-D piece would make CPU SDPA fall back from its fused kernel to the math path
+    assert "ScaledDotProductFlashAttentionForCpuBackward0" in nodes, nodes
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     starts = [0, 3, 8, 10, 16]
     ref_q, ref_k, ref_v = (t.detach().clone().requires_grad_() for t in (q, k, v))
