@@ -117,18 +117,13 @@ def packed_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     n_rep = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    # split, not one slice per document: the backward of a slice writes into a zero tensor of the whole
-    # input, so slicing D documents out of a row costs D x the row in the backward (quadratic in the row's
-    # length); split's backward is one concatenation. Every piece stays 4-D, [1, heads, doc_len, head_dim]: on CPU
-    # SDPA's fused (flash) kernel takes 4-D inputs only, and a 3-D one falls back to the math path (scores in full)
-    one = len(bounds) == 1
     rows = []
-    for q, k, v, docs in zip(*((t,) if one else t.split(1) for t in (query, key, value)), bounds):
-        sizes = [e - s for s, e in docs]
-        parts = [sdpa(qd, kd, vd, dropout_p=dropout, scale=scaling, is_causal=True)
-                 for qd, kd, vd in zip(q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2))]
+    for r, docs in enumerate(bounds):
+        parts = [sdpa(query[r:r + 1, :, s:e], key[r:r + 1, :, s:e], value[r:r + 1, :, s:e], dropout_p=dropout,
+                      scale=scaling, is_causal=True) for s, e in docs]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-    return (rows[0] if one else torch.cat(rows, dim=0)).transpose(1, 2).contiguous(), None
+    out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def packed_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
