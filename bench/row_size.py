@@ -55,10 +55,9 @@ def main(argv=None) -> int:
     if len(stream) < need:
         p.error(f"--data has {len(stream)} tokens in its first 400 conversations; {need} needed")
     docs = [stream[i * a.doc_length:(i + 1) * a.doc_length] for i in range(max(a.docs))]
-    if a.shape == "row":
-        rows = {n: PaddingFreeCollator()([{"input_ids": d, "labels": d} for d in docs[:n]]) for n in a.docs}
-    else:
-        rows = {n: PackedCollator(tok.pad_token_id)([{"input_ids": d, "labels": d, "position_ids": list(range(len(d)))} for d in docs[:n]]) for n in a.docs}
+    collate = PaddingFreeCollator() if a.shape == "row" else PackedCollator(tok.pad_token_id)
+    rows = {n: collate([{"input_ids": d, "labels": d, "position_ids": list(range(len(d)))} for d in docs[:n]])
+            for n in a.docs}
     model, _ = load_model(a.model, tok, grew, dtype=torch.float32)
     model = apply_lora(model, tok, grew, r=a.lora_r, alpha=2 * a.lora_r, dropout=0.0, train_embeddings="false").train()
     register()
