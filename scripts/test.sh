@@ -3,8 +3,12 @@
 # Usage: bash scripts/test.sh [pytest args...]
 # Every tier by default, in the order unit, integration, cluster; one tier: bash scripts/test.sh tests/unit
 # (the quick one), tests/integration or tests/cluster; or by marker: -m unit, -m "not cluster".
+# Two pytest-xdist workers run tests side by side (--dist loadgroup: tests that share a fixture built once per
+# module, or the one SLURM cluster, stay in one worker; tests/helpers/budget.py); SFT_TEST_WORKERS=N for N workers,
+# 0 (or -n 0 among the arguments) for one process. pytest ends with a line per tier: its tests and wall time.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+t0=$SECONDS
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 # As root, a run that includes the cluster tier (every tier, or tests/cluster named) gets its real daemons
@@ -12,4 +16,10 @@ cd "$ROOT"
 if (( EUID == 0 )) && { (( $# == 0 )) || [[ "$*" == *cluster* ]]; }; then
   bash "$ROOT/scripts/install_cluster_tools.sh" || echo "test.sh: the cluster tier will be skipped (see above)" >&2
 fi
-exec "$ROOT/.venv/bin/python" -m pytest "$@"
+WORKERS=(-n "${SFT_TEST_WORKERS:-2}" --dist loadgroup)
+for arg in "$@"; do  # the caller chose: -n N, --numprocesses N, --dist ..., -p no:xdist
+  case "$arg" in -n|-n[0-9]*|--numprocesses*|--dist*|no:xdist) WORKERS=() ;; esac
+done
+[[ "${SFT_TEST_WORKERS:-2}" =~ ^[0-9]+$ ]] || { echo "test.sh: SFT_TEST_WORKERS=${SFT_TEST_WORKERS}: a number of workers (0: one process)" >&2; exit 2; }
+echo "test.sh: setup took $((SECONDS - t0)) s; pytest with ${WORKERS[*]:-the arguments' own worker settings}" >&2
+exec "$ROOT/.venv/bin/python" -m pytest ${WORKERS[@]+"${WORKERS[@]}"} "$@"

@@ -4,12 +4,20 @@ import os
 import pathlib
 
 import pytest
+# the heavy imports once per process, at collection: not charged to whichever unit test happens to use them first
+import torch  # noqa: F401
+import transformers  # noqa: F401
+
+import sft.cli  # noqa: F401,E402
+import sft.training  # noqa: F401,E402
 
 from tests.helpers import assets
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
 
 TIERS = ("unit", "integration", "cluster")  # also the run order: the cheap tier fails first
+# the time budget: a line per tier at the end, the unit tier's guard, groups for side-by-side runs
+pytest_plugins = ["tests.helpers.budget"]
 TESTS = pathlib.Path(__file__).resolve().parent
 
 
@@ -44,6 +52,11 @@ def pytest_collection_modifyitems(config, items):
 def _dataset_cache(tmp_path_factory):
     os.environ["SFT_CACHE_DIR"] = str(tmp_path_factory.mktemp("sft-cache"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # A launch on this machine that leaves MASTER_PORT to the launcher would take its default, 6001, in every
+    # pytest-xdist worker at once: each worker gets its own port (6011, 6021, ...; 6001 without workers), and the
+    # tests that clear a user's multi-node variables keep this one.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    os.environ["MASTER_PORT"] = str(6001 + 10 * (int(worker[2:]) + 1) if worker[2:].isdigit() else 6001)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ def test_bash_syntax(path):
 
 
 def launch(*args, **env):
-    e = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_PORT", "MASTER_ADDR")}
+    e = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR")}  # MASTER_PORT: the worker's
     e.update(env)
     return subprocess.run(["bash", os.path.join(ROOT, "finetune", "launch.sh"), *args], capture_output=True, text=True,
                           env=e, timeout=60)
