@@ -97,16 +97,6 @@ def test_template_without_special_end_token_is_refused(qwen_tok):
         end_of_turn_id(tok)
 
 
-def test_chitchat_supervised_tokens_are_exactly_the_replies(smol_tok):
-    """Real data: every two-speaker chitchat conversation, SmolLM2 tokenizer."""
-    from scripts import prepare_example
-
-    tok, eot = smol_tok
-    for rec in prepare_example.chitchat_records():
-        conv = normalize_record("chitchat", 0, rec)
-        check(tok, eot, conv.messages)
-
-
 def _with_template(qwen_tok, template):
     import copy
 

@@ -10,7 +10,7 @@ from tests.helpers.data import TOY, write_jsonl
 
 
 def test_truncation_is_counted_and_empty_samples_dropped(tmp_path, qwen_tok):
-    """--long_conversations truncate (split mode: tests/unit/test_long_conversations.py)."""
+    """--long_conversations truncate (split mode: tests/integration/test_long_conversations.py)."""
     tok, eot = qwen_tok
     long_user = {"id": "long-question", "messages": [{"role": "user", "content": "word " * 200},
                                                       {"role": "assistant", "content": "ok"}]}

@@ -1,5 +1,5 @@
 """--bf16 auto (sft/precision.py): the choice from the CPU's flags, the flag's values on the command line and in
-YAML. The bad values' messages are in tests/unit/test_bad_input.py."""
+YAML. The bad values' messages are in tests/integration/test_bad_input_corpus.py."""
 import pytest
 
 from sft.arguments import parse_args
