@@ -21,5 +21,6 @@ for arg in "$@"; do  # the caller chose: -n N, --numprocesses N, --dist ..., -p 
   case "$arg" in -n|-n[0-9]*|--numprocesses*|--dist*|no:xdist) WORKERS=() ;; esac
 done
 [[ "${SFT_TEST_WORKERS:-2}" =~ ^[0-9]+$ ]] || { echo "test.sh: SFT_TEST_WORKERS=${SFT_TEST_WORKERS}: a number of workers (0: one process)" >&2; exit 2; }
-echo "test.sh: setup took $((SECONDS - t0)) s; pytest with ${WORKERS[*]:-the arguments' own worker settings}" >&2
+how="${WORKERS[*]:-the worker settings given}"
+echo "test.sh: setup took $((SECONDS - t0)) s; pytest with $how" >&2
 exec "$ROOT/.venv/bin/python" -m pytest ${WORKERS[@]+"${WORKERS[@]}"} "$@"
