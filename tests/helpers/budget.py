@@ -124,6 +124,7 @@ def assign_groups(items) -> dict[str, str]:
     return groups
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into the worker's "@group" ids
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
