@@ -3,7 +3,7 @@
 # Usage: bash scripts/test.sh [pytest args...]
 # Every tier by default, in the order unit, integration, cluster; one tier: bash scripts/test.sh tests/unit
 # (the quick one), tests/integration or tests/cluster; or by marker: -m unit, -m "not cluster".
-# Two pytest-xdist workers run tests side by side (--dist loadgroup: tests that share a fixture built once per
+# Two pytest-xdist workers run tests side by side (--dist loadfile: tests that share a fixture built once per
 # module, or the one SLURM cluster, stay in one worker; tests/helpers/budget.py); SFT_TEST_WORKERS=N for N workers,
 # 0 (or -n 0 among the arguments) for one process. pytest ends with a line per tier: its tests and wall time.
 set -euo pipefail
@@ -16,7 +16,7 @@ cd "$ROOT"
 if (( EUID == 0 )) && { (( $# == 0 )) || [[ "$*" == *cluster* ]]; }; then
   bash "$ROOT/scripts/install_cluster_tools.sh" || echo "test.sh: the cluster tier will be skipped (see above)" >&2
 fi
-WORKERS=(-n "${SFT_TEST_WORKERS:-2}" --dist loadgroup)
+WORKERS=(-n "${SFT_TEST_WORKERS:-2}" --dist loadfile)
 for arg in "$@"; do  # the caller chose: -n N, --numprocesses N, --dist ..., -p no:xdist
   case "$arg" in -n|-n[0-9]*|--numprocesses*|--dist*|no:xdist) WORKERS=() ;; esac
 done

@@ -22,7 +22,7 @@ import torch
 
 from tests.cluster.test_multinode import RUN_LIMIT_S, TRAIN, job, make_hosts, node_env, results  # noqa: F401
 from tests.helpers.data import TOY, write_jsonl
-from tests.helpers import budget, netns
+from tests.helpers import netns
 from tests.helpers.paths import ROOT
 
 _WHY = netns.unavailable()
@@ -42,7 +42,6 @@ GLOBAL_BATCH = 6  # micro batch 1 x accumulation 2 x world size 3, kept at world
 
 
 @pytest.fixture(scope="module")
-@budget.cheap_to_build_again
 def data(tmp_path_factory):
     """24 conversations: a multiple of the global batch, so that an epoch holds the same samples at world sizes 2
     and 3 (otherwise the distributed sampler repeats a few to fill the last step, differently per world size)."""

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.helpers import budget, netns
+from tests.helpers import netns
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
 
@@ -163,7 +163,6 @@ def reference(n, make_hosts, tmp_path_factory, tiny_model_dir, data, preset=PRES
 
 
 @pytest.fixture(scope="module")
-@budget.cheap_to_build_again
 def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("data") / "toy.jsonl", TOY)
 

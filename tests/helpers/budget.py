@@ -1,7 +1,6 @@
-"""The suite's time budget (docs/testing.md "Keeping the budget"): a closing line per tier, the unit tier's guard,
-and the grouping that lets tests run side by side (pytest-xdist, ``--dist loadgroup``).
+"""The suite's time budget (docs/testing.md "Keeping the budget"): a closing line per tier and the unit tier's guard.
 
-Loaded by tests/conftest.py. Three parts:
+Loaded by tests/conftest.py:
 
 * **Per-tier lines.** At the end of every run pytest prints, just above its own closing line, one line per tier
   (unit, integration, cluster) with the tests it ran, their outcomes and the tier's wall time (from the start of its
@@ -17,11 +16,10 @@ Loaded by tests/conftest.py. Three parts:
   slowest machine kind CI gets (AMD EPYC without AVX-512, 2 cores) with room for the other worker's load; a slower
   run (coverage, a debugger) raises them with ``SFT_UNIT_TEST_LIMIT_S`` / ``SFT_UNIT_TIER_BUDGET_S`` (seconds; 0 turns
   the check off).
-* **Groups for side-by-side runs.** Tests that share a fixture built once per module (or a session fixture of
-  tests/cluster/conftest.py: the one SLURM cluster) must run in one worker, or each worker would build it again
-  (and two SLURM clusters would claim the same addresses). ``pytest_collection_modifyitems`` gives every such test
-  an ``xdist_group`` mark: tests connected through a shared module- or class-scoped fixture, or through such a
-  session fixture, get one group (union-find over those fixtures). Every other test is scheduled on its own.
+* Side by side: scripts/test.sh runs two pytest-xdist workers with ``--dist loadfile``: every test file runs whole
+  in one worker, so a module-scoped fixture is built once, and the one SLURM cluster (tests/cluster/conftest.py,
+  used by tests/cluster/test_slurm.py alone) is started once. (``--dist loadgroup`` with ``xdist_group`` marks does
+  not group under pytest 9: xdist 3.8 writes the group into ``item._nodeid``, which pytest 9 no longer reads.)
 """
 from __future__ import annotations
 
@@ -36,8 +34,6 @@ UNIT_TEST_LIMIT_S = 5.0
 WALL_FACTOR = 3  # wall time may reach 3x the limit (the other worker's load; a test that waits): 15 s
 UNIT_TIER_BUDGET_S = 180.0
 # session fixtures that cost nothing to build again in another worker (files cached on disk, a tokenizer load)
-_CHEAP_SESSION_FIXTURES = {"_dataset_cache", "tiny_model_dir", "qwen_tok", "smol_dir", "smol_tok",
-                           "tmp_path_factory", "worker_id", "testrun_uid"}
 
 
 def _limit(env: str, default: float) -> float:
@@ -65,73 +61,6 @@ def _fmt(seconds: float) -> str:
     """``754.2`` -> ``754 s (12 min 34 s)``; under a minute just the seconds."""
     m, s = divmod(int(round(seconds)), 60)
     return f"{seconds:.0f} s ({m} min {s:02d} s)" if m else f"{seconds:.0f} s"
-
-
-# ------------------------------------------------------------------------------------------------------ groups
-
-def cheap_to_build_again(fixture_function):
-    """Put under ``@pytest.fixture(scope="module")`` for a fixture that costs next to nothing (a small file
-    written): its tests need not share a worker, so they may run side by side."""
-    fixture_function._sft_cheap_to_build_again = True
-    return fixture_function
-
-
-def _shared_keys(item) -> set[str]:
-    """What ``item`` shares with other tests that must not be built twice: ``module:<file>`` for a module-, class-
-    or package-scoped fixture it uses, ``session:<name>`` for a session fixture other than the cheap ones."""
-    keys = set()
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return keys
-    for name, defs in info.name2fixturedefs.items():
-        fixturedef = defs[-1]
-        scope = fixturedef.scope
-        if getattr(fixturedef.func, "_sft_cheap_to_build_again", False):
-            continue
-        if scope in ("module", "class", "package"):
-            where = getattr(fixturedef, "baseid", "") or item.nodeid.split("::", 1)[0]
-            keys.add(f"module:{item.nodeid.split('::', 1)[0] if scope != 'package' else where}")
-        elif scope == "session" and name not in _CHEAP_SESSION_FIXTURES:
-            keys.add(f"session:{name}")
-    return keys
-
-
-def assign_groups(items) -> dict[str, str]:
-    """nodeid -> group name for the tests that must share a worker (union-find over their shared fixtures); the
-    group is named after its first member's file. Tests sharing nothing are left out (scheduled one by one)."""
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    keyed = []
-    for item in items:
-        keys = sorted(_shared_keys(item))
-        if not keys:
-            continue
-        keyed.append((item, keys))
-        for k in keys[1:]:
-            parent[find(k)] = find(keys[0])
-    names: dict[str, str] = {}
-    groups = {}
-    for item, keys in keyed:
-        root = find(keys[0])
-        names.setdefault(root, item.nodeid.split("::", 1)[0])
-        groups[item.nodeid] = names[root]
-    return groups
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into the worker's "@group" ids
-def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    groups = assign_groups(items)
-    for item in items:
-        if item.nodeid in groups:
-            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
 
 
 # --------------------------------------------------------------------------------------------- the unit guard
