@@ -12,10 +12,10 @@ import sft.cli  # noqa: F401,E402
 import sft.training  # noqa: F401,E402
 
 from tests.helpers import assets
-from tests.helpers.budget import TIERS  # also the run order: the cheap tier fails first
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
 
+TIERS = ("unit", "integration", "cluster")  # also the run order: the cheap tier fails first
 # the time budget: a line per tier at the end, the unit tier's guard, groups for side-by-side runs
 pytest_plugins = ["tests.helpers.budget"]
 TESTS = pathlib.Path(__file__).resolve().parent
