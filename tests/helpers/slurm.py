@@ -189,8 +189,14 @@ class Cluster:
 
     # ----------------------------------------------------------------------------------------- clients
 
+    # The test process's own launch variables (conftest gives each pytest-xdist worker a MASTER_PORT) are not the
+    # cluster's: sbatch exports the caller's environment into the job, where they would override what the job
+    # derives from SLURM (its master port from the job id).
+    _NOT_EXPORTED = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE")
+
     def env(self, **extra) -> dict:
-        env = dict(os.environ, SLURM_CONF=self.conf)
+        env = {k: v for k, v in os.environ.items() if k not in self._NOT_EXPORTED}
+        env["SLURM_CONF"] = self.conf
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
