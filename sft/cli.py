@@ -185,8 +185,14 @@ def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``finetune.py`` / ``sft-train``: see :func:`train`. Returns the exit code."""
-    return run_cli(lambda: train(sys.argv[1:] if argv is None else argv))
+    """``finetune.py`` / ``sft-train``: see :func:`train`, then the process group's end
+    (:func:`sft.distributed.process_group.finish_process_group`). Returns the exit code."""
+    def body():
+        from .distributed.process_group import finish_process_group
+
+        train(sys.argv[1:] if argv is None else argv)
+        finish_process_group()
+    return run_cli(body)
 
 
 def check_main(argv: Optional[Sequence[str]] = None) -> int:

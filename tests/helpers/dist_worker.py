@@ -15,7 +15,7 @@ import sys
 import torch
 
 from sft.arguments import parse_args, validate
-from sft.distributed.process_group import setup_runtime
+from sft.distributed.process_group import finish_process_group, setup_runtime
 from sft.logs import setup_logging
 from sft.training import build_trainer, save
 
@@ -63,6 +63,7 @@ def main():
                    "losses": [x["loss"] for x in log if "loss" in x],
                    "learning_rates": [x["learning_rate"] for x in log if "learning_rate" in x],
                    "max_steps": trainer.state.max_steps}, f)
+    finish_process_group()  # as sft.cli.train_main ends
 
 
 if __name__ == "__main__":
