@@ -145,19 +145,32 @@ _REFERENCE: dict[tuple[str, int], tuple] = {}
 
 
 def reference(n, make_hosts, tmp_path_factory, tiny_model_dir, data, preset=PRESET):
-    """One host, NPROC_PER_NODE=n processes (world size n), same flags: the losses multi-node must reproduce."""
+    """One host, NPROC_PER_NODE=n processes (world size n), same flags: the losses multi-node must reproduce.
+
+    Run once per test session: its output folder lies in the session's shared temporary folder (the parent of each
+    pytest-xdist worker's), built under a file lock, so this file and tests/cluster/test_slurm.py, even in two
+    workers, read the same run (its data: the TOY records, the same in every worker's ``data``)."""
     if (preset, n) not in _REFERENCE:
-        hosts = make_hosts(1)
-        tmp = tmp_path_factory.mktemp(f"ref{n}")
-        j = Job(tmp)
-        try:
-            out = tmp / "out"
-            j.start(hosts.cmd(0, ["bash", preset, "-m", tiny_model_dir, "-d", data, "--output_dir", str(out), *TRAIN]),
-                    node_env(NPROC_PER_NODE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001), "ref")
-            assert j.wait() == [0], j.tails()
-            assert f"world size {n}" in j.text(0)
-        finally:
-            j.close()
+        import fcntl
+
+        base = tmp_path_factory.getbasetemp()
+        shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+        name = f"reference-{n}-{os.path.basename(preset).removesuffix('.sh')}"
+        out, done = shared / name / "out", shared / name / "done"
+        with open(shared / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the run fails
+            if not done.exists():
+                hosts = make_hosts(1)
+                j = Job(tmp_path_factory.mktemp(f"ref{n}"))
+                try:
+                    j.start(hosts.cmd(0, ["bash", preset, "-m", tiny_model_dir, "-d", data, "--output_dir", str(out),
+                                          *TRAIN]),
+                            node_env(NPROC_PER_NODE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001), "ref")
+                    assert j.wait() == [0], j.tails()
+                    assert f"world size {n}" in j.text(0)
+                finally:
+                    j.close()
+                done.write_text("")
         _REFERENCE[preset, n] = results(out)
     return _REFERENCE[preset, n]
 
@@ -219,13 +232,13 @@ def test_fsdp2_by_hand_on_two_hosts_equals_one_host(preset_name, saved, make_hos
 def test_node_that_never_starts(make_hosts, job, tmp_path, tiny_model_dir, data):
     hosts = make_hosts(3)
     start_by_hand(job, hosts, 3, tiny_model_dir, data, tmp_path / "out", skip={2},
-                  envs={0: {"RDZV_TIMEOUT": 30}, 1: {"RDZV_TIMEOUT": 30}})
+                  envs={0: {"RDZV_TIMEOUT": 15}, 1: {"RDZV_TIMEOUT": 15}})
     rcs = job.wait()
     elapsed = time.monotonic() - job.t0
     assert all(rc != 0 for rc in rcs), job.tails()
     for i in range(2):
         text = job.text(i)
-        assert re.search(r"only [12] of 3 nodes joined within RDZV_TIMEOUT=30 s", text), job.tails()
+        assert re.search(r"only [12] of 3 nodes joined within RDZV_TIMEOUT=15 s", text), job.tails()
         assert re.search(r"missing: node ranks? (1, )?2\b", text), text
     assert elapsed < RUN_LIMIT_S
 
@@ -245,11 +258,11 @@ def test_wrong_master_addr(make_hosts, job, tmp_path, tiny_model_dir, data):
     hosts = make_hosts(2)
     # node 1 points at an address on the bridge that nobody has: connections time out
     start_by_hand(job, hosts, 2, tiny_model_dir, data, tmp_path / "out",
-                  envs={0: {"RDZV_TIMEOUT": 20}, 1: {"RDZV_TIMEOUT": 20, "MASTER_ADDR": "10.213.0.99"}})
+                  envs={0: {"RDZV_TIMEOUT": 10}, 1: {"RDZV_TIMEOUT": 10, "MASTER_ADDR": "10.213.0.99"}})
     rcs = job.wait()
     assert rcs[0] != 0 and rcs[1] != 0, job.tails()
-    assert "only 1 of 2 nodes joined within RDZV_TIMEOUT=20 s" in job.text(0) and "missing: node rank 1" in job.text(0)
-    assert ("node rank 1: cannot reach the master at 10.213.0.99:6001 within RDZV_TIMEOUT=20 s" in job.text(1)
+    assert "only 1 of 2 nodes joined within RDZV_TIMEOUT=10 s" in job.text(0) and "missing: node rank 1" in job.text(0)
+    assert ("node rank 1: cannot reach the master at 10.213.0.99:6001 within RDZV_TIMEOUT=10 s" in job.text(1)
             and "MASTER_ADDR is node rank 0's address" in job.text(1)), job.tails()
 
 

@@ -97,7 +97,7 @@ def test_sbatch_equals_one_host(cluster, make_hosts, tmp_path, tmp_path_factory,
     mn.assert_same_training(out, ref)
 
 
-_PREEMPT_STEPS = 40  # long enough that the signal, sent after the first logged loss, lands before the end
+_PREEMPT_STEPS = 16  # long enough that the signal, sent after the first logged loss, lands before the end (~1 s a step)
 
 
 @pytest.fixture(scope="module")
