@@ -4,6 +4,11 @@ import os
 import pathlib
 
 import pytest
+
+# One thread per process: two pytest-xdist workers share two cores, and each training process of a test (a tiny
+# model: nothing to split across threads) would otherwise start as many OpenMP threads as the machine has cores.
+# Set before torch is imported, so every test and every process a test starts inherits it; a value set outside wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the heavy imports once per process, at collection: not charged to whichever unit test happens to use them first
 import torch  # noqa: F401
 import transformers  # noqa: F401
