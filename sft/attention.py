@@ -7,10 +7,20 @@ from the position ids (``masking_utils.find_packed_sequence_indices``): SDPA the
 :data:`PACKED_ATTENTION` (``transformers.AttentionInterface``, so every architecture whose attention goes through
 the interface uses it: Llama/SmolLM2, Qwen2, Mistral, ...) instead cuts each row at the position-id resets and runs
 
-* on CUDA with the ``flash-attn`` package and fp16/bf16 tensors: ``flash_attn.flash_attn_varlen_func`` once over
-  all the documents of the micro batch (``cu_seqlens`` from the same resets, causal, GQA native);
-* otherwise (CPU, or GPU without flash-attn): ``torch.nn.functional.scaled_dot_product_attention`` with
-  ``is_causal=True`` once per document, with no mask.
+* on CUDA with fp16/bf16 tensors, one attention call per layer over every document of the micro batch
+  (:func:`varlen_kernel` chooses): ``flash_attn.flash_attn_varlen_func`` when the ``flash-attn`` package is
+  installed, otherwise torch's own ``torch.nn.attention.varlen.varlen_attn`` where this torch has it (causal as
+  ``is_causal=True`` or ``window_size=(-1, 0)``, GQA natively where it takes ``enable_gqa``; its signature is read,
+  not assumed);
+* otherwise (CPU, fp32, dropout with torch's varlen, or neither kernel):
+  ``torch.nn.functional.scaled_dot_product_attention`` with ``is_causal=True`` once per document, with no mask; on
+  CUDA pinned to the flash and memory-efficient SDPA backends (``torch.nn.attention.sdpa_kernel``), never cuDNN's,
+  which plans anew for every new document length (measured on an H200: ~2.5 ms of host time per call, issue 30).
+
+Document boundaries come from the batch when the collator gives them (``cu_seq_lens_q`` and ``max_length_q``, the
+keyword arguments of ``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` that transformers
+passes down to every attention call: :class:`sft.packing.PaddingFreeCollator`, :class:`sft.packing.PackedCollator`),
+so a layer on the GPU does not copy position ids to the host; otherwise from the position ids, as before.
 
 The matching mask function (``transformers.masking_utils.AttentionMaskInterface``) returns no mask when the model
 gets no ``attention_mask`` (the packed collator never gives one); with a 2-D padding mask (a padded batch, or
@@ -26,8 +36,11 @@ than one of the documents (those need a mask; such models keep transformers' own
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import inspect
 import logging
+from typing import Optional
 
 import torch
 
@@ -62,19 +75,124 @@ def flash_varlen_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def _flash_varlen(query, key, value, bounds, dropout: float, scaling):
+def torch_varlen_function():
+    """torch's ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10 and later, CUDA flash kernels), or None where this
+    torch has no such module or function."""
+    try:
+        from torch.nn.attention import varlen
+    except ImportError:
+        return None
+    return getattr(varlen, "varlen_attn", None)
+
+
+def varlen_call_options(fn) -> Optional[dict]:
+    """The keyword arguments that make ``fn`` (a ``varlen_attn``) causal and GQA-aware, from its signature:
+    ``{"is_causal": True}`` or ``{"window_size": (-1, 0)}`` (torch 2.13 names causal attention by its window: no
+    key to the right of the query), plus ``{"enable_gqa": True}`` where it takes that argument (without it, key and
+    value heads are repeated to the query heads first). None when ``fn`` takes neither causal form."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    if "is_causal" in params:
+        opts = {"is_causal": True}
+    elif "window_size" in params:
+        opts = {"window_size": (-1, 0)}
+    else:
+        return None
+    if "enable_gqa" in params:
+        opts["enable_gqa"] = True
+    return opts
+
+
+def varlen_kernel(device_type: str, dtype: torch.dtype, dropout: float = 0.0) -> str:
+    """Which path :func:`packed_attention_forward` takes for query tensors on ``device_type`` ("cuda", "cpu", ...)
+    in ``dtype``: ``"flash_attn"`` (the flash-attn package), ``"torch_varlen"`` (torch's ``varlen_attn``, which has
+    no dropout: only with ``dropout == 0``) or ``"sdpa_loop"`` (SDPA once per document)."""
+    if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa_loop"
+    if flash_varlen_available():
+        return "flash_attn"
+    fn = torch_varlen_function()
+    if fn is not None and not dropout and varlen_call_options(fn) is not None:
+        return "torch_varlen"
+    return "sdpa_loop"
+
+
+# The boundaries of the micro batch in flight: every layer of a forward gets the same ``cu_seq_lens_q`` tensor, so its
+# host copy (one device-to-host copy when it lives on the GPU) is made once per micro batch, not once per layer.
+_BOUNDS_CACHE: list = [None, None]  # [the cu_seq_lens tensor, its bounds]
+
+
+def _bounds_from_cu_seqlens(cu: torch.Tensor, batch_size: int, row_len: int) -> list[list[tuple[int, int]]]:
+    if _BOUNDS_CACHE[0] is cu:
+        return _BOUNDS_CACHE[1]
+    offsets = [int(x) for x in cu.tolist()]
+    bounds: list[list[tuple[int, int]]] = [[] for _ in range(batch_size)]
+    for s, e in zip(offsets, offsets[1:]):
+        r = s // row_len
+        if e <= s or r >= batch_size or (e - 1) // row_len != r:
+            raise ValueError(f"attention '{PACKED_ATTENTION}': cu_seq_lens_q {offsets} does not cut {batch_size} "
+                             f"row(s) of {row_len} tokens into whole documents")
+        bounds[r].append((s - r * row_len, e - r * row_len))
+    if offsets[0] != 0 or offsets[-1] != batch_size * row_len:
+        raise ValueError(f"attention '{PACKED_ATTENTION}': cu_seq_lens_q {offsets} does not cover {batch_size} "
+                         f"row(s) of {row_len} tokens")
+    _BOUNDS_CACHE[0], _BOUNDS_CACHE[1] = cu, bounds
+    return bounds
+
+
+def _flat_offsets(bounds, row_len: int) -> list[int]:
+    return [r * row_len + s for r, docs in enumerate(bounds) for s, _ in docs] + [len(bounds) * row_len]
+
+
+def _cu_seqlens(kwargs: dict, bounds, row_len: int, device) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` (int32, on ``device``) and the longest document: the collator's when given, else built from
+    ``bounds``."""
+    cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is not None and longest is not None:
+        return cu.to(device=device, dtype=torch.int32), int(longest)
+    cu = torch.tensor(_flat_offsets(bounds, row_len), dtype=torch.int32, device=device)
+    return cu, max(e - s for docs in bounds for s, e in docs)
+
+
+def _flash_varlen(query, key, value, cu, longest: int, dropout: float, scaling):
     """flash-attn varlen over every document of the micro batch. Tensors ``[B, heads, L, head_dim]`` (key/value
     may have fewer heads: GQA); returns ``[B, L, heads, head_dim]``. Needs CUDA and fp16/bf16."""
     from flash_attn import flash_attn_varlen_func
 
     b, h, n, _ = query.shape
-    row_len = query.shape[2]
-    starts = [r * row_len + s for r, docs in enumerate(bounds) for s, _ in docs] + [b * row_len]
-    cu = torch.tensor(starts, dtype=torch.int32, device=query.device)
-    longest = max(e - s for docs in bounds for s, e in docs)
     flat = [t.transpose(1, 2).reshape(b * n, t.shape[1], t.shape[3]) for t in (query, key, value)]
     out = flash_attn_varlen_func(*flat, cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scaling, causal=True)
     return out.reshape(b, n, h, -1)
+
+
+def _torch_varlen(fn, module, query, key, value, cu, longest: int, scaling):
+    """torch's ``varlen_attn`` (``fn``) over every document of the micro batch, causal: the same shapes as
+    :func:`_flash_varlen`. Key and value heads are repeated to the query heads when ``fn`` has no ``enable_gqa``."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    opts = varlen_call_options(fn)
+    if opts is None:
+        raise ValueError(f"attention '{PACKED_ATTENTION}': {fn} takes neither is_causal nor window_size")
+    if not opts.get("enable_gqa"):
+        n_rep = getattr(module, "num_key_value_groups", 1)
+        key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+    b, h, n, _ = query.shape
+    flat = [t.transpose(1, 2).reshape(b * n, t.shape[1], t.shape[3]) for t in (query, key, value)]
+    out = fn(*flat, cu, cu, longest, longest, scale=scaling, **opts)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.reshape(b, n, h, -1)
+
+
+def _sdpa_backends(device_type: str):
+    """On CUDA: a context that lets SDPA use only its flash and memory-efficient kernels (cuDNN's plans per shape
+    cost milliseconds of host time each); elsewhere nothing."""
+    if device_type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def packed_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -85,19 +203,23 @@ def packed_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
         module: the attention module (``num_key_value_groups`` for GQA, ``is_causal``).
         query: ``[batch, heads, q_len, head_dim]``; key, value: ``[batch, kv_heads, kv_len, head_dim]``.
         attention_mask: ``None`` for packed rows; a mask from the mask function otherwise (then plain SDPA).
-        kwargs: ``position_ids`` ``[batch or 1, q_len]`` (the decoder layers pass them), ``sliding_window``, ...
+        kwargs: ``position_ids`` ``[batch or 1, q_len]`` (the decoder layers pass them); ``cu_seq_lens_q`` (int32
+            ``[documents + 1]``, offsets into the flattened ``batch * q_len`` tokens) and ``max_length_q`` (int) when
+            the collator gives them (then position ids are not read); ``sliding_window``, ...
     Returns:
         ``(attn_output [batch, q_len, heads, head_dim], None)``.
     Raises:
-        ValueError: a soft cap or position bias is requested, a sliding window shorter than a document, or no
-            ``position_ids`` reach the function while there is no mask (samples could not be told apart).
+        ValueError: a soft cap or position bias is requested, a sliding window shorter than a document, no
+            ``position_ids`` and no ``cu_seq_lens_q`` reach the function while there is no mask (samples could not
+            be told apart), or ``cu_seq_lens_q`` does not cut the rows into whole documents.
     """
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     position_ids = kwargs.get("position_ids")
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if position_ids is None and attention_mask is None and q_len > 1 and q_len == key.shape[2] and causal:
+    no_bounds = position_ids is None and kwargs.get("cu_seq_lens_q") is None
+    if no_bounds and attention_mask is None and q_len > 1 and q_len == key.shape[2] and causal:
         raise ValueError(f"attention '{PACKED_ATTENTION}': the model passes no position_ids to its attention "
                          f"({type(module).__name__}), so packed samples cannot be told apart; load it with "
                          "attn_implementation='sdpa' and pad each micro batch (--packing False --padding_free False)")
@@ -107,21 +229,34 @@ def packed_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         raise ValueError(f"attention '{PACKED_ATTENTION}' cannot apply a soft cap or position bias; load the model "
                          "with attn_implementation='sdpa' (packed rows then get transformers' block-diagonal mask)")
-    bounds = document_bounds(position_ids, query.shape[0])
+    batch_size, row_len = query.shape[0], query.shape[2]
+    cu = kwargs.get("cu_seq_lens_q")
+    kernel = varlen_kernel(query.device.type, query.dtype, dropout)
     window = kwargs.get("sliding_window")
+    if kernel != "sdpa_loop" and cu is not None and kwargs.get("max_length_q") is not None and window is None:
+        bounds = None  # the kernel reads the collator's boundaries on the device: no host copy at all
+    elif cu is not None:
+        bounds = _bounds_from_cu_seqlens(cu, batch_size, row_len)
+    else:
+        bounds = document_bounds(position_ids, batch_size)
     if window is not None and max(e - s for docs in bounds for s, e in docs) > window:
         raise ValueError(f"attention '{PACKED_ATTENTION}': a document is longer than the sliding window ({window} "
                          "tokens); load the model with attn_implementation='sdpa'")
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and flash_varlen_available():
-        return _flash_varlen(query, key, value, bounds, dropout, scaling), None
+    if kernel == "flash_attn":
+        cu_t, longest = _cu_seqlens(kwargs, bounds, row_len, query.device)
+        return _flash_varlen(query, key, value, cu_t, longest, dropout, scaling), None
+    if kernel == "torch_varlen":
+        cu_t, longest = _cu_seqlens(kwargs, bounds, row_len, query.device)
+        return _torch_varlen(torch_varlen_function(), module, query, key, value, cu_t, longest, scaling), None
     n_rep = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     rows = []
-    for r, docs in enumerate(bounds):
-        parts = [sdpa(query[r:r + 1, :, s:e], key[r:r + 1, :, s:e], value[r:r + 1, :, s:e], dropout_p=dropout,
-                      scale=scaling, is_causal=True) for s, e in docs]
-        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    with _sdpa_backends(query.device.type):
+        for r, docs in enumerate(bounds):
+            parts = [sdpa(query[r:r + 1, :, s:e], key[r:r + 1, :, s:e], value[r:r + 1, :, s:e], dropout_p=dropout,
+                          scale=scaling, is_causal=True) for s, e in docs]
+            rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
     return out.transpose(1, 2).contiguous(), None
 

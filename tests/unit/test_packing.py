@@ -35,7 +35,9 @@ def test_pack_dataset_rows_and_collator():
         for c_start in [i for i, p in enumerate(r["position_ids"]) if p == 0]:
             assert r["input_ids"][c_start] % 10 == 0
     batch = PackedCollator(pad_token_id=7)(rows)
-    assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention_mask: masking comes from positions
+    # no attention_mask: documents come from positions, and their boundaries once per micro batch (sft/attention.py)
+    assert set(batch) == {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                          "max_length_k"}
     lengths = [len(r["input_ids"]) for r in rows]
     # one row per packed row, padded to the longest row only (not flattened into [1, total])
     assert batch["input_ids"].shape == (2, max(lengths)) and batch["input_ids"].dtype == torch.int64
