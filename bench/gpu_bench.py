@@ -7,15 +7,16 @@
 Rows (each a fresh process of bench/compare.py's ``ours`` worker on the example's SmolLM2-135M-Instruct and
 chitchat data, LoRA r 16 on every linear layer, bf16, AdamW; :data:`ROWS`):
 
-* ``bf16``             -- our defaults: padding-free batches, per-document attention (:mod:`sft.attention`:
-  flash-attn varlen when the ``flash-attn`` package is installed, SDPA with ``is_causal`` per document otherwise);
+* ``bf16``             -- our defaults: padding-free batches, one attention call per layer (:mod:`sft.attention`:
+  flash-attn varlen when the ``flash-attn`` package is installed, else torch's ``varlen_attn``, else SDPA per
+  document);
 * ``bf16-padded-sdpa`` -- ``--padding_free False``: padded batches under transformers' SDPA;
 * ``qlora-4bit``       -- ``--q_lora True``: the base in bitsandbytes 4-bit NF4 on CUDA, adapters in bf16;
 * ``zero2``            -- ``--deepspeed sft/configs/ds_config_zero2.json`` in one process (torchrun, 1 GPU).
 
-Prints real tokens/s over optimizer steps 2..N and MFU against the GPU's bf16 matmul peak measured here
+Prints the attention path, then real tokens/s over optimizer steps 2..N and MFU against the GPU's bf16 matmul peak measured here
 (:func:`sft.callbacks.measure_matmul_peak`) and, for the device names in :data:`DATASHEET_BF16_TFLOPS`, against
-the datasheet's dense bf16 peak. Refuses with exit 2 on a machine without CUDA (except ``--dry_run``).
+the datasheet's dense bf16 peak, and a verdict per target of :data:`TARGETS`. Refuses with exit 2 on a machine without CUDA (except ``--dry_run``).
 Each row gets at most the time left of ``--time_limit_s``; a row that fails or runs out of time is reported
 and the others still run. Exit 0 when every row ran, 1 otherwise.
 """
@@ -87,6 +88,36 @@ def row_command(a, row: str, json_path: str, peak_tflops: float) -> list[str]:
     return [sys.executable, *worker]
 
 
+# Issue 30's targets that these rows measure: (name, row, reference row, least ratio of real tokens/s).
+TARGETS = (("ours default >= 1.5x --padding_free False (SmolLM2-135M)", "bf16", "bf16-padded-sdpa", 1.5),)
+
+
+def verdicts(rates: dict[str, float]) -> list[str]:
+    """One line per target of :data:`TARGETS`: the measured ratio and "met" or "MISSED", or why it was not measured.
+
+    Args:
+        rates: real tokens/s by row name (rows that ran).
+    """
+    lines = []
+    for name, row, ref, least in TARGETS:
+        if row not in rates or ref not in rates or rates[ref] <= 0:
+            lines.append(f"target {name}: not measured (needs the rows {row} and {ref})")
+            continue
+        ratio = rates[row] / rates[ref]
+        lines.append(f"target {name}: {ratio:.2f}x, {'met' if ratio >= least else 'MISSED'}")
+    return lines
+
+
+def attention_path() -> str:
+    """The padding-free attention path bf16 rows take on this machine's GPU (:func:`sft.attention.varlen_kernel`)."""
+    import torch
+
+    from sft.attention import varlen_kernel
+
+    return {"flash_attn": "one flash-attn varlen call per layer", "torch_varlen": "one torch varlen_attn call per layer",
+            "sdpa_loop": "SDPA per document (flash/memory-efficient backends)"}[varlen_kernel("cuda", torch.bfloat16)]
+
+
 def plan(a) -> None:
     print(f"model {a.model}\ndata {a.data}\nLoRA r 16 / alpha 32 / dropout 0.05 on all linear layers, bf16, "
           f"max length {a.max_length}, micro batch {a.batch}, {a.max_steps} optimizer steps per row (step 1 not "
@@ -110,13 +141,12 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     if not (os.path.exists(a.model) and os.path.exists(a.data)):
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prepare_example.py")], check=True, cwd=ROOT)
-    from sft.attention import flash_varlen_available
     from sft.callbacks import measure_matmul_peak
 
     name = torch.cuda.get_device_name()
     measured = measure_matmul_peak(torch.bfloat16, torch.device("cuda"), seconds=2.0) / 1e12
     sheet = datasheet_peak(name)
-    attention = "flash-attn varlen" if flash_varlen_available() else "SDPA per document (flash-attn not installed)"
+    attention = attention_path()
     print(f"device: {name}; torch {torch.__version__} (CUDA {torch.version.cuda}); bf16 matmul peak measured "
           f"{measured:.1f} TFLOP/s; datasheet {f'{sheet:.1f} TFLOP/s' if sheet else 'unknown for this name'}; "
           f"per-document attention: {attention}")
@@ -153,6 +183,8 @@ def main(argv=None) -> int:
               + (f"{100 * tf / sheet:>14.1f}%" if sheet else f"{'-':>15}"))
     for row, why in failed:
         print(f"{row:<18}failed: {why}")
+    for line in verdicts({row: rate for row, rate, *_ in rows}):
+        print(line)
     print(f"total {time.perf_counter() - t_start:.0f} s")
     return 0 if not failed else 1
 

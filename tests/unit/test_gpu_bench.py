@@ -52,3 +52,15 @@ def test_datasheet_peaks_match_the_device_name(gpu_bench):
 def test_wrapper_prints_usage_without_setting_anything_up():
     p = subprocess.run(["bash", f"{ROOT}/scripts/gpu_bench.sh", "-h"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 0 and "Usage: bash scripts/gpu_bench.sh" in p.stdout and "exit 2" in p.stdout
+
+
+def test_each_target_gets_a_verdict(gpu_bench):
+    assert gpu_bench.verdicts({"bf16": 3000.0, "bf16-padded-sdpa": 1000.0}) == [
+        "target ours default >= 1.5x --padding_free False (SmolLM2-135M): 3.00x, met"]
+    assert gpu_bench.verdicts({"bf16": 1000.0, "bf16-padded-sdpa": 1000.0})[0].endswith("1.00x, MISSED")
+    assert "not measured" in gpu_bench.verdicts({"bf16": 1000.0})[0]
+    from sft.attention import flash_varlen_available
+
+    # torch 2.13 has varlen_attn: a GPU without the flash-attn package takes it
+    assert gpu_bench.attention_path() == ("one flash-attn varlen call per layer" if flash_varlen_available()
+                                          else "one torch varlen_attn call per layer")
