@@ -202,6 +202,7 @@ def worker(a) -> int:
         "system": a.worker, "rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1")), "steps": len(t),
         "real": real, "total": total, "supervised": sum(w["supervised"] for w in wins), "seconds": sum(t),
         "median_step_s": statistics.median(t), "peak_mem_gib": mem, "threads": torch.get_num_threads(),
+        "load_peak_gib": (cb.load_peak or 0) / 2 ** 30,  # CUDA: peak_mem_gib is the training peak (reset after loading)
         "flops_per_token": model_flops_per_token(trainer.model), "head_flops_per_token": head_flops_per_token(trainer.model),
         "callback_tokens_per_s": real / sum(w["seconds"] for w in wins),
         "batch": trainer.args.per_device_train_batch_size, **extra,

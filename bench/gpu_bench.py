@@ -175,12 +175,12 @@ def main(argv=None) -> int:
         rate = r["real"] / r["seconds"]
         head = r.get("head_flops_per_token", 0)
         flops = ((r["flops_per_token"] - head) * r["real"] + head * r["supervised"]) / r["seconds"] / 1e12
-        rows.append((row, rate, r["median_step_s"], r["peak_mem_gib"], flops))
-    print(f"\n{'row':<18}{'real tok/s':>12}{'median step':>13}{'CUDA max alloc':>16}{'TFLOP/s':>9}{'MFU measured':>14}"
-          f"{'MFU datasheet':>15}")
-    for row, rate, median, mem, tf in rows:
-        print(f"{row:<18}{rate:>12.0f}{median:>11.3f} s{mem:>12.2f} GiB{tf:>9.1f}{100 * tf / measured:>13.1f}%"
-              + (f"{100 * tf / sheet:>14.1f}%" if sheet else f"{'-':>15}"))
+        rows.append((row, rate, r["median_step_s"], r.get("load_peak_gib", 0.0), r["peak_mem_gib"], flops))
+    print(f"\n{'row':<18}{'real tok/s':>12}{'median step':>13}{'load peak':>13}{'step peak':>13}{'TFLOP/s':>9}"
+          f"{'MFU measured':>14}{'MFU datasheet':>15}   (peaks: CUDA max allocated)")
+    for row, rate, median, load, mem, tf in rows:
+        print(f"{row:<18}{rate:>12.0f}{median:>11.3f} s{load:>9.2f} GiB{mem:>9.2f} GiB{tf:>9.1f}"
+              f"{100 * tf / measured:>13.1f}%" + (f"{100 * tf / sheet:>14.1f}%" if sheet else f"{'-':>15}"))
     for row, why in failed:
         print(f"{row:<18}failed: {why}")
     for line in verdicts({row: rate for row, rate, *_ in rows}):

@@ -13,7 +13,8 @@ each logging step, adds to the Trainer's log line (console, ``trainer_state.json
   with the LM head only at supervised positions (:mod:`sft.loss`) the head's FLOPs count per supervised
   target instead of per token;
 * ``peak_mem_gib`` -- peak resident set size of the process on CPU, ``torch.cuda.max_memory_allocated``
-  on CUDA (GiB = 2**30 bytes);
+  on CUDA (GiB = 2**30 bytes), since training started: the peak of loading is logged apart at train start
+  (``memory: ... after loading``) and both again at the end;
 * ``eta_s`` -- seconds left: remaining optimizer steps x the window's seconds per step.
 
 At the end of training it writes ``loss_curve.png`` (training loss, and evaluation loss if any, per
@@ -126,11 +127,40 @@ def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: Optional[tor
     return 2 * n ** 3 / best
 
 
+def _vm_hwm_bytes() -> Optional[int]:
+    """The process's resident-set high-water mark (``VmHWM`` of ``/proc/self/status``, Linux), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_memory_bytes(device: Optional[torch.device] = None) -> tuple[str, int]:
-    """``("cuda max allocated" | "peak RSS", bytes)`` for this process."""
+    """``("cuda max allocated" | "peak RSS", bytes)`` for this process since the last :func:`reset_peak_memory`
+    (or the start). On CPU: ``VmHWM`` on Linux, else ``getrusage``'s ``ru_maxrss`` (never reset)."""
     if device is not None and torch.device(device).type == "cuda":
         return "cuda max allocated", int(torch.cuda.max_memory_allocated(device))
-    return "peak RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    hwm = _vm_hwm_bytes()
+    return "peak RSS", hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
+
+
+def reset_peak_memory(device: Optional[torch.device] = None) -> bool:
+    """Start :func:`peak_memory_bytes` over from the memory in use now: ``torch.cuda.reset_peak_memory_stats`` on
+    CUDA; on Linux CPU, ``5`` written to ``/proc/self/clear_refs`` (resets ``VmHWM``, Linux 4.0+, see proc(5)).
+    Returns False where it cannot (the peak then keeps counting from the start)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def format_eta(seconds: float) -> str:
@@ -219,6 +249,7 @@ class ThroughputCallback(TrainerCallback):
         self.peak_flops, self.dtype = peak_flops, dtype
         self.peak_source = "--peak_tflops" if peak_flops else None
         self.device = None
+        self.load_peak, self.step_peak_separate = None, False  # bytes at train start; whether the peak was reset
         self._t, self._step = None, 0
         self.windows: list[dict] = []  # every window's figures with its token counts and seconds
 
@@ -231,6 +262,13 @@ class ThroughputCallback(TrainerCallback):
             logger.info("throughput: %.3g GFLOP per trained token (4 N_frozen + 6 N_trainable, linear weights); "
                         "peak %.2f TFLOP/s (%s)", self.flops_per_token / 1e9, (self.peak_flops or 0) / 1e12,
                         self.peak_source)
+        # the peak of loading (weights, optimizer set-up) apart from the peak of the steps: the step lines below report
+        # the peak since training started
+        kind, self.load_peak = peak_memory_bytes(self.device)
+        self.step_peak_separate = reset_peak_memory(self.device)
+        if state.is_world_process_zero:
+            logger.info("memory: %s %.2f GiB after loading%s", kind, self.load_peak / GIB,
+                        "; the step lines give the peak of training alone" if self.step_peak_separate else "")
         self.counter.take()
         self._t, self._step = time.perf_counter(), state.global_step
 
@@ -272,6 +310,10 @@ class ThroughputCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.counter.handle is not None:
             self.counter.handle.remove()
+        if state.is_world_process_zero and self.load_peak is not None:
+            kind, mem = peak_memory_bytes(self.device)
+            logger.info("memory: %s %.2f GiB loading, %.2f GiB %s", kind, self.load_peak / GIB, mem / GIB,
+                        "training" if self.step_peak_separate else "in all")
         if state.is_world_process_zero:
             path = plot_loss_curve(state.log_history, args.output_dir)
             if path:

@@ -96,3 +96,16 @@ def test_packed_rows_count_their_pad_document_as_padding():
     assert packed_padding(batch["input_ids"], batch["position_ids"], None).item() == 0
     full = PackedCollator(pad_token_id=0)(rows[:1])
     assert packed_padding(full["input_ids"], full["position_ids"], 0).item() == 0  # no padding
+
+
+def test_the_peak_memory_restarts_after_loading():
+    """The load peak is not carried into the step figures: after reset_peak_memory the peak RSS starts from what is
+    in use now (Linux VmHWM), so 300 MiB touched and freed before the reset no longer counts."""
+    from sft.callbacks import peak_memory_bytes, reset_peak_memory
+
+    block = b"x" * (300 * 2**20)  # touched pages
+    del block
+    kind, before = peak_memory_bytes()
+    assert kind == "peak RSS" and reset_peak_memory()
+    _, after = peak_memory_bytes()
+    assert after < before - 200 * 2**20, (before, after)
