@@ -37,6 +37,7 @@ than one of the documents (those need a mask; such models keep transformers' own
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import logging
@@ -70,11 +71,13 @@ def document_bounds(position_ids: torch.Tensor, batch_size: int) -> list[list[tu
     return out
 
 
+@functools.lru_cache(maxsize=None)  # asked in every layer's call: the answer is fixed for the process
 def flash_varlen_available() -> bool:
     """True when the ``flash-attn`` package (2.x, ``flash_attn_varlen_func``) is installed."""
     return importlib.util.find_spec("flash_attn") is not None
 
 
+@functools.lru_cache(maxsize=None)
 def torch_varlen_function():
     """torch's ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10 and later, CUDA flash kernels), or None where this
     torch has no such module or function."""
@@ -85,6 +88,7 @@ def torch_varlen_function():
     return getattr(varlen, "varlen_attn", None)
 
 
+@functools.lru_cache(maxsize=None)  # read once per function, not in every layer's call
 def varlen_call_options(fn) -> Optional[dict]:
     """The keyword arguments that make ``fn`` (a ``varlen_attn``) causal and GQA-aware, from its signature:
     ``{"is_causal": True}`` or ``{"window_size": (-1, 0)}`` (torch 2.13 names causal attention by its window: no
@@ -142,7 +146,9 @@ def _bounds_from_cu_seqlens(cu: torch.Tensor, batch_size: int, row_len: int) -> 
     return bounds
 
 
-def _flat_offsets(bounds, row_len: int) -> list[int]:
+def flat_offsets(bounds, row_len: int) -> list[int]:
+    """``cu_seqlens`` as a list: where each document of ``bounds`` (:func:`document_bounds`) starts in the rows
+    flattened one after the other (``row_len`` tokens each), and the total at the end."""
     return [r * row_len + s for r, docs in enumerate(bounds) for s, _ in docs] + [len(bounds) * row_len]
 
 
@@ -152,7 +158,7 @@ def _cu_seqlens(kwargs: dict, bounds, row_len: int, device) -> tuple[torch.Tenso
     cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu is not None and longest is not None:
         return cu.to(device=device, dtype=torch.int32), int(longest)
-    cu = torch.tensor(_flat_offsets(bounds, row_len), dtype=torch.int32, device=device)
+    cu = torch.tensor(flat_offsets(bounds, row_len), dtype=torch.int32, device=device)
     return cu, max(e - s for docs in bounds for s, e in docs)
 
 

@@ -139,7 +139,8 @@ class PackedCollator:
     ``labels`` (-100 = not supervised: pad positions and the first token of every conversation) and
     ``position_ids`` (restarting at 0 per conversation; the padding of a row is one more "document" 0, 1, ..., so
     it attends only to itself and is never attended to); no ``attention_mask`` (see the module docstring); and the
-    documents' boundaries over the rows flattened one after the other (:func:`document_offsets`: ``cu_seq_lens_q`` /
+    documents' boundaries over the rows flattened one after the other (:func:`sft.attention.flat_offsets` of
+    :func:`sft.attention.document_bounds`: ``cu_seq_lens_q`` /
     ``cu_seq_lens_k``, ``torch.int32``; ``max_length_q`` / ``max_length_k``, int), which the attention reads instead
     of the position ids. Rows are not flattened into one: attention cost stays per row.
 
@@ -163,33 +164,15 @@ class PackedCollator:
             ids.append(list(f["input_ids"]) + [self.pad_token_id] * k)
             labels.append([IGNORE_INDEX if p == 0 else int(x) for x, p in zip(f["labels"], row_pos)] + [IGNORE_INDEX] * k)
             pos.append(row_pos + list(range(k)))
-        offsets, long = document_offsets(pos)
+        from .attention import document_bounds, flat_offsets
+
+        rows = torch.tensor(pos, dtype=torch.int64)
+        bounds = document_bounds(rows, len(pos))
+        offsets, long = flat_offsets(bounds, rows.shape[1]), max(e - s for docs in bounds for s, e in docs)
         return {"input_ids": torch.tensor(ids, dtype=torch.int64), "labels": torch.tensor(labels, dtype=torch.int64),
-                "position_ids": torch.tensor(pos, dtype=torch.int64),
+                "position_ids": rows,
                 "cu_seq_lens_q": torch.tensor(offsets, dtype=torch.int32),
                 "cu_seq_lens_k": torch.tensor(offsets, dtype=torch.int32), "max_length_q": long, "max_length_k": long}
-
-
-def document_offsets(position_rows: list[list[int]]) -> tuple[list[int], int]:
-    """Where each document starts in the micro batch flattened row after row, and the longest document.
-
-    A document starts at a row's first token and wherever the position id does not go up by one (the rule of
-    :func:`sft.attention.document_bounds` and of transformers' ``find_packed_sequence_indices``).
-
-    Args:
-        position_rows: the position ids of each row, all rows of one length.
-    Returns:
-        ``(cu_seqlens, longest)``: offsets into the ``rows x row_len`` flattened tokens, from 0 to the total (the
-        ``cu_seq_lens_q`` of flash-attn's varlen kernels), and the longest document's length.
-    """
-    offsets, longest = [0], 0
-    for r, row in enumerate(position_rows):
-        base = r * len(row)
-        for i in range(1, len(row) + 1):
-            if i == len(row) or row[i] != row[i - 1] + 1:
-                longest = max(longest, base + i - offsets[-1])
-                offsets.append(base + i)
-    return offsets, longest
 
 
 class PaddingFreeCollator:
