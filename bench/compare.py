@@ -185,6 +185,9 @@ def worker(a) -> int:
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))
     timer = StepTimer()
     trainer.add_callback(timer)
+    profile = StepProfile(a.profile_step) if a.profile_step else None
+    if profile is not None:
+        trainer.add_callback(profile)
     trainer.train()
     if len(cb.windows) != len(timer.times) or any(w["steps"] != 1 for w in cb.windows):
         raise SystemExit(f"expected one throughput window per optimizer step (--logging_steps 1): "
@@ -207,6 +210,8 @@ def worker(a) -> int:
         "callback_tokens_per_s": real / sum(w["seconds"] for w in wins),
         "batch": trainer.args.per_device_train_batch_size, **extra,
     }
+    if profile is not None and profile.result:
+        result["profile"] = profile.result
     with open(f"{a.json}.{rank}", "w") as f:
         json.dump(result, f)
     return 0
@@ -336,6 +341,53 @@ def best_peaks(path: str, device, reuse: bool) -> dict:
     return peaks
 
 
+class StepProfile:
+    """Trainer callback: ``torch.profiler`` over optimizer step ``step`` (1-based) only; ``result`` then holds the
+    step's wall seconds, the device's kernel seconds (CUDA; 0 on CPU), the kernel launches (CUDA runtime
+    ``cudaLaunchKernel`` / ``cuLaunchKernel`` calls; 0 on CPU) and the aten operator calls (CPU side)."""
+
+    def __new__(cls, step: int):
+        from transformers import TrainerCallback
+
+        class _Profile(TrainerCallback):
+            def __init__(self):
+                self.step, self.result, self._prof, self._t = step, None, None, None
+
+            def on_step_begin(self, args, state, control, **kw):
+                import torch
+
+                if state.global_step + 1 != self.step:
+                    return
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                if args.device.type == "cuda":
+                    torch.cuda.synchronize()
+                    acts.append(torch.profiler.ProfilerActivity.CUDA)
+                self._prof = torch.profiler.profile(activities=acts)
+                self._prof.__enter__()
+                self._t = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                import torch
+
+                if self._prof is None:
+                    return
+                if args.device.type == "cuda":
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - self._t
+                self._prof.__exit__(None, None, None)
+                events = self._prof.events()
+                device_us = sum(e.self_device_time_total for e in events
+                                if e.device_type == torch.autograd.DeviceType.CUDA)
+                launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                "cudaLaunchKernelExC", "cuLaunchKernelEx"))
+                ops = sum(1 for e in events if e.name.startswith("aten::"))
+                self.result = {"step": self.step, "wall_s": wall, "device_s": device_us / 1e6, "launches": launches,
+                               "aten_ops": ops}
+                self._prof = None
+
+        return _Profile()
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=os.path.join(EXAMPLE, "smollm2-135m-instruct"))
@@ -380,6 +432,7 @@ def parse(argv=None):
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--train_flags", default="", help=argparse.SUPPRESS)  # worker: extra sft flags (one string)
+    p.add_argument("--profile_step", type=int, default=0, help=argparse.SUPPRESS)  # worker: profile this step (0: none)
     a = p.parse_args(argv)
     import torch
 

@@ -159,25 +159,20 @@ class TrainingArguments(transformers.TrainingArguments):
     would start two independent trainings on CPU.
     """
 
-    model_max_length: int = field(
-        default=8192, metadata={"help": "Maximum sequence length in tokens; longer samples are truncated (reported)."}
-    )
+    model_max_length: int = field(default=8192, metadata={"help": "Maximum sequence length in tokens; longer samples "
+                                                            "are split or truncated (reported)."})
     use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
     cache_dir: Optional[str] = field(default=None, metadata={"help": "transformers cache_dir for from_pretrained."})
     optim: str = field(default="adamw_torch", metadata={"help": "Optimizer name (transformers OptimizerNames)."})
     # Flags removed in transformers 5 that Qwen's scripts still pass; mapped in __post_init__.
-    group_by_length: bool = field(
-        default=False, metadata={"help": "Batch samples of similar length (train_sampling_strategy=group_by_length)."}
-    )
-    warmup_ratio: Optional[float] = field(
-        default=None, metadata={"help": "Fraction of training steps for LR warmup (sets warmup_steps to it)."}
-    )
+    group_by_length: bool = field(default=False, metadata={
+        "help": "Batch samples of similar length (train_sampling_strategy=group_by_length)."})
+    warmup_ratio: Optional[float] = field(default=None, metadata={
+        "help": "Fraction of training steps for LR warmup (sets warmup_steps to it)."})
     evaluation_strategy: Optional[str] = field(
         default=None, metadata={"help": "Old name of --eval_strategy.", "choices": ["no", "steps", "epoch"]}
     )
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Allow writing into a non-empty --output_dir."}
-    )
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow writing into a non-empty --output_dir."})
     preemption_timeout: float = field(
         default=300.0,
         metadata={"help": "Seconds from SIGTERM/SIGINT to a forced exit (code 75) if the current step and the "
@@ -187,11 +182,13 @@ class TrainingArguments(transformers.TrainingArguments):
                        "with it or a CPU with avx512_bf16 / amx_bf16, else fp32; sft/precision.py)."})
     lm_head_supervised_only: bool = field(default=True, metadata={"help": "Training: the LM head and loss only at "
         "supervised positions (labels not -100), chunked (sft/loss.py); same loss and gradients. False: every position."})
-    peak_tflops: Optional[float] = field(
-        default=None,
-        metadata={"help": "Peak TFLOP/s of one device, the denominator of the logged MFU (e.g. 989 for an H100 SXM "
-                  "in dense bf16). Unset: a torch.matmul peak measured at the start of training."},
-    )
+    max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={"help": "Padding-free micro batches: "
+        "at most this many tokens each (the largest runs first; sft/sampling.py). Unset: --model_max_length."})
+    memory_check: str = field(default="refuse", metadata={"choices": ["refuse", "warn", "off"], "help": "A memory plan "
+        "over 90%% of what is available (sft/memory_plan.py): exit 2 with the fixes, warn, or only log it. An unset "
+        "--gradient_checkpointing is turned on when the plan without it does not fit."})
+    peak_tflops: Optional[float] = field(default=None, metadata={"help": "Peak TFLOP/s of one device, the denominator "
+        "of the logged MFU (e.g. 989 for an H100 SXM in dense bf16). Unset: a torch.matmul peak measured at the start."})
 
     def __post_init__(self):
         """Qwen-era flag mapping and the DeepSpeed JSON pre-check (both pure), then one call into the runtime owner."""
@@ -239,6 +236,8 @@ class TrainingArguments(transformers.TrainingArguments):
             self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
         if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is not None:
             self.activation_checkpointing_kwargs, self.gradient_checkpointing_kwargs = self.gradient_checkpointing_kwargs, None
+        # None: unset, decided by the memory plan (sft.memory_plan.choose_checkpointing) once the model is loaded
+        self.activation_checkpointing_requested = self.activation_checkpointing
         if self.activation_checkpointing and self.activation_checkpointing_kwargs is None:
             # Non-reentrant checkpointing works with frozen inputs (LoRA).
             self.activation_checkpointing_kwargs = {"use_reentrant": False}

@@ -162,8 +162,11 @@ def pre_quantized_kwargs(q, config, device: torch.device) -> dict:
 
 def load_model(path: str, tok, vocab_grew: bool, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                cache_dir: Optional[str] = None, quantize_4bit: bool = False, device: Optional[torch.device] = None,
-               activation_checkpointing: bool = False, activation_checkpointing_kwargs: Optional[dict] = None):
-    """Load ``AutoModelForCausalLM`` from ``path`` in ``dtype`` (with ``quantize_4bit``: a 4-bit NF4 base on
+               activation_checkpointing: bool = False, activation_checkpointing_kwargs: Optional[dict] = None,
+               load_on_device: bool = False):
+    """Load ``AutoModelForCausalLM`` from ``path`` in ``dtype`` (on a CUDA ``device`` with ``load_on_device``: straight
+    onto it, as the Trainer would place it; not under DeepSpeed or FSDP, which place it themselves; with
+    ``quantize_4bit``: a 4-bit NF4 base on
     ``device``, or, when the folder is pre-quantized (GPTQ, bitsandbytes 4-bit; :mod:`sft.quantized`), the base
     as saved; then prepared for k-bit training); resize the embeddings if the vocabulary grew.
 
@@ -189,10 +192,13 @@ def load_model(path: str, tok, vocab_grew: bool, *, dtype: torch.dtype = torch.f
             extra = pre_quantized_kwargs(q, config, device)
         elif quantize_4bit:
             extra = quantization_kwargs(dtype, device)
+        elif device.type == "cuda" and load_on_device:
+            # straight into the training dtype on this process's GPU: no full copy in host memory first
+            extra = {"device_map": {"": device.index if device.index is not None else torch.cuda.current_device()}}
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, cache_dir=cache_dir, **extra,
         )
-    if extra:
+    if quantize_4bit and extra:
         from peft import prepare_model_for_kbit_training
 
         # fp32 layer norms and lm_head, frozen base, input grads for checkpointing (peft's Q-LoRA recipe)

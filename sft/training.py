@@ -18,18 +18,24 @@ from .distributed.rendezvous import preflight_enabled
 from .errors import ConfigError
 from .logs import setup_logging
 from .modeling import apply_lora, generation_config_for, load_model, load_tokenizer, torch_dtype
+from .memory_plan import plan_run
 from .packing import PackedCollator, check_packing_support, pack_dataset
+from .sampling import micro_batches
 
 logger = logging.getLogger("sft")
 
 
 def log_run_shape(world_size: int, micro_batch: int, grad_accum: int, n_train: int, max_steps: int,
-                  num_epochs: float, device: str = "cpu", backend: Optional[str] = None) -> dict:
+                  num_epochs: float, device: str = "cpu", backend: Optional[str] = None,
+                  micro_batches_per_rank: Optional[int] = None) -> dict:
     """Derived quantities, computed once and logged at start: global batch = micro batch x gradient accumulation x
-    world size (samples; rows with --packing); optimizer steps = ``max_steps`` if > 0, else epochs x
-    ``n_train // global batch`` (at least 1 per epoch). Returns them as a dict."""
+    world size (samples; rows with --packing; at most that many under a token budget); optimizer steps =
+    ``max_steps`` if > 0, else epochs x ``n_train // global batch`` (at least 1 per epoch), or with
+    ``micro_batches_per_rank`` (a :class:`sft.sampling.TokenBudgetBatchSampler`'s length) epochs x
+    ``ceil(micro_batches_per_rank / grad_accum)``. Returns them as a dict."""
     global_batch = micro_batch * grad_accum * world_size
-    steps_per_epoch = max(1, n_train // global_batch)
+    steps_per_epoch = max(1, n_train // global_batch) if micro_batches_per_rank is None else \
+        max(1, -(-micro_batches_per_rank // grad_accum))
     total = max_steps if max_steps > 0 else int(steps_per_epoch * num_epochs)
     logger.info("world size %d (device %s, backend %s); micro batch %d x gradient accumulation %d x world size %d = "
                 "global batch %d samples; %d training samples; %d optimizer steps",
@@ -228,7 +234,8 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
         trust_remote_code=model_args.trust_remote_code, cache_dir=training_args.cache_dir,
         quantize_4bit=lora_args.q_lora, device=training_args.device,
         activation_checkpointing=bool(training_args.activation_checkpointing),
-        activation_checkpointing_kwargs=training_args.activation_checkpointing_kwargs)
+        activation_checkpointing_kwargs=training_args.activation_checkpointing_kwargs,
+        load_on_device=not (training_args.deepspeed or training_args.fsdp))
     if training_args.use_lora:
         model = apply_lora(model, tok, grew, r=lora_args.lora_r, alpha=lora_args.lora_alpha,
                            dropout=lora_args.lora_dropout, target_modules=lora_args.lora_target_modules,
@@ -242,12 +249,14 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     elif data_args.padding_free:
         collator = padding_free_collator(model, collator)
     check_optimizer_and_scheduler(training_args, model)
+    sampler, tokens = micro_batches(train_ds, data_args, training_args)
+    plan_run(model, tokens, training_args, lora_args)
     from .sampling import Trainer  # transformers.Trainer whose --group_by_length order resumes exactly
 
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         data_collator=collator, processing_class=tok, callbacks=callbacks,
-        supervised_head=training_args.lm_head_supervised_only,
+        supervised_head=training_args.lm_head_supervised_only, train_batch_sampler=sampler,
     )
     if training_args.bf16_reason:
         logger.info("--bf16 auto: %s (%s)", "bf16" if training_args.bf16 else "fp32", training_args.bf16_reason)
@@ -258,7 +267,8 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     install_throughput_callback(trainer, training_args.peak_tflops)
     log_run_shape(training_args.world_size, training_args.per_device_train_batch_size,
                   training_args.gradient_accumulation_steps, len(train_ds), training_args.max_steps,
-                  training_args.num_train_epochs, str(training_args.device), training_args.ddp_backend)
+                  training_args.num_train_epochs, str(training_args.device), training_args.ddp_backend,
+                  len(sampler) if sampler is not None else None)
     return trainer, tok, eot
 
 

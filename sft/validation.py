@@ -115,9 +115,24 @@ def _check_eval(data_args, training_args) -> list[str]:
 
 
 def _check_packing(data_args, training_args) -> list[str]:
-    if not data_args.packing:
-        return []
     p = []
+    budget = training_args.max_tokens_per_micro_batch
+    if budget is not None:
+        if data_args.packing or not data_args.padding_free:
+            mode = "--packing True" if data_args.packing else "--padding_free False"
+            p.append(f"--max_tokens_per_micro_batch {budget} with {mode}: the token budget applies to padding-free "
+                     "micro batches; a micro batch of packed or padded rows holds --per_device_train_batch_size x "
+                     "--model_max_length tokens at most, so lower one of those instead")
+        elif training_args.group_by_length or data_args.lazy_preprocess:
+            other = "--group_by_length True" if training_args.group_by_length else "--lazy_preprocess True"
+            p.append(f"--max_tokens_per_micro_batch {budget} with {other}: the token budget forms micro batches from "
+                     f"every sample's length, which {other} does not allow; drop one of them")
+        elif budget < training_args.model_max_length:
+            p.append(f"--max_tokens_per_micro_batch {budget}: below --model_max_length "
+                     f"{training_args.model_max_length}, a sample of that length would fit no micro batch; give at "
+                     f"least {training_args.model_max_length} or lower --model_max_length to {budget}")
+    if not data_args.packing:
+        return p
     if data_args.lazy_preprocess:
         p.append("--packing True with --lazy_preprocess True: packing needs every sample's length up front; "
                  "drop one of them")

@@ -61,16 +61,21 @@ def elastic_start_line(env: Mapping[str, str], world_size: int, resume: Optional
 
 
 def init_process_group(backend: str | None, timeout_s: float) -> bool:
-    """Initialise torch.distributed from torchrun's environment with a bounded timeout, on CPU only.
+    """Initialise torch.distributed from torchrun's environment with a bounded timeout, and on CUDA with this
+    process's device.
 
-    transformers 5.24 ``TrainingArguments._setup_devices`` passes ``timeout=ddp_timeout`` to accelerate for
+    CPU: transformers 5.24 ``TrainingArguments._setup_devices`` passes ``timeout=ddp_timeout`` to accelerate for
     GPUs but not for ``use_cpu`` runs, and accelerate 1.15 ``PartialState`` (MULTI_CPU branch) then calls
-    ``init_process_group`` without it: a lost peer would block gloo for torch's 30-minute default. Calling
-    this first makes accelerate reuse our group. Returns True when it initialised the group.
+    ``init_process_group`` without it: a lost peer would block gloo for torch's 30-minute default.
+    CUDA: accelerate 1.15 calls ``init_process_group`` without ``device_id``; NCCL then warns "Guessing device ID
+    based on global rank. This can cause a hang if rank to GPU mapping is heterogeneous" at the first barrier (seen
+    on an H200, issue 30). Here the group is bound to ``cuda:LOCAL_RANK`` (``torch.cuda.set_device`` first, as
+    torchrun's convention maps local rank to device), backend ``--ddp_backend`` or ``nccl``.
+    Calling this first makes accelerate (and DeepSpeed) reuse our group. Returns True when it initialised the group.
     """
     import torch
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.cuda.is_available():
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     if not all(k in os.environ for k in ("RANK", "MASTER_ADDR", "MASTER_PORT")):
         return False  # not torchrun's env:// (e.g. an MPI launch): leave it to accelerate
@@ -78,7 +83,13 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
 
     if not dist.is_available() or dist.is_initialized():
         return False
-    dist.init_process_group(backend=backend or "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend or "nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group(backend=backend or "gloo", timeout=timeout)
     return True
 
 

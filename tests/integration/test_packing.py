@@ -2,6 +2,8 @@
 packed row equal one forward per conversation), and the trainer's packed rows give the unpacked loss, then
 train. The packing itself (bins, rows, position ids, attention kept inside each conversation on the tiny model,
 conflicts) is checked in process in tests/unit/test_packing.py."""
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,3 +127,21 @@ def test_padding_free_default_learns_as_padded_batches(tiny_model_dir, toy_data,
     trainer, _, _ = build_trainer(*args)
     assert "attention_mask" in next(iter(trainer.get_train_dataloader()))
     assert trainer.model.get_base_model().config._attn_implementation == "sdpa"
+
+
+def test_the_trainer_feeds_the_budgeted_micro_batches_largest_first(tiny_model_dir, toy_data, tmp_path, caplog):
+    """Padding-free micro batches under a token budget reach the model through the Trainer's own data loader (a
+    batch sampler, one [1, tokens] row each), the largest first, and the memory plan names that micro batch."""
+    from sft.sampling import TokenBudgetBatchSampler
+
+    args = train_args(tiny_model_dir, toy_data, tmp_path / "o", "--per_device_train_batch_size", "8",
+                      "--model_max_length", "64", "--max_tokens_per_micro_batch", "64", "--max_steps", "1")
+    with caplog.at_level(logging.INFO, logger="sft"):
+        trainer, _, _ = build_trainer(*args)
+    sampler = trainer.train_batch_sampler
+    assert isinstance(sampler, TokenBudgetBatchSampler) and sampler.max_tokens == 64
+    rows = [b["input_ids"] for b in trainer.get_train_dataloader()]
+    assert len(rows) == len(sampler) and all(r.shape[0] == 1 and r.shape[1] <= 64 for r in rows)
+    assert rows[0].shape[1] == sampler.largest_tokens == max(r.shape[1] for r in rows)
+    plan_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan:"))
+    assert f"({sampler.largest_tokens} tokens in the largest micro batch" in plan_line and "checkpointing off" in plan_line

@@ -31,10 +31,14 @@ def test_dry_run_prints_every_row_and_runs_zero2_under_torchrun(gpu_bench, monke
     assert "--q_lora True" in lines["qlora-4bit"] and "torch.distributed.run" not in lines["qlora-4bit"]
     assert "torch.distributed.run --standalone --nproc_per_node 1" in lines["zero2"]
     assert "ds_config_zero2.json" in lines["zero2"] and "--padding_free False" in lines["bf16-padded-sdpa"]
+    assert "torch.distributed.run" in lines["fsdp2"] and "--fsdp full_shard" in lines["fsdp2"]
+    assert "--worker qwen-style" in lines["qwen-style"] and "--worker ours-packing" in lines["packing"]
+    assert "--profile_step 2" in lines["profile"] and "--profile_step" not in lines["bf16"]
     assert all("--bf16" in line and "--max_steps 5" in line and "--batch 2" in line for line in lines.values())
 
 
-@pytest.mark.parametrize("argv", [["--max_steps", "1"], ["--rows", "fp8"], ["--batch", "0"], ["--time_limit_s", "0"]])
+@pytest.mark.parametrize("argv", [["--max_steps", "1"], ["--rows", "fp8"], ["--batch", "0"], ["--time_limit_s", "0"],
+                                  ["--shape", "gpt-5"], ["--packing_batch", "0"]])
 def test_bad_arguments_exit_2(gpu_bench, argv, capsys):
     with pytest.raises(SystemExit) as e:
         gpu_bench.parse(argv)
@@ -57,6 +61,9 @@ def test_wrapper_prints_usage_without_setting_anything_up():
 def test_each_target_gets_a_verdict(gpu_bench):
     assert gpu_bench.verdicts({"bf16": 3000.0, "bf16-padded-sdpa": 1000.0}) == [
         "target ours default >= 1.5x --padding_free False (SmolLM2-135M): 3.00x, met"]
+    assert gpu_bench.verdicts({"bf16": 9000.0, "qwen-style": 2500.0}, "qwen2.5-7b", {"bf16": 0.35}) == [
+        "target ours default >= 3x Qwen-style real tokens/s (Qwen2.5-7B shape): 3.60x, met",
+        "target ours default >= 40% MFU of the measured bf16 peak (Qwen2.5-7B shape): 35.0%, MISSED"]
     assert gpu_bench.verdicts({"bf16": 1000.0, "bf16-padded-sdpa": 1000.0})[0].endswith("1.00x, MISSED")
     assert "not measured" in gpu_bench.verdicts({"bf16": 1000.0})[0]
     from sft.attention import flash_varlen_available
