@@ -66,6 +66,8 @@ def test_each_target_gets_a_verdict(gpu_bench):
         "target ours default >= 40% MFU of the measured bf16 peak (Qwen2.5-7B shape): 35.0%, MISSED"]
     assert gpu_bench.verdicts({"bf16": 1000.0, "bf16-padded-sdpa": 1000.0})[0].endswith("1.00x, MISSED")
     assert "not measured" in gpu_bench.verdicts({"bf16": 1000.0})[0]
+    assert all("not judged (--tiny" in v for v in gpu_bench.verdicts({"bf16": 9.0, "qwen-style": 1.0}, "qwen2.5-7b",
+                                                                     {"bf16": 0.9}, tiny=True))
     from sft.attention import flash_varlen_available
 
     # torch 2.13 has varlen_attn: a GPU without the flash-attn package takes it
