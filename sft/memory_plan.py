@@ -50,10 +50,11 @@ logger = logging.getLogger("sft")
 GIB = 2 ** 30
 FIT = 0.9  # a plan fits when it needs at most this share of the available memory
 # What a step's activations take at their peak over what autograd keeps for backward (the gradients of the
-# activations during backward, allocator slack), measured on a CPU (2-core AMD EPYC, fp32, SmolLM2-135M, padding-free,
-# micro batches of 1,024 and 8,192 tokens; bench/memory_plan.py): full fine-tuning 1.17-1.22; LoRA (frozen base,
-# dropout 0.05) 1.5-2.0, and killed at 23 GiB where 1.35 would have fit. Not yet measured on a GPU.
-BACKWARD_FACTOR = 1.25
+# activations during backward, the allocator's slack), measured on a CPU (2-core AMD EPYC, fp32, SmolLM2-135M,
+# padding-free, micro batches of up to 8,192 tokens; bench/memory_plan.py): full fine-tuning 1.17 over 3 steps, 1.35
+# over 20 steps (40,000 conversations); LoRA (frozen base, dropout 0.05) 1.5-2.0, and killed at 23 GiB where 1.35
+# would have fit. Not yet measured on a GPU.
+BACKWARD_FACTOR = 1.4
 BACKWARD_FACTOR_FROZEN = 2.0
 
 
