@@ -30,12 +30,16 @@ FULL = ["--learning_rate", "1e-3"]
 LORA = ["--learning_rate", "1e-2", "--lora_r", "4"]
 
 # cell: (preset script, processes, flags after the preset's)
+# full-ddp and its full-head twin read the data lazily, as the full_ds / full_fsdp presets do (Qwen's --lazy_preprocess
+# True): then all four full fine-tuning cells draw the same micro batches (the eager default forms padding-free micro
+# batches under a token budget, largest first, which a lazy dataset, without lengths up front, cannot)
+LAZY = ["--lazy_preprocess", "True"]
 CELLS = {
-    "full-ddp": ("launch.sh", 2, FULL),
+    "full-ddp": ("launch.sh", 2, FULL + LAZY),
     "full-zero2": ("finetune_ds.sh", 2, FULL + ["--deepspeed", ZERO2]),
     "full-zero3": ("finetune_ds.sh", 2, FULL),
     # the LM head at every position (transformers' own loss): the reference of the supervised-only default
-    "full-ddp-full-head": ("launch.sh", 2, FULL + ["--lm_head_supervised_only", "False"]),
+    "full-ddp-full-head": ("launch.sh", 2, FULL + LAZY + ["--lm_head_supervised_only", "False"]),
     "lora-ddp": ("finetune_lora_single_gpu.sh", 2, LORA),
     "lora-zero2": ("finetune_lora_ds.sh", 2, LORA),
     "lora-zero2-full-head": ("finetune_lora_ds.sh", 2, LORA + ["--lm_head_supervised_only", "False"]),

@@ -143,5 +143,5 @@ def test_the_trainer_feeds_the_budgeted_micro_batches_largest_first(tiny_model_d
     rows = [b["input_ids"] for b in trainer.get_train_dataloader()]
     assert len(rows) == len(sampler) and all(r.shape[0] == 1 and r.shape[1] <= 64 for r in rows)
     assert rows[0].shape[1] == sampler.largest_tokens == max(r.shape[1] for r in rows)
-    plan_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan:"))
+    plan_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: weights"))
     assert f"({sampler.largest_tokens} tokens in the largest micro batch" in plan_line and "checkpointing off" in plan_line
