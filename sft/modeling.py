@@ -290,12 +290,51 @@ def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dr
         names = linear_module_names(model)
         raise SFTError(f"--lora_target_modules {' '.join(target_modules or ['all-linear'])}: "
                        f"{str(e).splitlines()[0][:200]}; linear modules of this model: {', '.join(names)}") from None
+    hooked = keep_lora_inputs_in_autocast_dtype(model)
     trainable, total = model.get_nb_trainable_parameters()
     logger.info("LoRA r=%d alpha=%d dropout=%.3g targets=%s: %d trainable of %d parameters (%.3f%%)",
                 r, alpha, dropout,
                 sorted({n.rsplit(".", 1)[-1] for n in config.target_modules}) if isinstance(config.target_modules, (set, list)) else config.target_modules,
                 trainable, total, 100.0 * trainable / total)
+    logger.debug("LoRA inputs stay in the autocast dtype in %d layers", hooked)
     return model
+
+
+def _lora_input_cast(module, args) -> None:
+    """Forward pre-hook of a LoRA layer: peft casts the layer's input to the adapter's dtype (fp32); skipped where
+    that changes nothing: autocast on in the input's dtype (it casts back to that dtype before the adapter's matmul:
+    x bf16 -> fp32 -> bf16, exact both ways) and the layer's dropout inactive (p = 0 or eval mode). An active
+    dropout keeps the cast: bf16 dropout on CPU scales by 1/(1-p) rounded to bf16 (1.0547 for p = 0.05, not
+    1.0526), fp32 dropout then one rounding does not. A forward outside autocast also keeps peft's cast."""
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor):
+        kind = x.device.type
+        try:
+            same = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == x.dtype
+        except (RuntimeError, ValueError):  # a device type autocast does not know (meta)
+            same = False
+        quiet = all(not d.training or getattr(d, "p", 0) == 0 for d in module.lora_dropout.values())
+        module.cast_input_dtype_enabled = not (same and quiet)
+
+
+def keep_lora_inputs_in_autocast_dtype(model) -> int:
+    """Hook every LoRA layer of ``model`` so that, under autocast (``--bf16`` / ``--fp16`` outside DeepSpeed),
+    its input (micro-batch tokens x hidden size, bf16) is not copied to fp32 and back where that is exact
+    (:func:`_lora_input_cast`: ``--lora_dropout 0``, or evaluation): two full-size casts per targeted linear per
+    forward and two more in backward, ~800 copies a step at 30 layers x 7 projections (issue 30's profile counted
+    965). The adapter weights stay fp32 (the optimizer's master copy; autocast casts the small ``r x hidden``
+    matrices): ``tests/unit/test_lora_precision.py`` checks loss and gradients bitwise equal to peft's casting. Uses peft's ``cast_input_dtype_enabled`` switch (peft >= 0.15,
+    ``peft.helpers.disable_input_dtype_casting``), set per call by :func:`_lora_input_cast`.
+
+    Returns:
+        The number of layers hooked.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "lora_A")]
+    for m in layers:
+        m.register_forward_pre_hook(_lora_input_cast)
+    return len(layers)
 
 
 def generation_config_for(model, tok, eot_id: int) -> transformers.GenerationConfig:
