@@ -168,6 +168,22 @@ def build_ours(a, system: str, out_dir: str):
     return trainer, {}
 
 
+def compile_layers(model) -> int:
+    """Regional compilation, as torchtitan and torchtune do it: ``torch.compile(dynamic=True)`` of every decoder layer
+    (``nn.Module.compile``, in place), the rest eager. Its compile time falls in the first steps (reported as
+    ``first_step_s``; a new micro-batch shape or document count can recompile later). Bench only (bench/gpu_bench.py's
+    ``compiled`` row): no sft flag until it is measured faster (docs/benchmarks.md#regional-compilation).
+
+    Returns:
+        The number of layers compiled.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = base.get_decoder().layers
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 def worker(a) -> int:
     import torch
 
@@ -182,6 +198,8 @@ def worker(a) -> int:
     else:
         trainer, extra = build_ours(a, a.worker, out_dir)
         extra["attn"] = trainer.model.config._attn_implementation
+        if a.compile_layers:
+            extra["compiled_layers"] = compile_layers(trainer.model)
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))
     timer = StepTimer()
     trainer.add_callback(timer)
@@ -208,7 +226,7 @@ def worker(a) -> int:
         "load_peak_gib": (cb.load_peak or 0) / 2 ** 30,  # CUDA: peak_mem_gib is the training peak (reset after loading)
         "flops_per_token": model_flops_per_token(trainer.model), "head_flops_per_token": head_flops_per_token(trainer.model),
         "callback_tokens_per_s": real / sum(w["seconds"] for w in wins),
-        "batch": trainer.args.per_device_train_batch_size, **extra,
+        "batch": trainer.args.per_device_train_batch_size, "first_step_s": timer.times[0], **extra,
     }
     if profile is not None and profile.result:
         result["profile"] = profile.result
@@ -432,6 +450,7 @@ def parse(argv=None):
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--train_flags", default="", help=argparse.SUPPRESS)  # worker: extra sft flags (one string)
+    p.add_argument("--compile_layers", action="store_true", help=argparse.SUPPRESS)  # worker: compile_layers()
     p.add_argument("--profile_step", type=int, default=0, help=argparse.SUPPRESS)  # worker: profile this step (0: none)
     a = p.parse_args(argv)
     import torch

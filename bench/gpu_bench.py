@@ -26,7 +26,12 @@ linear layer, bf16, AdamW; :data:`ROWS`):
 * ``fsdp2``            -- ``--fsdp full_shard`` with FSDP2 (``sft/configs/fsdp_config_full_shard.json``), one
   process (torchrun);
 * ``profile``          -- our defaults again, with ``torch.profiler`` over step 2: kernel time on the device against
-  the step's wall time, kernel launches and aten operator calls per step.
+  the step's wall time, kernel launches and aten operator calls per step;
+* ``lora-dropout0``    -- ``--lora_dropout 0``: under autocast the LoRA layers' inputs stay bf16
+  (:func:`sft.modeling.keep_lora_inputs_in_autocast_dtype`), against ``bf16``'s dropout 0.05 that keeps peft's fp32
+  copies;
+* ``compiled``         -- our defaults with every decoder layer compiled (``torch.compile(dynamic=True)``, regional, as
+  torchtitan and torchtune do; bench/compare.py's ``compile_layers``): the compile time shows in the "step 1" column.
 
 Prints the attention path, then real tokens/s over optimizer steps 2..N, the load and training memory peaks, and MFU
 against the device's bf16 matmul peak measured here (:func:`sft.callbacks.measure_matmul_peak`) and, for the device
@@ -63,6 +68,8 @@ ROWS = {  # name -> (what it measures, compare.py worker, sft flags on top of co
     "fsdp2": ("FSDP2 full shard, one process", "ours",
               f"--fsdp full_shard --fsdp_config {os.path.join(CONFIGS, 'fsdp_config_full_shard.json')}", True),
     "profile": ("our defaults under torch.profiler at step 2", "ours", "", False),
+    "lora-dropout0": ("--lora_dropout 0: LoRA inputs stay bf16 (no fp32 copies)", "ours", "--lora_dropout 0", False),
+    "compiled": ("our defaults, every decoder layer torch.compile'd (bench only)", "ours", "", False),
 }
 PROFILE_STEP = 2
 
@@ -165,7 +172,8 @@ def row_command(a, row: str, json_path: str, peak_tflops: float) -> list[str]:
               "--timing", "steps", "--max_steps", str(a.max_steps), "--batch", str(a.batch),
               "--packing_batch", str(a.packing_batch), *(["--profile_step", str(PROFILE_STEP)] if row == "profile" else []),
               "--max_length", str(a.max_length), "--lora_r", "16", "--cache", os.path.join(tempfile.gettempdir(), "sft-gpu-bench-cache"),
-              "--peak_tflops", f"{peak_tflops:.3f}", f"--train_flags={flags}"]
+              "--peak_tflops", f"{peak_tflops:.3f}", f"--train_flags={flags}",
+              *(["--compile_layers"] if row == "compiled" else [])]
     if distributed:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *worker]
     return [sys.executable, *worker]
@@ -220,7 +228,7 @@ def attention_path() -> str:
 
 
 def plan(a) -> None:
-    print(f"model {a.model} ({a.shape}{', tiny' if a.tiny else ''})\ndata {a.data}\nLoRA r 16 / alpha 32 / dropout 0.05 "
+    print(f"model {a.model} ({a.shape}{', tiny' if a.tiny else ''})\ndata {a.data}\nLoRA r 16 / alpha 32 / dropout 0.05 (0 in lora-dropout0) "
           f"on all linear layers, bf16, max length {a.max_length}, micro batch {a.batch} (packing: {a.packing_batch} "
           f"rows), {a.max_steps} optimizer steps per row (step 1 not timed), at most {a.time_limit_s:.0f} s in all")
     for row in a.rows:
@@ -248,10 +256,11 @@ def run_row(a, row: str, work: str, peak: float, left: float) -> tuple[dict | No
 
 def table(results: list[dict], failed: list[tuple[str, str]], sheet: float | None, peaks: str) -> list[str]:
     """The printed table: one line per row that ran, then the failed rows and the profile."""
-    lines = [f"{'row':<18}{'real tok/s':>12}{'median step':>13}{'load peak':>13}{'step peak':>13}{'TFLOP/s':>9}"
+    lines = [f"{'row':<18}{'real tok/s':>12}{'median step':>13}{'step 1':>10}{'load peak':>13}{'step peak':>13}{'TFLOP/s':>9}"
              f"{'MFU measured':>14}{'MFU datasheet':>15}   (peaks: {peaks})"]
     for r in results:
         lines.append(f"{r['row']:<18}{r['real_tokens_per_s']:>12.0f}{r['median_step_s']:>11.3f} s"
+                     f"{r.get('first_step_s', 0.0):>8.1f} s"
                      f"{r.get('load_peak_gib', 0.0):>9.2f} GiB{r['peak_mem_gib']:>9.2f} GiB{r['tflops']:>9.1f}"
                      f"{100 * r['mfu_measured']:>13.1f}%" + (f"{100 * r['tflops'] / sheet:>14.1f}%" if sheet else f"{'-':>15}"))
     lines += [f"{row:<18}failed: {why}" for row, why in failed]

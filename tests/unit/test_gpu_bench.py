@@ -34,6 +34,8 @@ def test_dry_run_prints_every_row_and_runs_zero2_under_torchrun(gpu_bench, monke
     assert "torch.distributed.run" in lines["fsdp2"] and "--fsdp full_shard" in lines["fsdp2"]
     assert "--worker qwen-style" in lines["qwen-style"] and "--worker ours-packing" in lines["packing"]
     assert "--profile_step 2" in lines["profile"] and "--profile_step" not in lines["bf16"]
+    assert "--compile_layers" in lines["compiled"] and "--compile_layers" not in lines["bf16"]
+    assert "--train_flags=--lora_dropout 0" in lines["lora-dropout0"]
     assert all("--bf16" in line and "--max_steps 5" in line and "--batch 2" in line for line in lines.values())
 
 
