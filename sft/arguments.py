@@ -183,7 +183,8 @@ class TrainingArguments(transformers.TrainingArguments):
     lm_head_supervised_only: bool = field(default=True, metadata={"help": "Training: the LM head and loss only at "
         "supervised positions (labels not -100), chunked (sft/loss.py); same loss and gradients. False: every position."})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={"help": "Padding-free micro batches: "
-        "at most this many tokens each (the largest runs first; sft/sampling.py). Unset: --model_max_length."})
+        "at most this many tokens each (the largest runs first; sft/sampling.py). Unset: micro batch x "
+        "--model_max_length (no micro batch is split)."})
     memory_check: str = field(default="refuse", metadata={"choices": ["refuse", "warn", "off"], "help": "A memory plan "
         "over 90%% of what is available (sft/memory_plan.py): exit 2 with the fixes, warn, or only log it. An unset "
         "--gradient_checkpointing is turned on when the plan without it does not fit."})

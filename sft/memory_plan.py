@@ -43,6 +43,7 @@ from typing import Optional
 
 import torch
 
+from .distributed.process_group import gather_objects
 from .errors import SFTError
 
 logger = logging.getLogger("sft")
@@ -306,17 +307,6 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, world_size: int
                       per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where)
 
 
-def _gather(value):
-    """``value`` from every rank (a list in rank order), or ``[value]`` without a process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [value]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
     """The rank whose plan leaves the least room (its index and plan)."""
     return min(enumerate(plans), key=lambda rp: (rp[1].available * FIT - rp[1].peak) if rp[1].available > 0 else float("inf"))
@@ -330,26 +320,29 @@ def fitting_tokens(p: MemoryPlan) -> int:
 
 
 def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refuse",
-                         fixes_extra: tuple[str, ...] = ()) -> tuple[bool, MemoryPlan]:
-    """Gradient checkpointing on or off for this run, and its plan; refuses a run that would not fit.
+                         fixes_extra: tuple[str, ...] = (), budget_floor: Optional[int] = None
+                         ) -> tuple[bool, MemoryPlan, Optional[int]]:
+    """Gradient checkpointing on or off, this rank's plan, a token budget where the unset one does not fit; or refusal.
 
     Args:
-        make_plan: ``checkpointing -> MemoryPlan`` for this rank (called once or twice, on every rank alike).
-        requested: ``--gradient_checkpointing`` as given: True / False, or None (unset: off when the plan without it
-            fits on every rank, else on).
+        make_plan: ``(checkpointing, tokens=None) -> MemoryPlan`` of this rank (None: the largest micro batch's).
+        requested: ``--gradient_checkpointing`` as given, or None (unset: on only when the plan without it does not
+            fit on every rank).
         mode: ``--memory_check``: ``refuse`` (raise), ``warn`` (log and go on) or ``off`` (log the plan only).
         fixes_extra: further fixes to name in the refusal (e.g. a ZeRO stage).
+        budget_floor: ``--model_max_length`` when ``--max_tokens_per_micro_batch`` is unset (padding-free): a plan
+            that does not fit then gets the largest budget that fits on every rank instead, if at least this.
     Returns:
-        ``(checkpointing, plan of this rank)``.
+        ``(checkpointing, plan of this rank, token budget or None)``: a budget to form the micro batches again under.
     Raises:
         SFTError: ``mode == "refuse"`` and the chosen plan does not fit on some rank (exit 2); the message names the
             rank, the parts of its plan and the fixes.
     """
     on = bool(requested) if requested is not None else False
-    plans = _gather(make_plan(on))
+    plans = gather_objects(make_plan(on))
     if requested is None and not all(p.fits for p in plans):
         on = True
-        plans = _gather(make_plan(True))
+        plans = gather_objects(make_plan(True))
         logger.info("gradient checkpointing on (unset --gradient_checkpointing: the plan without it does not fit)")
     import torch.distributed as dist
 
@@ -358,8 +351,14 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
     logger.info("%s", mine.line())
     worst_rank, worst = _worst(plans)
     if worst.fits or mode == "off":
-        return on, mine
+        return on, mine, None
     tokens = fitting_tokens(worst)
+    if budget_floor is not None and tokens >= budget_floor:
+        logger.info("token budget %d per micro batch (unset --max_tokens_per_micro_batch: the largest micro batch, "
+                    "%d tokens, does not fit%s)", tokens, worst.tokens, " even with gradient checkpointing" if on else "")
+        mine = make_plan(on, tokens)
+        logger.info("%s", mine.line())
+        return on, mine, tokens
     fixes = []
     if tokens > 0:
         fixes.append(f"--max_tokens_per_micro_batch {tokens} (at most that many tokens per micro batch; padded or "
@@ -373,14 +372,13 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
                ". (--memory_check warn trains anyway)")
     if mode == "warn":
         logger.warning("%s", message)
-        return on, mine
+        return on, mine, None
     raise SFTError(message)
 
 
-def plan_run(model, tokens: int, training_args, lora_args) -> None:
-    """Log this run's memory plan and decide gradient checkpointing (:mod:`sft.memory_plan`): an unset
-    ``--gradient_checkpointing`` is turned on when the plan without it does not fit (the Trainer enables it,
-    non-reentrant); refuses per ``--memory_check``.
+def plan_run(model, tokens: int, training_args, lora_args, budget_floor: Optional[int] = None) -> Optional[int]:
+    """Log this run's memory plan; an unset ``--gradient_checkpointing`` is turned on (non-reentrant) and an unset
+    token budget (``budget_floor`` given) lowered when needed (:func:`choose_checkpointing`, whose budget it returns).
 
     Raises:
         SFTError: the plan does not fit on some rank and ``--memory_check refuse`` (the default).
@@ -406,14 +404,15 @@ def plan_run(model, tokens: int, training_args, lora_args) -> None:
         logger.info("memory plan: autograd keeps %.0f KiB per token for backward (measured over %d tokens)",
                     probe[0] / 2 ** 10, PROBE_TOKENS)
 
-    def make(on: bool):
-        return plan(model, tokens=tokens, checkpointing=on, optim=t.optim, world_size=world, measured=probe,
+    def make(on: bool, micro_batch_tokens: Optional[int] = None):
+        return plan(model, tokens=micro_batch_tokens or tokens, checkpointing=on, optim=t.optim, world_size=world, measured=probe,
                     zero_stage=t.zero_stage if t.deepspeed else 0, deepspeed=bool(t.deepspeed), fsdp=bool(t.fsdp),
                     supervised_head=head, lora_dropout=bool(t.use_lora and lora_args.lora_dropout > 0),
                     device=t.device, local_world_size=local, held_available=held)
 
-    on, _ = choose_checkpointing(make, requested, t.memory_check, tuple(fixes))
+    on, _, budget = choose_checkpointing(make, requested, t.memory_check, tuple(fixes), budget_floor)
     if on and not fsdp_own and not t.activation_checkpointing:
         t.activation_checkpointing = t.gradient_checkpointing = True
         if t.activation_checkpointing_kwargs is None:
             t.activation_checkpointing_kwargs = t.gradient_checkpointing_kwargs = {"use_reentrant": False}
+    return budget

@@ -139,8 +139,9 @@ def micro_batches(train_ds, data_args, training_args):
     """The training batch sampler and the tokens of the largest micro batch: ``(sampler or None, tokens)``.
 
     Padding-free (the default, without ``--packing`` or ``--group_by_length``): a
-    :class:`sft.sampling.TokenBudgetBatchSampler` with ``--max_tokens_per_micro_batch`` (unset:
-    ``--model_max_length``) and its largest micro batch. Otherwise the Trainer's own sampler (None) and the most
+    :class:`sft.sampling.TokenBudgetBatchSampler` with ``--max_tokens_per_micro_batch`` (unset: micro batch x
+    ``--model_max_length``, what a padded micro batch of the longest samples holds: no micro batch is split) and
+    its largest micro batch. Otherwise the Trainer's own sampler (None) and the most
     tokens one of its micro batches can hold: padded, micro batch x the longest sample (rounded up to the collator's
     multiple of 8); packed, micro batch x the longest row; padding-free by length groups, the micro batch's longest
     samples together. Without lengths (``--lazy_preprocess``): micro batch x ``--model_max_length``.
@@ -156,7 +157,7 @@ def micro_batches(train_ds, data_args, training_args):
     if training_args.group_by_length:
         return None, sum(sorted(lengths)[-mb:])
     seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
-    sampler = TokenBudgetBatchSampler(lengths, mb, training_args.max_tokens_per_micro_batch or max_len, seed,
+    sampler = TokenBudgetBatchSampler(lengths, mb, training_args.max_tokens_per_micro_batch or mb * max_len, seed,
                                       training_args.world_size, training_args.process_index)
     return sampler, sampler.largest_tokens
 

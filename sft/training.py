@@ -250,7 +250,12 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
         collator = padding_free_collator(model, collator)
     check_optimizer_and_scheduler(training_args, model)
     sampler, tokens = micro_batches(train_ds, data_args, training_args)
-    plan_run(model, tokens, training_args, lora_args)
+    unset_budget = sampler is not None and training_args.max_tokens_per_micro_batch is None
+    budget = plan_run(model, tokens, training_args, lora_args,
+                      budget_floor=training_args.model_max_length if unset_budget else None)
+    if budget is not None:  # the micro batches again, under the budget the plan chose
+        training_args.max_tokens_per_micro_batch = budget
+        sampler, tokens = micro_batches(train_ds, data_args, training_args)
     from .sampling import Trainer  # transformers.Trainer whose --group_by_length order resumes exactly
 
     trainer = Trainer(

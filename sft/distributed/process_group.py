@@ -93,6 +93,18 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
     return True
 
 
+def gather_objects(obj) -> list:
+    """``obj`` of every rank in rank order (``all_gather_object``; a collective), or ``[obj]`` without a process
+    group or with one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def finish_process_group() -> None:
     """After a run that trained and saved: destroy the default process group, as torch asks before a process exits.
 

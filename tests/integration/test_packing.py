@@ -145,3 +145,34 @@ def test_the_trainer_feeds_the_budgeted_micro_batches_largest_first(tiny_model_d
     assert rows[0].shape[1] == sampler.largest_tokens == max(r.shape[1] for r in rows)
     plan_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: weights"))
     assert f"({sampler.largest_tokens} tokens in the largest micro batch" in plan_line and "checkpointing off" in plan_line
+
+
+def test_an_unset_budget_is_micro_batch_x_max_length_and_lowered_when_memory_is_short(tiny_model_dir, toy_data, tmp_path,
+                                                                                       caplog, monkeypatch):
+    """Unset, the token budget splits no micro batch (micro batch x --model_max_length); when the plan does not fit
+    even with gradient checkpointing, the micro batches are formed again under the budget that fits (memory made
+    short by a plan whose available memory leaves room for about 100 tokens of activations)."""
+    import dataclasses
+
+    import sft.memory_plan as mp
+
+    args = train_args(tiny_model_dir, toy_data, tmp_path / "a", "--per_device_train_batch_size", "8",
+                      "--model_max_length", "64", "--max_steps", "1")
+    trainer, _, _ = build_trainer(*args)
+    assert trainer.train_batch_sampler.max_tokens == 8 * 64 and trainer.train_batch_sampler.largest_tokens > 100
+    real_plan = mp.plan
+
+    def short(*a, **kw):
+        p = real_plan(*a, **kw)
+        return dataclasses.replace(p, available=int((p.peak - p.activations + 100 * p.per_token) / mp.FIT) + 1)
+
+    monkeypatch.setattr(mp, "plan", short)
+    args = train_args(tiny_model_dir, toy_data, tmp_path / "b", "--per_device_train_batch_size", "8",
+                      "--model_max_length", "64", "--max_steps", "1")
+    with caplog.at_level(logging.INFO, logger="sft"):
+        trainer, _, _ = build_trainer(*args)
+    sampler = trainer.train_batch_sampler
+    assert 64 <= sampler.max_tokens <= 101 and args[2].max_tokens_per_micro_batch == sampler.max_tokens
+    assert any(r.getMessage().startswith(f"token budget {sampler.max_tokens} per micro batch") for r in caplog.records)
+    rows = [b["input_ids"] for b in trainer.get_train_dataloader()]
+    assert rows[0].shape[1] == sampler.largest_tokens <= sampler.max_tokens and trainer.args.gradient_checkpointing

@@ -102,8 +102,8 @@ def test_plan_counts_gradients_and_adam_state_and_shards_them(llama):
 
 
 def _planner(llama, available):
-    return lambda on: plan(llama, tokens=20_000, checkpointing=on, optim="adamw_torch",
-                           held_available=(GIB // 4, available, "test memory"))
+    return lambda on, tokens=None: plan(llama, tokens=tokens or 20_000, checkpointing=on, optim="adamw_torch",
+                                        held_available=(GIB // 4, available, "test memory"))
 
 
 def test_unset_checkpointing_is_turned_on_only_when_needed(llama, caplog):
@@ -112,8 +112,8 @@ def test_unset_checkpointing_is_turned_on_only_when_needed(llama, caplog):
     full, ckpt = _planner(llama, 0)(False), _planner(llama, 0)(True)
     between = int((full.peak + ckpt.peak) / 2 / 0.9)  # fits with checkpointing only
     with caplog.at_level(logging.INFO, logger="sft"):
-        on, p = choose_checkpointing(_planner(llama, between), None)
-    assert on is True and p.checkpointing and p.fits
+        on, p, budget = choose_checkpointing(_planner(llama, between), None)
+    assert on is True and p.checkpointing and p.fits and budget is None
     assert any("gradient checkpointing on" in r.getMessage() for r in caplog.records)
     assert choose_checkpointing(_planner(llama, between), True)[0] is True
 
@@ -134,6 +134,21 @@ def test_a_plan_that_cannot_fit_is_refused_with_the_fixes(llama, caplog):
     with caplog.at_level(logging.WARNING, logger="sft"):
         assert choose_checkpointing(_planner(llama, tight), False, mode="warn")[0] is False
     assert any("--max_tokens_per_micro_batch" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unset_budget_is_lowered_to_what_fits_instead_of_a_refusal(llama, caplog):
+    ckpt = _planner(llama, 0)(True)
+    tight = int((ckpt.peak - ckpt.activations / 2) / 0.9)  # half the activations fit, with checkpointing
+    with caplog.at_level(logging.INFO, logger="sft"):
+        on, p, budget = choose_checkpointing(_planner(llama, tight), None, budget_floor=1_000)
+    assert on is True and budget == fitting_tokens(_planner(llama, tight)(True)) and 1_000 <= budget < 20_000
+    assert p.tokens == budget and p.fits
+    assert any(f"token budget {budget} per micro batch (unset --max_tokens_per_micro_batch" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(SFTError, match=f"--max_tokens_per_micro_batch {budget} "):  # below the floor: refused
+        choose_checkpointing(_planner(llama, tight), None, budget_floor=budget + 1)
+    with pytest.raises(SFTError):  # a budget the user set is never lowered (no floor given)
+        choose_checkpointing(_planner(llama, tight), None)
 
 
 def test_the_process_group_is_bound_to_the_local_cuda_device(monkeypatch):
