@@ -184,7 +184,7 @@ class TrainingArguments(transformers.TrainingArguments):
         "supervised positions (labels not -100), chunked (sft/loss.py); same loss and gradients. False: every position."})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={"help": "Padding-free micro batches: "
         "at most this many tokens each (the largest runs first; sft/sampling.py). Unset: micro batch x "
-        "--model_max_length (no micro batch is split)."})
+        "--model_max_length, lowered by the memory plan (sft/memory_plan.py) only when that does not fit."})
     memory_check: str = field(default="refuse", metadata={"choices": ["refuse", "warn", "off"], "help": "A memory plan "
         "over 90%% of what is available (sft/memory_plan.py): exit 2 with the fixes, warn, or only log it. An unset "
         "--gradient_checkpointing is turned on when the plan without it does not fit."})

@@ -331,7 +331,7 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
         mode: ``--memory_check``: ``refuse`` (raise), ``warn`` (log and go on) or ``off`` (log the plan only).
         fixes_extra: further fixes to name in the refusal (e.g. a ZeRO stage).
         budget_floor: ``--model_max_length`` when ``--max_tokens_per_micro_batch`` is unset (padding-free): a plan
-            that does not fit then gets the largest budget that fits on every rank instead, if at least this.
+            that does not fit gets the largest budget that fits on every rank, if at least this, before checkpointing.
     Returns:
         ``(checkpointing, plan of this rank, token budget or None)``: a budget to form the micro batches again under.
     Raises:
@@ -339,11 +339,21 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
             rank, the parts of its plan and the fixes.
     """
     on = bool(requested) if requested is not None else False
-    plans = gather_objects(make_plan(on))
-    if requested is None and not all(p.fits for p in plans):
-        on = True
-        plans = gather_objects(make_plan(True))
-        logger.info("gradient checkpointing on (unset --gradient_checkpointing: the plan without it does not fit)")
+    plans, budget = gather_objects(make_plan(on)), None
+    while not all(p.fits for p in plans):  # unset: a smaller budget first (no recomputation), then checkpointing
+        tokens = min(fitting_tokens(p) for p in plans)
+        if budget_floor is not None and tokens >= budget_floor:
+            budget = tokens
+            logger.info("token budget %d per micro batch (unset --max_tokens_per_micro_batch: the largest micro batch, "
+                        "%d tokens, does not fit%s)", tokens, plans[0].tokens, " with gradient checkpointing" if on else "")
+            plans = gather_objects(make_plan(on, tokens))
+            break
+        if requested is None and not on:
+            on = True
+            logger.info("gradient checkpointing on (unset --gradient_checkpointing: the plan without it does not fit)")
+            plans = gather_objects(make_plan(True))
+        else:
+            break
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -351,14 +361,8 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
     logger.info("%s", mine.line())
     worst_rank, worst = _worst(plans)
     if worst.fits or mode == "off":
-        return on, mine, None
+        return on, mine, budget
     tokens = fitting_tokens(worst)
-    if budget_floor is not None and tokens >= budget_floor:
-        logger.info("token budget %d per micro batch (unset --max_tokens_per_micro_batch: the largest micro batch, "
-                    "%d tokens, does not fit%s)", tokens, worst.tokens, " even with gradient checkpointing" if on else "")
-        mine = make_plan(on, tokens)
-        logger.info("%s", mine.line())
-        return on, mine, tokens
     fixes = []
     if tokens > 0:
         fixes.append(f"--max_tokens_per_micro_batch {tokens} (at most that many tokens per micro batch; padded or "
@@ -379,10 +383,7 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
 def plan_run(model, tokens: int, training_args, lora_args, budget_floor: Optional[int] = None) -> Optional[int]:
     """Log this run's memory plan; an unset ``--gradient_checkpointing`` is turned on (non-reentrant) and an unset
     token budget (``budget_floor`` given) lowered when needed (:func:`choose_checkpointing`, whose budget it returns).
-
-    Raises:
-        SFTError: the plan does not fit on some rank and ``--memory_check refuse`` (the default).
-    """
+    Raises SFTError where the plan does not fit on some rank and ``--memory_check refuse`` (the default)."""
     from .loss import supports_supervised_head
 
     t = training_args

@@ -136,17 +136,20 @@ def test_a_plan_that_cannot_fit_is_refused_with_the_fixes(llama, caplog):
     assert any("--max_tokens_per_micro_batch" in r.getMessage() for r in caplog.records)
 
 
-def test_an_unset_budget_is_lowered_to_what_fits_instead_of_a_refusal(llama, caplog):
+def test_an_unset_budget_is_lowered_before_checkpointing_and_instead_of_a_refusal(llama, caplog):
     ckpt = _planner(llama, 0)(True)
     tight = int((ckpt.peak - ckpt.activations / 2) / 0.9)  # half the activations fit, with checkpointing
-    with caplog.at_level(logging.INFO, logger="sft"):
-        on, p, budget = choose_checkpointing(_planner(llama, tight), None, budget_floor=1_000)
-    assert on is True and budget == fitting_tokens(_planner(llama, tight)(True)) and 1_000 <= budget < 20_000
-    assert p.tokens == budget and p.fits
-    assert any(f"token budget {budget} per micro batch (unset --max_tokens_per_micro_batch" in r.getMessage()
+    f_off, f_on = fitting_tokens(_planner(llama, tight)(False)), fitting_tokens(_planner(llama, tight)(True))
+    assert 0 < f_off < f_on < 20_000
+    with caplog.at_level(logging.INFO, logger="sft"):  # smaller micro batches, no recomputation
+        on, p, budget = choose_checkpointing(_planner(llama, tight), None, budget_floor=f_off)
+    assert (on, budget, p.tokens) == (False, f_off, f_off) and p.fits
+    assert any(f"token budget {f_off} per micro batch (unset --max_tokens_per_micro_batch" in r.getMessage()
                for r in caplog.records)
-    with pytest.raises(SFTError, match=f"--max_tokens_per_micro_batch {budget} "):  # below the floor: refused
-        choose_checkpointing(_planner(llama, tight), None, budget_floor=budget + 1)
+    on, p, budget = choose_checkpointing(_planner(llama, tight), None, budget_floor=f_off + 1)  # then checkpointing
+    assert (on, budget) == (True, f_on) and p.fits and p.checkpointing
+    with pytest.raises(SFTError, match=f"--max_tokens_per_micro_batch {f_on} "):  # below the floor: refused
+        choose_checkpointing(_planner(llama, tight), None, budget_floor=f_on + 1)
     with pytest.raises(SFTError):  # a budget the user set is never lowered (no floor given)
         choose_checkpointing(_planner(llama, tight), None)
 
