@@ -13,7 +13,7 @@ def test_tiny_7b_shape_rows_run_on_cpu_and_write_table_and_json(tmp_path):
     data = write_jsonl(tmp_path / "toy.jsonl", TOY)
     out, models = tmp_path / "out", tmp_path / "models"
     p = subprocess.run([sys.executable, "bench/gpu_bench.py", "--shape", "qwen2.5-7b", "--tiny", "--rows", "bf16",
-                        "profile", "--max_steps", "2", "--batch", "2", "--max_length", "256", "--data", str(data),
+                        "profile", "--max_steps", "2", "--batch", "1", "--max_length", "256", "--data", str(data),
                         "--models", str(models), "--out", str(out), "--time_limit_s", "400"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
