@@ -187,7 +187,7 @@ class TrainingArguments(transformers.TrainingArguments):
         "--model_max_length, lowered by the memory plan (sft/memory_plan.py) only when that does not fit."})
     memory_check: str = field(default="refuse", metadata={"choices": ["refuse", "warn", "off"], "help": "A memory plan "
         "over 90%% of what is available (sft/memory_plan.py): exit 2 with the fixes, warn, or only log it. An unset "
-        "--gradient_checkpointing is turned on when the plan without it does not fit."})
+        "budget is lowered, then an unset --gradient_checkpointing turned on, when the plan does not fit."})
     peak_tflops: Optional[float] = field(default=None, metadata={"help": "Peak TFLOP/s of one device, the denominator "
         "of the logged MFU (e.g. 989 for an H100 SXM in dense bf16). Unset: a torch.matmul peak measured at the start."})
 

@@ -188,13 +188,9 @@ def _barrier() -> None:
 
 def _gather(obj) -> list:
     """``obj`` of every rank, by global rank (``[obj]`` without a process group). A collective."""
-    if not _distributed():
-        return [obj]
-    import torch.distributed as dist
+    from .distributed.process_group import gather_objects
 
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return gather_objects(obj)
 
 
 class AtomicCheckpoints(TrainerCallback):
