@@ -8,8 +8,8 @@ warm page cache right after writing (what a save sees):
 
 * writing the checkpoint (torch.save + copying the model), the part a save always pays;
 * fsync of every file (paid before checksums too);
-* XXH3-128 of every file (sft.integrity.file_digest, what a save adds) and, for comparison, SHA-256;
-* sft.checkpoint.mark_complete + sft.checkpoint.verify (what a resume adds).
+* XXH3-128 of every file (sft.train.integrity.file_digest, what a save adds) and, for comparison, SHA-256;
+* sft.train.checkpoint.mark_complete + sft.train.checkpoint.verify (what a resume adds).
 
     .venv/bin/python bench/checkpoint_hash.py                  # the example model (scripts/prepare_example.py)
     .venv/bin/python bench/checkpoint_hash.py --model DIR --repeat 3
@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(a.model, "model.safetensors")):
         print(f"{a.model}: no model.safetensors; run scripts/prepare_example.py or pass --model DIR", file=sys.stderr)
         return 2
-    from sft import checkpoint as ck
-    from sft.integrity import checkpoint_files, file_digest
+    from sft.train import checkpoint as ck
+    from sft.train.integrity import checkpoint_files, file_digest
 
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     work = tempfile.mkdtemp(prefix="ckpt-hash-", dir=a.workdir)

@@ -12,7 +12,7 @@ truncate``, as TRL and LLaMA-Factory do), each in a fresh process (so peak RSS i
 timed on the same conversations (``--timing epoch``, the default: two epochs over the first
 ``--epoch_conversations`` of ``--data``, the second timed; ``--timing steps``: ``--max_steps`` optimizer steps over
 the first ``--max_conversations``, step 1 untimed, each system drawing its own conversations). One table per
-dtype (``--dtypes``: fp32, and bf16 where :func:`sft.precision.auto_bf16` finds fast bf16; every system in
+dtype (``--dtypes``: fp32, and bf16 where :func:`sft.config.precision.auto_bf16` finds fast bf16; every system in
 the same dtype), each with every length of ``--max_lengths``; the micro batch is ``--batch`` per length
 (default: as many conversations as fill about one row of the length on average, round(length / mean sample),
 at least 1: 2 at 512 and 3 at 2048 on the example's data), the packed systems' micro batch the rows that carry
@@ -22,11 +22,11 @@ fastest is paired round by round (one layout is faster only when it is faster in
 :func:`compare_report.paired_verdict`):
 
 * ``ours``          -- sft defaults: padding-free batches (``--padding_free True``: the micro batch's samples end to
-  end in one row, attention per sample without a mask, :mod:`sft.attention`; LM head at supervised positions);
+  end in one row, attention per sample without a mask, :mod:`sft.model.attention`; LM head at supervised positions);
 * ``ours-padded``   -- ``--padding_free False``: dynamic padding to the batch's longest sample (multiple of 8);
 * ``ours-group``    -- ``--group_by_length True --padding_free False`` (length-grouped sampling, padded);
 * ``ours-packing``  -- ``--packing True``: rows of up to the max length, attention per conversation, no mask;
-* ``ours-packing-flat`` -- the packing path before :mod:`sft.attention`: the same rows flattened into one
+* ``ours-packing-flat`` -- the packing path before :mod:`sft.model.attention`: the same rows flattened into one
   ``[1, total]`` row (``transformers.DataCollatorWithFlattening``) under plain ``sdpa`` with transformers' mask;
 * ``qwen-style``    -- stand-in for Qwen's finetune.py: our pipeline with every sample padded to the max length;
 * ``trl``           -- ``trl.SFTTrainer`` 1.16 defaults, ``assistant_only_loss=True``, no packing, the same LoRA
@@ -38,7 +38,7 @@ fastest is paired round by round (one layout is faster only when it is faster in
 
 Measured per system over the timed steps (epoch 2, or steps 2..N): real (non-pad) tokens/s, padding
 ratio, median step time, peak RSS (CUDA: max allocated) and MFU = required FLOPs / s / the matmul peak
-measured here in the training dtype. Required FLOPs (the convention of :class:`sft.callbacks.ThroughputCallback`,
+measured here in the training dtype. Required FLOPs (the convention of :class:`sft.train.metrics.ThroughputCallback`,
 the same for every system): 6 N per token for trained linear weights, 4 N for frozen ones, with the LM head's
 counted per supervised token and the rest per real token. Also the live callback's tokens/s (ours, TRL),
 preprocessing speed and, with ``--scaling``, 1 vs 2 processes with the same threads per process.
@@ -146,9 +146,9 @@ class StepTimer:
 def build_ours(a, system: str, out_dir: str):
     from transformers import DataCollatorForSeq2Seq
 
-    from sft.arguments import parse_args, validate
+    from sft.config.arguments import parse_args, validate
     from sft.distributed.process_group import setup_runtime
-    from sft.training import build_trainer
+    from sft.app.train import build_trainer
 
     args = parse_args(common_flags(a, system) + ["--output_dir", out_dir])
     validate(*args)
@@ -160,7 +160,7 @@ def build_ours(a, system: str, out_dir: str):
     if system == "ours-packing-flat":  # one [1, total] row per micro batch, transformers' block-diagonal mask
         from transformers import DataCollatorWithFlattening
 
-        from sft.packing import split_row
+        from sft.data.packing import split_row
 
         flat = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
         trainer.data_collator = lambda rows: flat([c for r in rows for c in split_row(r)], return_tensors="pt")
@@ -187,7 +187,7 @@ def compile_layers(model) -> int:
 def worker(a) -> int:
     import torch
 
-    from sft.callbacks import ThroughputCallback, head_flops_per_token, install, model_flops_per_token
+    from sft.train.metrics import ThroughputCallback, head_flops_per_token, install, model_flops_per_token
     from sft.logs import setup_logging
 
     setup_logging()
@@ -326,9 +326,9 @@ def per_length(a, values: list[int] | None) -> dict:
 
 def mean_tokens_per_conversation(a) -> float:
     """Mean tokens per training sample after truncation at ``a.max_length`` (decides the packed micro batch)."""
-    from sft.chat import encode_conversations
-    from sft.data import load_conversations
-    from sft.modeling import load_tokenizer
+    from sft.data.chat import encode_conversations
+    from sft.data.records import load_conversations
+    from sft.model.loading import load_tokenizer
 
     tok, eot, _ = load_tokenizer(a.model)
     convs = load_conversations(a.data, "error")
@@ -339,7 +339,7 @@ def mean_tokens_per_conversation(a) -> float:
 def matmul_peaks(device) -> dict:
     import torch
 
-    from sft.callbacks import measure_matmul_peak
+    from sft.train.metrics import measure_matmul_peak
 
     return {name: measure_matmul_peak(dtype, device, seconds=1.0)
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
@@ -425,7 +425,7 @@ def parse(argv=None):
     p.add_argument("--max_lengths", type=int, nargs="+", default=[512, 2048],
                    help="model_max_length / Qwen-style padded length / TRL max_length / LLaMA-Factory cutoff_len")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=("fp32", "bf16"),
-                   help="one table per dtype; bf16 only where sft.precision.auto_bf16 finds fast bf16")
+                   help="one table per dtype; bf16 only where sft.config.precision.auto_bf16 finds fast bf16")
     p.add_argument("--batch", type=int, nargs="*", default=None, help="micro batch (conversations) per device, one "
                    "per --max_lengths entry or one for all (default: the conversations that fill about one row of "
                    "the length on average, round(length / mean sample), at least 1)")
@@ -485,7 +485,7 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    from sft.precision import auto_bf16
+    from sft.config.precision import auto_bf16
 
     device = "cuda" if a.cuda else "cpu"
     name = torch.cuda.get_device_name() if a.cuda else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads"

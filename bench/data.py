@@ -3,7 +3,7 @@
 
 Writes N conversations (the example's chitchat repeated, every copy with its own id) as JSONL into a
 temporary folder, then prepares them as training does (stream + validate + tokenize + Arrow shards,
-:func:`sft.dataset.build_dataset`) in these configurations (``--runs``):
+:func:`sft.data.dataset.build_dataset`) in these configurations (``--runs``):
 
 * ``one``: 1 process; ``many``: P processes (``--processes``) on this host sharing one cache folder (ranks of one
   job: each prepares its shard, then waits for the others' completion markers and memory-maps all shards);
@@ -11,7 +11,7 @@ temporary folder, then prepares them as training does (stream + validate + token
   folder as a P-node job does: on each host the real launcher (``python -m sft.distributed.torchrun
   --nnodes P --node_rank i --nproc_per_node 1``, which sets RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK) starts
   one rank that joins the process group (gloo, :func:`sft.distributed.process_group.init_process_group`), agrees
-  with the others on the run and on the cache folder being shared (:func:`sft.shards.agree`, two collectives
+  with the others on the run and on the cache folder being shared (:func:`sft.data.shards.agree`, two collectives
   over the namespace bridge) and then prepares exactly as in training; its figures start after that agreement;
 * ``plain``: the reference: one batched ``tokenizer()`` call on the same rendered texts (the first
   ``--plain_sample`` conversations), with 1 process and with P processes at once (each on its share of the
@@ -51,16 +51,16 @@ rank, world, data, model, cache, run, max_len = sys.argv[1:8]
 rank, world, max_len = int(rank), int(world), int(max_len)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 t0 = time.perf_counter()
-from sft.modeling import load_tokenizer
+from sft.model.loading import load_tokenizer
 tok, eot, _ = load_tokenizer(model)
-from sft.dataset import build_dataset
+from sft.data.dataset import build_dataset
 if sys.argv[8] == "after":
-    from sft.shards import JobView, Plan
+    from sft.data.shards import JobView, Plan
     plan = Plan(JobView(rank=rank, world_size=world, local_rank=rank, local_world_size=world), run, True, [0] * world)
     t1 = time.perf_counter()
     ds, report = build_dataset([data], tok, eot, max_len, None, cache, plan=plan, long_conversations=sys.argv[9])
 else:  # an older sft: load every record, then build (rank 0 prepares)
-    from sft.data import load_conversations
+    from sft.data.records import load_conversations
     t1 = time.perf_counter()
     convs = load_conversations(data)
     ds, report = build_dataset(convs, data, tok, eot, max_len, None, cache)
@@ -85,12 +85,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 t0 = time.perf_counter()
 from sft.distributed.process_group import init_process_group
 assert init_process_group("gloo", 600.0), "no process group: not started by torchrun?"
-from sft.modeling import load_tokenizer
+from sft.model.loading import load_tokenizer
 tok, eot, _ = load_tokenizer(model)
-from sft.dataset import build_dataset
-from sft.shards import JobView, agree
+from sft.data.dataset import build_dataset
+from sft.data.shards import JobView, agree
 t1 = time.perf_counter()
-plan = agree(cache, JobView.from_env())  # as sft.training.load_records: probe files + two collectives
+plan = agree(cache, JobView.from_env())  # as sft.app.train.load_records: probe files + two collectives
 t2 = time.perf_counter()
 ds, report = build_dataset([data], tok, eot, int(max_len), None, cache, plan=plan, long_conversations=long_conversations)
 t3 = time.perf_counter()
@@ -110,8 +110,8 @@ import json, os, sys, time
 model, data, sample, k, n = sys.argv[1:6]
 sample, k, n = int(sample), int(k), int(n)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from sft.data import RecordCheck, iter_conversations
-from sft.modeling import load_tokenizer
+from sft.data.records import RecordCheck, iter_conversations
+from sft.model.loading import load_tokenizer
 tok, _, _ = load_tokenizer(model)
 head = data + f".plain-{k}-of-{n}.jsonl"
 with open(data, encoding="utf-8") as f, open(head, "w", encoding="utf-8") as g:

@@ -9,7 +9,7 @@
 Five network-namespace hosts (``tests/helpers/netns.py``: a private bridge, 10.213.0.0/24) run the real
 launcher with ``NNODES=2:3`` and the DDP LoRA preset (``finetune/finetune_lora_single_gpu.sh``) on the tiny
 test model and 24 toy conversations, global batch 6 at world sizes 3 and 2 (micro batch 1 x accumulation 2 x
-3 nodes; ``sft/world_size.py`` makes it accumulation 3 at 2 nodes), a checkpoint every 4 steps, at most 3
+3 nodes; ``sft/train/world_size.py`` makes it accumulation 3 at 2 nodes), a checkpoint every 4 steps, at most 3
 kept. Hosts 0-2 start the job; host 0 serves the rendezvous store and is never hurt (an elastic job does not
 survive losing it: docs/multi-node.md). ``--seed`` draws the 5 kill steps (of 140; at least 45 steps after a node
 kill, whose replacement starts meanwhile, and 10 after a worker kill); the faults, in this order:
@@ -33,7 +33,7 @@ says why); each join by a round of world size 3 that the new host is part of; th
 out-of-space paragraph naming the kept checkpoint, which must still verify, and a restart that resumes it.
 Then the job must finish (exit 0 on the hosts left), and its per-step losses and final adapter must equal an
 uninterrupted single-process run with the same global batch (micro batch 1 x accumulation 6) within 1e-4 and
-1e-5: the same samples make every optimizer step at any world size (sft/world_size.py) and a resume is exact,
+1e-5: the same samples make every optimizer step at any world size (sft/train/world_size.py) and a resume is exact,
 so only the order of the fp32 sums across ranks and micro batches differs (measured ~1e-7 in
 tests/cluster/test_elastic.py and tests/integration/test_world_size_resume.py).
 
@@ -60,7 +60,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = os.path.join(ROOT, ".venv", "bin", "python") if os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")) \
     else sys.executable
 PRESET = os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh")  # DDP LoRA
-MARKER = "sft_checkpoint_complete.json"  # sft.integrity.MARKER
+MARKER = "sft_checkpoint_complete.json"  # sft.train.integrity.MARKER
 
 SAVE_STEPS = 4
 GLOBAL_BATCH = 6  # micro batch 1 x accumulation 2 x world size 3 = 1 x 3 x 2 = 1 x 6 x 1
@@ -187,7 +187,7 @@ class Job:
 
 
 def newest_verified(out: str) -> str | None:
-    from sft.checkpoint import checkpoint_dirs, verify
+    from sft.train.checkpoint import checkpoint_dirs, verify
 
     for _, path in reversed(checkpoint_dirs(out)):
         if os.path.exists(os.path.join(path, MARKER)) and verify(path) is None:
@@ -209,14 +209,14 @@ def flip_a_byte(path: str) -> int:
 
 
 def fallback_line(bad: str, previous: str) -> re.Pattern:
-    """sft.checkpoint.choose_resume's warning for a checkpoint ``bad`` whose adapter weights changed on disk, when
+    """sft.train.checkpoint.choose_resume's warning for a checkpoint ``bad`` whose adapter weights changed on disk, when
     it resumes ``previous`` instead (with several ranks the reason starts ``on rank R:``)."""
     return re.compile(rf"not resuming from {re.escape(bad)}: (on rank \d+: )?adapter_model\.safetensors: its xxh3_128 "
                       rf"checksum differs from the one recorded when it was saved \(the bytes changed on disk\); "
                       rf"resuming from the previous complete checkpoint {re.escape(previous)} instead")
 
 
-# sft.integrity.out_of_space_message: the file being written, and the complete checkpoint kept
+# sft.train.integrity.out_of_space_message: the file being written, and the complete checkpoint kept
 OUT_OF_SPACE = re.compile(r"out of disk space while writing (\S+): .*?the previous complete checkpoint (\S+) is intact "
                           r"and the next start resumes from it")
 
@@ -292,7 +292,7 @@ def drill(a, hosts, job: Job, out: str, tmpfs: str, faults: dict[str, Fault]) ->
             bad, expect = expect, None
             cf.tried = True
             off = flip_a_byte(os.path.join(bad, "adapter_model.safetensors"))
-            from sft.checkpoint import checkpoint_dirs, verify
+            from sft.train.checkpoint import checkpoint_dirs, verify
 
             older = [p for s, p in checkpoint_dirs(out) if s < int(bad.rsplit("-", 1)[1])]
             expect = next((p for p in reversed(older) if os.path.exists(os.path.join(p, MARKER)) and verify(p) is None),
@@ -342,7 +342,7 @@ def drill(a, hosts, job: Job, out: str, tmpfs: str, faults: dict[str, Fault]) ->
     # the full disk, in the round after kill 5, once it has written a checkpoint at world size 2: the restart then
     # resumes, at the world size it was written at, a checkpoint whose accumulation (3) is not the configured one (2)
     df = faults["full disk"]
-    from sft.checkpoint import checkpoint_dirs
+    from sft.train.checkpoint import checkpoint_dirs
 
     resumed_step = int(resumed.rsplit("-", 1)[1]) if resumed else 0
     job.wait_for(lambda: any(s > resumed_step and os.path.exists(os.path.join(p, MARKER))
@@ -350,7 +350,7 @@ def drill(a, hosts, job: Job, out: str, tmpfs: str, faults: dict[str, Fault]) ->
     start = job.step
     st = os.statvfs(tmpfs)
     free = st.f_bavail * st.f_frsize
-    from sft.integrity import checkpoint_files
+    from sft.train.integrity import checkpoint_files
 
     kept = newest_verified(out)
     ck_bytes = sum(os.path.getsize(os.path.join(kept, r)) for r in checkpoint_files(kept, ()))
@@ -368,7 +368,7 @@ def drill(a, hosts, job: Job, out: str, tmpfs: str, faults: dict[str, Fault]) ->
     job.wait_for(lambda: message() is not None, "the out-of-space message", a.limit)
     i, m = message()
     previous = m.group(2)
-    from sft.checkpoint import verify
+    from sft.train.checkpoint import verify
 
     intact = verify(previous)
     os.remove(filler)
@@ -379,7 +379,7 @@ def drill(a, hosts, job: Job, out: str, tmpfs: str, faults: dict[str, Fault]) ->
     world, resumed = job.rounds()[-1]
     one_line = [ln for ln in job.text(i).splitlines() if "out of disk space" in ln]
     df.ok = bool(intact is None and resumed and os.path.realpath(resumed) == os.path.realpath(previous) and one_line)
-    # sft.world_size's line when the checkpoint's own world size keeps its accumulation (not the configured 2)
+    # sft.train.world_size's line when the checkpoint's own world size keeps its accumulation (not the configured 2)
     kept_shape = re.compile(rf"resuming {re.escape(previous)} at the world size 2 it was written at, with its gradient "
                             r"accumulation 3 \(set by an earlier resume at another world size\) instead of the configured 2")
     job.wait_for(lambda: any(kept_shape.search(job.text(h)) for h in job.procs) or job.logged > fresh,

@@ -15,26 +15,26 @@ model built here, offline, from the public config of ``qwen2.5-0.5b``, ``qwen2.5
 Rows (each a fresh process of bench/compare.py's ``ours`` worker on the example's chitchat data, LoRA r 16 on every
 linear layer, bf16, AdamW; :data:`ROWS`):
 
-* ``bf16``             -- our defaults: padding-free batches, one attention call per layer (:mod:`sft.attention`:
+* ``bf16``             -- our defaults: padding-free batches, one attention call per layer (:mod:`sft.model.attention`:
   flash-attn varlen when the ``flash-attn`` package is installed, else torch's ``varlen_attn``, else SDPA per
   document);
 * ``packing``          -- ``--packing True``, ``--packing_batch`` rows of ``--max_length`` per micro batch;
 * ``qwen-style``       -- Qwen's finetune.py batches: every sample padded to ``--max_length``;
 * ``bf16-padded-sdpa`` -- ``--padding_free False``: padded batches under transformers' SDPA;
 * ``qlora-4bit``       -- ``--q_lora True``: the base in bitsandbytes 4-bit NF4, adapters in bf16;
-* ``zero2``            -- ``--deepspeed sft/configs/ds_config_zero2.json`` in one process (torchrun);
-* ``fsdp2``            -- ``--fsdp full_shard`` with FSDP2 (``sft/configs/fsdp_config_full_shard.json``), one
+* ``zero2``            -- ``--deepspeed sft/config/shipped/ds_config_zero2.json`` in one process (torchrun);
+* ``fsdp2``            -- ``--fsdp full_shard`` with FSDP2 (``sft/config/shipped/fsdp_config_full_shard.json``), one
   process (torchrun);
 * ``profile``          -- our defaults again, with ``torch.profiler`` over step 2: kernel time on the device against
   the step's wall time, kernel launches and aten operator calls per step;
 * ``lora-dropout0``    -- ``--lora_dropout 0``: under autocast the LoRA layers' inputs stay bf16
-  (:func:`sft.modeling.keep_lora_inputs_in_autocast_dtype`), against ``bf16``'s dropout 0.05 that keeps peft's fp32
+  (:func:`sft.model.loading.keep_lora_inputs_in_autocast_dtype`), against ``bf16``'s dropout 0.05 that keeps peft's fp32
   copies;
 * ``compiled``         -- our defaults with every decoder layer compiled (``torch.compile(dynamic=True)``, regional, as
   torchtitan and torchtune do; bench/compare.py's ``compile_layers``): the compile time shows in the "step 1" column.
 
 Prints the attention path, then real tokens/s over optimizer steps 2..N, the load and training memory peaks, and MFU
-against the device's bf16 matmul peak measured here (:func:`sft.callbacks.measure_matmul_peak`) and, for the device
+against the device's bf16 matmul peak measured here (:func:`sft.train.metrics.measure_matmul_peak`) and, for the device
 names in :data:`DATASHEET_BF16_TFLOPS`, against the datasheet's dense bf16 peak, and a verdict per target of
 :data:`TARGETS`; writes the same table (``table.txt``) and every row's numbers (``results.json``) into ``--out``.
 Refuses with exit 2 on a machine without CUDA (except ``--dry_run`` and ``--tiny``). Each row gets at most the time
@@ -218,10 +218,10 @@ def verdicts(rates: dict[str, float], shape: str = "smollm2-135m", mfu: dict[str
 
 
 def attention_path() -> str:
-    """The padding-free attention path bf16 rows take on this machine's GPU (:func:`sft.attention.varlen_kernel`)."""
+    """The padding-free attention path bf16 rows take on this machine's GPU (:func:`sft.model.attention.varlen_kernel`)."""
     import torch
 
-    from sft.attention import varlen_kernel
+    from sft.model.attention import varlen_kernel
 
     return {"flash_attn": "one flash-attn varlen call per layer", "torch_varlen": "one torch varlen_attn call per layer",
             "sdpa_loop": "SDPA per document (flash/memory-efficient backends)"}[varlen_kernel("cuda", torch.bfloat16)]
@@ -291,12 +291,12 @@ def main(argv=None) -> int:
     if not os.path.exists(a.data):
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prepare_example.py")], check=True, cwd=ROOT)
     build_shape(a, device)
-    from sft.callbacks import measure_matmul_peak
+    from sft.train.metrics import measure_matmul_peak
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     measured = measure_matmul_peak(torch.bfloat16, device, seconds=2.0 if device.type == "cuda" else 0.5) / 1e12
     sheet = datasheet_peak(name) if device.type == "cuda" else None
-    attention = attention_path() if device.type == "cuda" else "CPU path (sft.attention)"
+    attention = attention_path() if device.type == "cuda" else "CPU path (sft.model.attention)"
     print(f"device: {name}; torch {torch.__version__} (CUDA {torch.version.cuda}); bf16 matmul peak measured "
           f"{measured:.1f} TFLOP/s; datasheet {f'{sheet:.1f} TFLOP/s' if sheet else 'unknown for this name'}; "
           f"per-document attention: {attention}")

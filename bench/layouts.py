@@ -11,12 +11,12 @@ the layouts interleaved round by round so that a change in the machine's load to
 * ``padded``            -- micro batches of ``--batch`` samples padded to the longest (multiple of 8), a mask;
   ``--padding_free False``;
 * ``padding-free``      -- the same micro batches, samples end to end in one ``[1, tokens]`` row, attention per
-  sample without a mask (:mod:`sft.attention`); the default;
+  sample without a mask (:mod:`sft.model.attention`); the default;
 * ``grouped``           -- micro batches of samples of similar length (sorted), padded: what
   ``--group_by_length True --padding_free False`` approaches;
 * ``packed-rows``       -- ``--packing True``: the samples packed into rows of ``--max_length`` (best-fit
   decreasing), micro batches of ``--rows`` rows, one row per packed row, attention per sample without a mask;
-* ``packed-flat-mask``  -- the packing path before :mod:`sft.attention`: the same rows flattened into one row
+* ``packed-flat-mask``  -- the packing path before :mod:`sft.model.attention`: the same rows flattened into one row
   per micro batch, plain ``sdpa`` with the block-diagonal mask transformers builds from the position ids.
 
 Prints, per layout, real (non-pad) tokens/s over the timed rounds (after one untimed micro batch with each
@@ -44,9 +44,9 @@ def layouts(samples, batch: int, rows: int, max_len: int, tok):
     """``{name: (attention implementation, [batch dicts])}`` over the same samples."""
     from transformers import DataCollatorWithFlattening
 
-    from sft.attention import PACKED_ATTENTION
-    from sft.dataset import make_collator
-    from sft.packing import PackedCollator, PaddingFreeCollator, pack_dataset, split_row
+    from sft.model.attention import PACKED_ATTENTION
+    from sft.data.dataset import make_collator
+    from sft.data.packing import PackedCollator, PaddingFreeCollator, pack_dataset, split_row
 
     pad, free = make_collator(tok), PaddingFreeCollator()
     micro = [samples[i:i + batch] for i in range(0, len(samples), batch)]
@@ -66,7 +66,7 @@ def layouts(samples, batch: int, rows: int, max_len: int, tok):
 
 
 def real_tokens(b, pad_id: int) -> int:
-    from sft.callbacks import packed_padding
+    from sft.train.metrics import packed_padding
 
     if "attention_mask" in b:
         return int(b["attention_mask"].sum())
@@ -90,10 +90,10 @@ def main(argv=None) -> int:
                    "(per layout, the last round): how a micro batch's cost per token follows its size")
     a = p.parse_args(argv)
     import torch
-    from sft.attention import register
-    from sft.chat import IGNORE_INDEX, encode_conversations
-    from sft.data import load_conversations
-    from sft.modeling import apply_lora, load_model, load_tokenizer
+    from sft.model.attention import register
+    from sft.data.chat import IGNORE_INDEX, encode_conversations
+    from sft.data.records import load_conversations
+    from sft.model.loading import apply_lora, load_model, load_tokenizer
 
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     tok, eot, grew = load_tokenizer(a.model)

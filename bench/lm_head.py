@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The LM head only at supervised positions (sft/loss.py) against logits at every position (a benchmark, not a test).
+"""The LM head only at supervised positions (sft/model/loss.py) against logits at every position (a benchmark, not a test).
 
 For each model and mode, in its own process (so that peak RSS is that configuration's): a LoRA model (r 16, all
 linear projections but the head, as bench/compare.py) runs ``--steps`` forward + backward passes (no optimizer
@@ -30,7 +30,7 @@ def one(a) -> dict:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from sft.loss import compute_supervised_loss
+    from sft.model.loss import compute_supervised_loss
 
     dtype = torch.bfloat16 if a.bf16 else torch.float32
     if a.model == "smollm2":

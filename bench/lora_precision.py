@@ -7,7 +7,7 @@
 
 Two arms train the same LoRA (r 16, alpha 32, dropout 0.05, every linear layer) on the same micro batches from the
 same seed, in fp32 on this machine (bf16 matmuls are emulated on CPUs without avx512_bf16, ~1 GFLOP/s), through
-``sft.training.build_trainer`` with AdamW:
+``sft.app.train.build_trainer`` with AdamW:
 
 * ``fp32``  -- adapters and AdamW's moments in fp32: what ``--bf16 True`` keeps outside DeepSpeed (peft's
   ``autocast_adapter_dtype``; the optimizer's master weights) and DeepSpeed's bf16 optimizer keeps as master copies;
@@ -71,9 +71,9 @@ def run_arm(a, bf16_storage: bool, train_path: str, eval_path: str) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from sft.arguments import parse_args, validate
+    from sft.config.arguments import parse_args, validate
     from sft.distributed.process_group import setup_runtime
-    from sft.training import build_trainer
+    from sft.app.train import build_trainer
 
     out = tempfile.mkdtemp(prefix="sft-lora-precision-")
     args = parse_args(["--model_name_or_path", a.model, "--data_path", train_path, "--eval_data_path", eval_path,

@@ -5,7 +5,7 @@
     .venv/bin/python bench/row_size.py --doc_length 256 --docs 1 2 4 8 16
 
 Builds padding-free rows (``[1, tokens]``, position ids restarting per document, attention per document without a
-mask: :mod:`sft.attention`, as the default collator and ``--packing`` give) of ``--docs`` documents each, every
+mask: :mod:`sft.model.attention`, as the default collator and ``--packing`` give) of ``--docs`` documents each, every
 document ``--doc_length`` tokens of real chitchat text, so attention per token is the same in every row and any
 change in the cost per token comes from the row's size alone (cache and memory traffic). Times forward + backward of
 the example's model with LoRA (no optimizer step), ``--rounds`` times per row size, interleaved, after one untimed
@@ -41,11 +41,11 @@ def main(argv=None) -> int:
         p.error("--doc_length must be at least 2, --docs and --rounds at least 1")
     import torch
 
-    from sft.attention import PACKED_ATTENTION, register
-    from sft.chat import encode_conversations
-    from sft.data import load_conversations
-    from sft.modeling import apply_lora, load_model, load_tokenizer
-    from sft.packing import PackedCollator, PaddingFreeCollator
+    from sft.model.attention import PACKED_ATTENTION, register
+    from sft.data.chat import encode_conversations
+    from sft.data.records import load_conversations
+    from sft.model.loading import apply_lora, load_model, load_tokenizer
+    from sft.data.packing import PackedCollator, PaddingFreeCollator
 
     tok, eot, grew = load_tokenizer(a.model)
     convs = load_conversations(a.data, "error")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a Trainer step's time goes, against the bare forward + backward of the same batches (a benchmark).
 
-Builds the run of the usual finetune.py flags (with the callbacks ``sft.training.run`` installs: checkpoint,
+Builds the run of the usual finetune.py flags (with the callbacks ``sft.app.train.run`` installs: checkpoint,
 preemption, throughput), trains ``--max_steps`` optimizer steps (gradient accumulation 1), and times each
 part of every step after the first: fetching the batch (``get_batch_samples``: data loading, collation, the
 supervised-token count), ``training_step`` (forward + backward as the Trainer runs them), gradient clipping,
@@ -42,14 +42,14 @@ def timed(obj, name: str, into: dict, key: str):
 def main() -> int:
     from transformers import TrainerCallback
 
-    from sft.arguments import parse_args, validate
-    from sft.checkpoint import install as install_checkpoints
+    from sft.config.arguments import parse_args, validate
+    from sft.train.checkpoint import install as install_checkpoints
     from sft.cli import report
     from sft.distributed.process_group import setup_runtime
     from sft.errors import SFTError
     from sft.logs import setup_logging
-    from sft.preemption import PreemptionHandler
-    from sft.training import build_trainer
+    from sft.train.preemption import PreemptionHandler
+    from sft.app.train import build_trainer
 
     argv = sys.argv[1:]
     if "--output_dir" not in argv:

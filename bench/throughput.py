@@ -28,12 +28,12 @@ import torch
 def main() -> int:
     from transformers import TrainerCallback
 
-    from sft.arguments import parse_args, validate
+    from sft.config.arguments import parse_args, validate
     from sft.distributed.process_group import setup_runtime
     from sft.cli import report
     from sft.errors import SFTError
     from sft.logs import setup_logging
-    from sft.training import build_trainer
+    from sft.app.train import build_trainer
 
     argv = sys.argv[1:]
     if "--output_dir" not in argv:

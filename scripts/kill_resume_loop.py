@@ -124,7 +124,7 @@ def kill_at_random(cmd, out, log_path, rng, steps, sig=signal.SIGKILL) -> str:
     """Start ``cmd``; once ``checkpoint-k`` (random k) exists, wait a random delay, then send ``sig``: SIGKILL to
     every process of the run (a crash, :func:`kill_tree`), any other signal to the top process only (as a
     scheduler does)."""
-    from sft.checkpoint import checkpoint_dirs, is_complete
+    from sft.train.checkpoint import checkpoint_dirs, is_complete
 
     k = rng.randint(1, steps - 1)
     delay = rng.uniform(0.0, 0.5)

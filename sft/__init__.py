@@ -4,6 +4,6 @@ Data flows one way: file -> records -> rendered conversation -> (input_ids, labe
 """
 __version__ = "0.1.0"
 
-from .logs import hold_import_notices  # noqa: E402  (stdlib only; before any submodule imports transformers/peft)
+from sft.logs import hold_import_notices  # noqa: E402  (stdlib only; before any submodule imports transformers/peft)
 
 hold_import_notices()

@@ -1,6 +1,6 @@
 """``python -m sft COMMAND [ARGS...]``: train | check | merge | generate | show-sample | ray (see :mod:`sft.cli`)."""
 import sys
 
-from .cli import main
+from sft.cli import main
 
 sys.exit(main())

@@ -8,7 +8,7 @@ Policy (:func:`run_cli`), the same for every entry point (``finetune.py``, the `
   user can fix, 75 preempted (checkpoint saved; the same command resumes), 1 a lost peer
   (:class:`sft.distributed.failures.PeerLost`);
 * SIGINT (Ctrl-C) and SIGTERM before a command has its own handling (training installs
-  :class:`sft.preemption.PreemptionHandler`) stop it with one line ``interrupted by SIGINT ...`` and exit
+  :class:`sft.train.preemption.PreemptionHandler`) stop it with one line ``interrupted by SIGINT ...`` and exit
   128 + the signal number (130, 143), after ``finally`` clauses ran (so no half-written folder is left);
 * a Python that lacks a package sft needs (``ModuleNotFoundError`` outside ``sft``) is one paragraph naming the
   interpreter, the package and the fix (exit 2);
@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import Callable, Optional, Sequence
 
-from .errors import PREEMPTED_EXIT_CODE, SFTError, report_exit_code
+from sft.errors import PREEMPTED_EXIT_CODE, SFTError, report_exit_code
 
 
 def debug_enabled() -> bool:
@@ -140,18 +140,18 @@ def run_cli(body: Callable[[], Optional[int]]) -> int:
 # ------------------------------------------------------------------------------------------------ commands
 
 def train(argv: Optional[Sequence[str]] = None, extra: tuple = (), step_checks: Sequence[Callable] = ()) -> str:
-    """Parse -> validate -> runtime setup -> :func:`sft.training.run`. Returns the output folder.
+    """Parse -> validate -> runtime setup -> :func:`sft.app.train.run`. Returns the output folder.
 
     ``extra``: a launcher's own flag dataclasses (parsed and ignored here, so one command line / YAML serves both).
-    ``step_checks``: callables run on every rank at every optimizer step end (:class:`sft.preemption.PreemptionHandler`).
+    ``step_checks``: callables run on every rank at every optimizer step end (:class:`sft.train.preemption.PreemptionHandler`).
 
     Raises:
         SFTError: any problem the user can fix (exit code 2), ``Preempted`` (75), ``PeerLost`` (1).
     """
-    from .arguments import parse_args, validate
-    from .distributed.failures import raise_if_peer_lost
-    from .distributed.process_group import setup_runtime
-    from .training import run
+    from sft.config.arguments import parse_args, validate
+    from sft.distributed.failures import raise_if_peer_lost
+    from sft.distributed.process_group import setup_runtime
+    from sft.app.train import run
 
     try:  # parsing starts the process group under torchrun, setup_runtime DeepSpeed's communication on it
         model_args, data_args, training_args, lora_args = parse_args(argv, extra)[:4]
@@ -170,8 +170,8 @@ def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:
     Raises:
         SFTError: the first kind of problem found (every problem of that kind is listed).
     """
-    from .arguments import validate
-    from .training import check_data
+    from sft.config.arguments import validate
+    from sft.app.train import check_data
 
     validate(model_args, data_args, training_args, lora_args)
     return check_data(model_args, data_args, training_args) + ["configuration and data OK"]
@@ -179,7 +179,7 @@ def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:
 
 def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
     """Parse ``argv`` and :func:`check_parsed` it. Returns the summary lines."""
-    from .arguments import parse_args
+    from sft.config.arguments import parse_args
 
     return check_parsed(*parse_args(argv, extra)[:4])
 
@@ -188,7 +188,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     """``finetune.py`` / ``sft-train``: see :func:`train`, then the process group's end
     (:func:`sft.distributed.process_group.finish_process_group`). Returns the exit code."""
     def body():
-        from .distributed.process_group import finish_process_group
+        from sft.distributed.process_group import finish_process_group
 
         train(sys.argv[1:] if argv is None else argv)
         finish_process_group()
@@ -214,7 +214,7 @@ def merge_main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
 
     def body():
-        from .export import merge_adapter
+        from sft.model.export import merge_adapter
 
         print(f"merged model written to {merge_adapter(a.adapter_dir, a.out_dir, a.base, a.overwrite)}")
     return run_cli(body)
@@ -234,7 +234,7 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
             raise SFTError(f"--max_new_tokens {a.max_new_tokens}: must be at least 1")
         if not os.path.isdir(a.model_dir):
             raise SFTError(f"{a.model_dir}: no such folder; give a model folder")
-        from .export import generate_reply
+        from sft.model.export import generate_reply
 
         print(generate_reply(a.model_dir, a.prompt, a.max_new_tokens))
     return run_cli(body)
@@ -254,12 +254,12 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
 
     def body():
-        from .chat import visualize
+        from sft.data.chat import visualize
         import itertools
 
-        from .data import RecordCheck, iter_conversations
-        from .dataset import encode_samples
-        from .modeling import load_tokenizer
+        from sft.data.records import RecordCheck, iter_conversations
+        from sft.data.dataset import encode_samples
+        from sft.model.loading import load_tokenizer
 
         if not os.path.isfile(os.path.join(a.model_dir, "config.json")) and not os.path.isfile(
                 os.path.join(a.model_dir, "tokenizer.json")):
@@ -285,7 +285,7 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
 def ray_main(argv: Optional[Sequence[str]] = None) -> int:
     """``sft-ray``: the Ray launcher (:func:`sft.ray.driver.main`; its import needs torch, so it runs under the policy)."""
     def body():
-        from .ray.driver import main
+        from sft.ray.driver import main
 
         return main(argv)
     return run_cli(body)

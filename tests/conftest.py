@@ -14,7 +14,7 @@ import torch  # noqa: F401
 import transformers  # noqa: F401
 
 import sft.cli  # noqa: F401,E402
-import sft.training  # noqa: F401,E402
+import sft.app.train  # noqa: F401,E402
 
 from tests.helpers import assets
 from tests.helpers.data import TOY, write_jsonl
@@ -71,7 +71,7 @@ def tiny_model_dir():
 
 @pytest.fixture(scope="session")
 def qwen_tok(tiny_model_dir):
-    from sft.modeling import load_tokenizer
+    from sft.model.loading import load_tokenizer
 
     tok, eot, _ = load_tokenizer(tiny_model_dir)
     return tok, eot
@@ -87,7 +87,7 @@ def smol_dir():
 
 @pytest.fixture(scope="session")
 def smol_tok(smol_dir):
-    from sft.modeling import load_tokenizer
+    from sft.model.loading import load_tokenizer
 
     tok, eot, _ = load_tokenizer(smol_dir)
     return tok, eot

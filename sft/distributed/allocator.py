@@ -25,7 +25,7 @@ import re
 import sys
 from typing import Mapping
 
-from ..errors import ContractError
+from sft.errors import ContractError
 
 CHOICES = ("auto", "tcmalloc", "glibc")
 # gperftools' library names: the minimal build (Debian/Ubuntu libtcmalloc-minimal4, RHEL gperftools-libs) first

@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from ..errors import ContractError
+from sft.errors import ContractError
 
 DEFAULT_MASTER_PORT = 6001
 DEFAULT_RDZV_TIMEOUT_S = 600  # torch's static rendezvous default is 600 s too

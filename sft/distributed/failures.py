@@ -5,7 +5,7 @@ import re
 import sys
 from typing import Optional
 
-from ..errors import PEER_LOST_EXIT_CODE, SFTError
+from sft.errors import PEER_LOST_EXIT_CODE, SFTError
 
 # gloo names the peer as "[ip]:port" ("Connection closed by peer [10.0.0.3]:4123", "Read error [10.0.0.3]:4123:
 # Connection reset by peer"); the first bracketed address is the peer (source paths in brackets start with "/").

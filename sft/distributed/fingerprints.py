@@ -12,9 +12,9 @@ import re
 import socket
 from typing import Optional
 
-from ..data import file_sha256
-from ..errors import PreflightError
-from .contract import route_source
+from sft.data.records import file_sha256
+from sft.errors import PreflightError
+from sft.distributed.contract import route_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "qwen.tiktoken", "chat_template.jinja",
@@ -40,7 +40,7 @@ def input_fingerprint(model_path: str, data_files: dict[str, str]) -> dict:
 
     ``data_files`` maps a flag (``--data_path``) to the file it names on this node; the contents are compared,
     not the paths."""
-    from .. import __version__
+    from sft import __version__
 
     fp = {f"{flag} file": file_sha256(path) for flag, path in data_files.items()}
     cfg = _model_file(model_path, "config.json")

@@ -9,9 +9,9 @@ Order in a run (:mod:`sft.cli`): parse -> validate -> :func:`setup_runtime` -> t
   process (no ``WORLD_SIZE`` > 1) starts nothing, so parsing in a test or a notebook has no side effect.
 * :func:`setup_runtime` -- under ``--deepspeed``: ``deepspeed.comm`` on that process group, before the
   model is built (ZeRO-3 partitions parameters as they are created), with DeepSpeed's CPU shm-op build
-  skipped (:func:`sft.ds_compat.skip_shm_comm_op_build`).
+  skipped (:func:`sft.compat.deepspeed.skip_shm_comm_op_build`).
 * :func:`enable_fsdp` -- under ``--fsdp`` on CPU: the FSDP2 plugin that accelerate 1.15 drops for CPU
-  process groups, given back as the Trainer creates its ``Accelerator`` (:mod:`sft.fsdp_compat`).
+  process groups, given back as the Trainer creates its ``Accelerator`` (:mod:`sft.compat.accelerate`).
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def prepare_training_args(args) -> None:
     On a machine without CUDA: ``use_cpu = True`` and ``ddp_backend`` defaults to ``gloo`` when several
     processes run (otherwise ``torchrun --nproc_per_node 2`` would start two independent trainings);
     ``--fp16`` is switched off and remembered in ``args.fp16_requested_without_cuda`` so that
-    :func:`sft.arguments.validate` reports it with every other problem.
+    :func:`sft.config.arguments.validate` reports it with every other problem.
     """
     import torch
 
@@ -166,8 +166,8 @@ def init_deepspeed_comm(training_args) -> None:
         return
     import torch
 
-    from ..ds_compat import skip_shm_comm_op_build
-    from ..logs import release_import_notices
+    from sft.compat.deepspeed import skip_shm_comm_op_build
+    from sft.logs import release_import_notices
 
     release_import_notices("deepspeed")  # this run uses DeepSpeed: its import-time notices concern it
     deepspeed_cpu_default()
@@ -188,12 +188,12 @@ def init_deepspeed_comm(training_args) -> None:
 
 def enable_fsdp(trainer) -> None:
     """Under ``--fsdp`` in several CPU processes, give accelerate's state the FSDP2 plugin it drops on CPU
-    (:func:`sft.fsdp_compat.enable_fsdp_on_cpu`), so that the model is sharded with ``fully_shard`` over
+    (:func:`sft.compat.accelerate.enable_fsdp_on_cpu`), so that the model is sharded with ``fully_shard`` over
     gloo instead of being replicated by DDP. Called by the Trainer right after it creates its
-    ``Accelerator`` (:class:`sft.sampling.Trainer`), before the model is prepared. GPU runs are untouched."""
+    ``Accelerator`` (:class:`sft.train.trainer.Trainer`), before the model is prepared. GPU runs are untouched."""
     if trainer.args.fsdp_plugin_args is None or trainer.is_fsdp_enabled or not trainer.args.use_cpu:
         return
-    from ..fsdp_compat import enable_fsdp_on_cpu
+    from sft.compat.accelerate import enable_fsdp_on_cpu
 
     if enable_fsdp_on_cpu(trainer.accelerator, trainer.args.fsdp_plugin_args):
         trainer.is_fsdp_enabled = True

@@ -19,8 +19,8 @@ import sys
 import time
 from typing import Mapping, Optional
 
-from ..errors import PreflightError
-from .contract import Contract, resolve
+from sft.errors import PreflightError
+from sft.distributed.contract import Contract, resolve
 
 
 def preflight_enabled(env: Mapping[str, str] = os.environ) -> bool:
@@ -29,7 +29,7 @@ def preflight_enabled(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def _hello(c: Contract) -> dict:
-    from .. import __version__
+    from sft import __version__
 
     return {"node_rank": c.node_rank, "nnodes": c.nnodes, "nproc_per_node": c.nproc_per_node,
             "host": socket.gethostname(), "version": __version__}

@@ -37,7 +37,7 @@ import signal
 import sys
 from typing import Optional
 
-from ..errors import report_exit_code
+from sft.errors import report_exit_code
 
 # torch 2.13: the agent logs its "Received N death signal, shutting down workers" on this logger, then
 # re-raises SignalException (torch.distributed.elastic.multiprocessing.api) out of torchrun's main().

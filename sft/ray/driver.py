@@ -34,13 +34,13 @@ import threading
 import time
 from typing import Optional
 
-from ..cli import check_parsed, run_cli
-from ..distributed.contract import resolve
-from ..distributed.process_group import deepspeed_cpu_default
-from ..errors import PREEMPTED_EXIT_CODE, SFTError
-from .flags import RayArguments, check_ray_args
-from .placement import placement_problem, worker_resources
-from .worker import Coordinator, train_worker
+from sft.cli import check_parsed, run_cli
+from sft.distributed.contract import resolve
+from sft.distributed.process_group import deepspeed_cpu_default
+from sft.errors import PREEMPTED_EXIT_CODE, SFTError
+from sft.ray.flags import RayArguments, check_ray_args
+from sft.ray.placement import placement_problem, worker_resources
+from sft.ray.worker import Coordinator, train_worker
 
 PLACEMENT_FILE = "ray_placement.json"
 
@@ -244,8 +244,8 @@ def _drive(argv: list[str]) -> int:
     """Parse once, check once, connect, train. The defaults the workers get are placed before the user's flags
     (the last occurrence wins), as finetune/launch.sh does: ``--ddp_timeout 600`` (a lost worker stops the others
     after 10 minutes, not transformers' 30) and no tqdm bars (Ray forwards worker output line by line; the step
-    lines of sft.callbacks show progress); ``--bf16 True`` is added once the cluster is known to have GPUs."""
-    from ..arguments import parse_args
+    lines of sft.train.metrics show progress); ``--bf16 True`` is added once the cluster is known to have GPUs."""
+    from sft.config.arguments import parse_args
 
     argv = ["--ddp_timeout", "600", "--disable_tqdm", "True"] + argv
     model_args, data_args, training_args, lora_args, ray_args = parse_args(argv, (RayArguments,))

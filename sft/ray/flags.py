@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import ConfigError
+from sft.errors import ConfigError
 
 STRATEGIES = {
     "PACK": "as few nodes as possible (best effort)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .flags import RayArguments
+from sft.ray.flags import RayArguments
 
 
 def worker_resources(r: RayArguments, use_gpu: bool) -> dict:

@@ -8,9 +8,9 @@ import threading
 import time
 from typing import Optional
 
-from ..distributed.process_group import deepspeed_cpu_default
-from ..errors import PREEMPTED_EXIT_CODE
-from .flags import RayArguments
+from sft.distributed.process_group import deepspeed_cpu_default
+from sft.errors import PREEMPTED_EXIT_CODE
+from sft.ray.flags import RayArguments
 
 
 class Coordinator:
@@ -47,7 +47,7 @@ def _poll_stop(coordinator, done: threading.Event, interval_s: float = 1.0) -> N
     """Worker thread: when the driver asks to stop, act as if this process had received the signal."""
     import ray
 
-    from ..preemption import request_stop
+    from sft.train.preemption import request_stop
 
     signum = None
     while not done.wait(interval_s):
@@ -98,9 +98,10 @@ def train_worker(config: dict) -> None:
         raise WorkerFailed(f"rank {rank} on {info['hostname']}: cannot enter the launch directory {config['cwd']} "
                            f"({e.strerror}); the code, data and --output_dir must be on a path shared by every node")
     deepspeed_cpu_default()
-    # imports transformers (through sft.training) before the poll thread starts: two threads importing it race
-    from .. import preemption, training  # noqa: F401
-    from ..cli import run_cli, train
+    # imports transformers (through sft.app.train) before the poll thread starts: two threads importing it race
+    from sft.train import preemption
+    from sft.app import train as training  # noqa: F401
+    from sft.cli import run_cli, train
 
     done = threading.Event()
     threading.Thread(target=_poll_stop, args=(coordinator, done), daemon=True, name="sft-stop-poll").start()

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.multinode, pytest.mark.skipif(_WHY is not None, reason
 
 PRESET = os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh")  # DDP LoRA
 # The elastic run equals the uninterrupted one within these: its rounds resume exactly, and another world size
-# with the same global batch sees the same samples per step (sft/world_size.py); what differs is the order of
+# with the same global batch sees the same samples per step (sft/train/world_size.py); what differs is the order of
 # the gradient sums across ranks (measured: ~1e-7)
 ATOL_LOSS = 1e-4
 ATOL_WEIGHTS = 1e-5

@@ -112,7 +112,7 @@ def _wait_for(log, needle, p, limit=RUN_LIMIT_S):
 def test_sigterm_under_strict_spread_then_resume_under_strict_pack(cluster, tmp_path, tiny_model_dir, data):
     """STRICT_SPREAD: one worker per node; SIGTERM to the driver: checkpoint, exit 75. The same command with
     STRICT_PACK (both workers on one node) resumes from that checkpoint and finishes."""
-    from sft.checkpoint import MARKER
+    from sft.train.checkpoint import MARKER
 
     out, steps = tmp_path / "out", 80  # 24 ended before the stop reached the workers on a fast CI machine
     flags = ["--ray_address", cluster.address, "--num_workers", "2", "--logging_steps", "1"]
@@ -174,7 +174,7 @@ def test_ray_node_drain_ends_in_a_checkpoint(cluster, tmp_path, tiny_model_dir, 
     launcher exits 75. Last in this module: the drained node stays draining."""
     import re
 
-    from sft.checkpoint import MARKER
+    from sft.train.checkpoint import MARKER
 
     # The drain reaches the workers seconds after the test asks for it (the `ray drain-node` CLI starts, the GCS tells
     # Ray Train): 100 steps (~7 s on a fast CI machine) ended first. The run must outlast the notice, never the limit.

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from sft import checkpoint as ckpt
+from sft.train import checkpoint as ckpt
 from tests.cluster import test_multinode as mn
 from tests.cluster.test_multinode import data, make_hosts  # noqa: F401 - fixtures of the one-host references
 from tests.helpers import netns

@@ -1,6 +1,6 @@
 """Test worker run in place of finetune.py (``SFT_PROGRAM=tests/helpers/dist_worker.py`` for finetune/launch.sh
 and the presets, or directly under torchrun; the repository root on PYTHONPATH, see
-tests.helpers.paths.pythonpath_env): trains through sft.training exactly like finetune.py, then
+tests.helpers.paths.pythonpath_env): trains through sft.app.train exactly like finetune.py, then
 records, per rank, which samples it saw, its losses and learning rates, what kind of run it was, and
 (rank 0) the trained model's logits on a probe prompt, computed on every rank (ZeRO-3 and FSDP2 gather
 weights layer by layer during the forward).
@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from sft.arguments import parse_args, validate
+from sft.config.arguments import parse_args, validate
 from sft.distributed.process_group import finish_process_group, setup_runtime
 from sft.logs import setup_logging
-from sft.training import build_trainer, save
+from sft.app.train import build_trainer, save
 
 PROBE = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
 

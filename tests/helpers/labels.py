@@ -1,5 +1,5 @@
 """Reading labels back in tests: the decoded runs of supervised tokens."""
-from sft.chat import IGNORE_INDEX
+from sft.data.chat import IGNORE_INDEX
 
 
 def supervised_spans(tok, ids, labels) -> list[str]:

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-import sft.training as training
+import sft.app.train as training
 from sft.cli import train_main
 
 
@@ -34,7 +34,7 @@ def main() -> int:
         got["trainer"] = trainer
         return trainer, tok, eot
 
-    training.build_trainer = recording_build_trainer  # run() looks it up in sft.training when it runs
+    training.build_trainer = recording_build_trainer  # run() looks it up in sft.app.train when it runs
     code = train_main(sys.argv[1:])
     trainer = got.get("trainer")
     if trainer is not None:

@@ -75,7 +75,7 @@ def test_multi_process_launch_reports_data_errors_once(tiny_model_dir, tmp_path)
 
 def test_merge_overwrite_only_replaces_model_folders(tmp_path, tiny_model_dir, toy_data, monkeypatch):
     from sft.errors import SFTError
-    from sft.export import merge_adapter
+    from sft.model.export import merge_adapter
     from tests.integration.test_train import train
 
     train(tiny_model_dir, toy_data, tmp_path / "lora", "--use_lora", "True", "--lora_r", "4", "--max_steps", "1")

@@ -111,7 +111,7 @@ def test_yaml_value_types(tmp_path, capsys, text, fragment):
 
 
 def test_yaml_values_are_converted_like_flags(tmp_path, tiny_model_dir, toy_data):
-    from sft.arguments import parse_args
+    from sft.config.arguments import parse_args
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model_name_or_path: {tiny_model_dir}\nlora_target_modules: q_proj\nuse_lora: yes\n"
@@ -170,7 +170,7 @@ def test_output_and_resume_folders(tmp_path, tiny_model_dir, toy_data, capsys):
 
 
 def test_first_jsonl_line_bad_can_be_skipped(tmp_path):
-    from sft.data import load_conversations
+    from sft.data.records import load_conversations
 
     p = tmp_path / "d.jsonl"
     p.write_text('{"id": 1, oops}\n' + json.dumps(TOY[0]) + "\n")
@@ -261,7 +261,7 @@ def snapshot(*folders):
 
 
 def run_corpus_case(files, model_dir, capsys, flags, code, fragment, out=None):
-    from sft.checkpoint import checkpoint_dirs, latest_complete
+    from sft.train.checkpoint import checkpoint_dirs, latest_complete
 
     out = out or files / "out"
     base = ["--model_name_or_path", model_dir, "--data_path", f"{files}/good.jsonl", "--output_dir", str(out),

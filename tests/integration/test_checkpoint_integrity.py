@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sft import checkpoint as ck
+from sft.train import checkpoint as ck
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.files import flip_byte
 from tests.helpers.paths import ROOT, pythonpath_env

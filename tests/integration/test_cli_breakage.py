@@ -56,7 +56,7 @@ def test_one_node_several_processes_need_master_addr_on_this_host():
 # ------------------------------------------------------------------------------------------ flags and files
 
 def test_config_that_cannot_be_read(tmp_path):
-    from sft.arguments import parse_args
+    from sft.config.arguments import parse_args
 
     with pytest.raises(ConfigError, match=r"--config /proc/self/mem: cannot be read \(Input/output error\)"):
         parse_args(["--config", "/proc/self/mem"])  # a regular file whose read fails, also for root
@@ -72,15 +72,15 @@ def test_unconvertible_value_is_one_paragraph_not_the_whole_usage(capsys):
 
 
 def test_deepspeed_shipped_name_relative_to_another_directory(tmp_path, monkeypatch):
-    from sft.ds_config import SHIPPED, read_ds_config
+    from sft.config.deepspeed import SHIPPED, read_ds_config
 
     monkeypatch.chdir(tmp_path)
     _, problems = read_ds_config("finetune/ds_config_zero3.json", "cosine")
     assert len(problems) == 1 and f"the shipped ds_config_zero3.json is {SHIPPED}/ds_config_zero3.json" in problems[0]
     shutil.copy(os.path.join(ROOT, "finetune", "ds_config_zero3.json"), tmp_path / "real.json")
-    os.symlink("../sft/configs/ds_config_zero3.json", tmp_path / "copied_link.json")  # cp -P of the shipped link
+    os.symlink("../sft/config/shipped/ds_config_zero3.json", tmp_path / "copied_link.json")  # cp -P of the shipped link
     _, problems = read_ds_config("copied_link.json", "cosine")
-    assert "a symlink to the missing ../sft/configs/ds_config_zero3.json" in problems[0]
+    assert "a symlink to the missing ../sft/config/shipped/ds_config_zero3.json" in problems[0]
     assert read_ds_config("real.json", "cosine")[1] == []
 
 
@@ -176,7 +176,7 @@ def _model_without_tokenizer(src, dst):
 
 def test_model_folder_without_tokenizer_files(tiny_model_dir, tmp_path, capsys):
     # transformers 5 loads such a folder as a tokenizer of one special token, without an error
-    from sft.modeling import load_tokenizer
+    from sft.model.loading import load_tokenizer
 
     bare = _model_without_tokenizer(tiny_model_dir, tmp_path / "bare")
     with pytest.raises(SFTError, match="cannot load the tokenizer: the folder has no tokenizer files"):
@@ -191,7 +191,7 @@ def adapter(tiny_model_dir, tmp_path):
     import peft
     import transformers
 
-    from sft.modeling import load_tokenizer
+    from sft.model.loading import load_tokenizer
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
@@ -206,7 +206,7 @@ def _files(d):
 
 
 def test_merge_overwrite_interrupted_keeps_the_old_model(adapter, tiny_model_dir, tmp_path, monkeypatch):
-    from sft import export
+    from sft.model import export
 
     out = str(tmp_path / "merged")
     shutil.copytree(tiny_model_dir, out)  # the user's previous model in OUT_DIR

@@ -4,7 +4,7 @@ import pytest
 from sft.cli import check_main, rank_prefix, run_cli
 from sft.distributed.failures import PeerLost
 from sft.errors import PREEMPTED_EXIT_CODE, ConfigError, SFTError
-from sft.preemption import Preempted
+from sft.train.preemption import Preempted
 
 
 @pytest.mark.parametrize("err,code,label", [

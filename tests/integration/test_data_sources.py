@@ -6,8 +6,8 @@ import re
 import subprocess
 import sys
 
-from sft.arguments import parse_args, validate
-from sft.training import build_trainer
+from sft.config.arguments import parse_args, validate
+from sft.app.train import build_trainer
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT, pythonpath_env
 from tests.helpers.ports import free_port

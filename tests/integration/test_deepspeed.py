@@ -123,7 +123,7 @@ def reload(cell, out, base_dir):
     if cell.startswith("full"):
         return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     extra = {}
-    if cell.startswith("gptq"):  # gptqmodel's torch kernel, as sft trains with on CPU (sft.modeling.pre_quantized_kwargs)
+    if cell.startswith("gptq"):  # gptqmodel's torch kernel, as sft trains with on CPU (sft.model.loading.pre_quantized_kwargs)
         config = transformers.AutoConfig.from_pretrained(base_dir)
         config.quantization_config = {**config.quantization_config, "backend": "torch"}
         extra = {"config": config, "device_map": {"": "cpu"}}
@@ -148,7 +148,7 @@ def test_cell_trains_follows_cosine_saves_and_reloads_equal(cell, runs, qwen_tok
     kind = cell.split("-")[0]
     assert (QUANT_LINEAR.get(kind) in r0["linear_kinds"]) if kind in QUANT_LINEAR else not (
         {"Linear4bit", "TorchLinear"} & set(r0["linear_kinds"])), r0["linear_kinds"]
-    # FSDP2: accelerate kept the plugin (sft.fsdp_compat on CPU) and fully_shard left DTensor shards
+    # FSDP2: accelerate kept the plugin (sft.compat.accelerate on CPU) and fully_shard left DTensor shards
     assert r0["fsdp"] == r0["fsdp2_sharded"] == ("fsdp2" in cell)
     # trains: the loss goes down over 6 steps (first step vs mean of the last two)
     losses = r0["losses"]
@@ -197,7 +197,7 @@ def test_full_fine_tuning_same_loss_curve_under_ddp_zero2_zero3(runs):
 @pytest.mark.parametrize("cell,reference", [("full-ddp", "full-ddp-full-head"), ("full-zero2", "full-ddp-full-head"),
                                             ("full-zero3", "full-ddp-full-head"), ("lora-zero2", "lora-zero2-full-head")])
 def test_supervised_only_lm_head_same_loss_curve_as_the_full_head(runs, cell, reference):
-    """The default (--lm_head_supervised_only True, sft/loss.py; tied embeddings, the real Qwen vocabulary) against
+    """The default (--lm_head_supervised_only True, sft/model/loss.py; tied embeddings, the real Qwen vocabulary) against
     logits at every position: the first step's loss equal to 1e-6 relative and the 6-step curve within 2e-3 (the
     sums run in another order; Adam amplifies it, as in the DDP / ZeRO comparison above)."""
     ours, ref = runs(cell)["ranks"][0]["losses"], runs(reference)["ranks"][0]["losses"]
@@ -258,7 +258,7 @@ def test_qlora_preset_refuses_zero3_in_seconds_before_loading(tiny_model_dir, tm
                         "--output_dir", str(tmp_path / "out"), "--deepspeed", ZERO3],
                        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
     assert r.returncode == 2, r.stderr[-2000:]
-    from sft.ds_config import EXAMPLE  # the shipped ZeRO-2 config (package data; finetune/ links to it)
+    from sft.config.deepspeed import EXAMPLE  # the shipped ZeRO-2 config (package data; finetune/ links to it)
 
     assert f"use ZeRO-2 (--deepspeed {EXAMPLE}" in r.stderr and "Traceback" not in r.stderr
     assert "LoRA r=" not in r.stderr  # the model was never loaded

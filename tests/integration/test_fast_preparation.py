@@ -3,10 +3,12 @@ gives exactly the ids and labels of the general path (two renders per conversati
 on real chitchat conversations with the real SmolLM2 tokenizer and the real Qwen vocabulary (ChatML fallback)."""
 import pytest
 
-from sft import chat, long_conversations
-from sft.chat import IGNORE_INDEX, render_with_spans
-from sft.data import normalize_record
-from sft.samples import encode_samples
+from sft.data import chat
+
+from sft.data import long_conversations
+from sft.data.chat import IGNORE_INDEX, render_with_spans
+from sft.data.records import normalize_record
+from sft.data.samples import encode_samples
 
 N_CONVERSATIONS, MAX_LEN = 200, 256  # at 256 tokens about half of them are split
 
@@ -101,7 +103,7 @@ def test_labels_by_reply_equal_labels_by_token():
 def test_tokenizer_threads_share_the_cores(cores, processes, env, monkeypatch):
     import os
 
-    from sft.samples import limit_tokenizer_threads
+    from sft.data.samples import limit_tokenizer_threads
 
     # a private copy of the environment: what the function sets goes away with the test
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
@@ -115,7 +117,7 @@ def test_tokenizer_threads_share_the_cores(cores, processes, env, monkeypatch):
 def test_tokenizer_threads_leave_the_users_choice(monkeypatch):
     import os
 
-    from sft.samples import limit_tokenizer_threads
+    from sft.data.samples import limit_tokenizer_threads
 
     monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"},
                                         "TOKENIZERS_PARALLELISM": "true"})
@@ -124,13 +126,13 @@ def test_tokenizer_threads_leave_the_users_choice(monkeypatch):
 
 
 def test_memoized_sandbox_renders_and_refuses_as_transformers(smol_tok, qwen_tok, chitchat_messages):
-    """The chat template compiled with the memoized attribute check (sft.chat._compile_template) renders what
+    """The chat template compiled with the memoized attribute check (sft.data.chat._compile_template) renders what
     apply_chat_template renders, and still refuses what the sandbox refuses, also when the answer comes from the memo
     (the second time)."""
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    from sft.chat import _compile_template
+    from sft.data.chat import _compile_template
 
     for tok, _eot in (smol_tok, qwen_tok):
         renderer = chat._Renderer.of(tok)

@@ -1,4 +1,4 @@
-"""FSDP2 on CPU through real processes: why sft.fsdp_compat exists (accelerate under torchrun with gloo drops the
+"""FSDP2 on CPU through real processes: why sft.compat.accelerate exists (accelerate under torchrun with gloo drops the
 FSDP plugin), kill -9 and resume under FSDP2 bit for bit (full and LoRA), and the Q-LoRA refusal through the preset.
 Training, saving and reloading each FSDP2 cell, and the loss curve against DDP, are in the support matrix
 (tests/integration/test_deepspeed.py); the settings checks in process are in tests/unit/test_fsdp.py.
@@ -27,8 +27,8 @@ print(f"rank {os.environ['RANK']} world {acc.num_processes} {acc.distributed_typ
 
 def test_accelerate_under_torchrun_on_cpu_keeps_fsdp_off(tmp_path):
     """accelerate 1.15 given an FSDP2 plugin in 2 CPU processes (gloo): MULTI_CPU, no FSDP plugin kept, so without
-    sft.fsdp_compat the Trainer would wrap the model in DDP. When this fails, accelerate has changed and the
-    adapter (sft.fsdp_compat.enable_fsdp_on_cpu, a no-op then) can be removed."""
+    sft.compat.accelerate the Trainer would wrap the model in DDP. When this fails, accelerate has changed and the
+    adapter (sft.compat.accelerate.enable_fsdp_on_cpu, a no-op then) can be removed."""
     prog = tmp_path / "probe.py"
     prog.write_text(ACCELERATE_PROBE)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",

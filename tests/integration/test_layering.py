@@ -36,7 +36,7 @@ def test_parse_has_no_side_effects_in_one_process(tmp_path):
     """parse_args with --deepspeed leaves DeepSpeed unpatched and starts no process group."""
     code = f"""
 import importlib, sys
-from sft.arguments import parse_args
+from sft.config.arguments import parse_args
 args = parse_args(["--output_dir", {str(tmp_path / 'o')!r}, "--deepspeed", "finetune/ds_config_zero2.json",
                    "--report_to", "none"])
 assert args[2].zero_stage == 2 and args[2].use_cpu

@@ -25,7 +25,7 @@ def test_launcher_rejects_a_loopback_master_for_several_nodes():
 
 DDP_TIMEOUT_WORKER = r"""
 import os, sys, time
-from sft.arguments import parse_args
+from sft.config.arguments import parse_args
 import torch, torch.distributed as dist
 parse_args(["--output_dir", sys.argv[1], "--ddp_timeout", "3", "--report_to", "none"])
 assert dist.is_initialized() and dist.get_backend() == "gloo"

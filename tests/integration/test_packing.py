@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from sft.attention import PACKED_ATTENTION
-from sft.chat import IGNORE_INDEX, encode_conversations
-from sft.data import load_conversations
-from sft.dataset import make_collator
-from sft.packing import PackedCollator, PaddingFreeCollator, check_packing_support, pack_dataset, split_row
-from sft.training import build_trainer
+from sft.model.attention import PACKED_ATTENTION
+from sft.data.chat import IGNORE_INDEX, encode_conversations
+from sft.data.records import load_conversations
+from sft.data.dataset import make_collator
+from sft.data.packing import PackedCollator, PaddingFreeCollator, check_packing_support, pack_dataset, split_row
+from sft.app.train import build_trainer
 from tests.helpers.data import TOY, write_jsonl
 from tests.unit.test_packing import train_args
 
@@ -132,7 +132,7 @@ def test_padding_free_default_learns_as_padded_batches(tiny_model_dir, toy_data,
 def test_the_trainer_feeds_the_budgeted_micro_batches_largest_first(tiny_model_dir, toy_data, tmp_path, caplog):
     """Padding-free micro batches under a token budget reach the model through the Trainer's own data loader (a
     batch sampler, one [1, tokens] row each), the largest first, and the memory plan names that micro batch."""
-    from sft.sampling import TokenBudgetBatchSampler
+    from sft.train.trainer import TokenBudgetBatchSampler
 
     args = train_args(tiny_model_dir, toy_data, tmp_path / "o", "--per_device_train_batch_size", "8",
                       "--model_max_length", "64", "--max_tokens_per_micro_batch", "64", "--max_steps", "1")
@@ -154,7 +154,7 @@ def test_an_unset_budget_is_micro_batch_x_max_length_and_lowered_when_memory_is_
     (memory made short by a plan whose available memory leaves room for about 100 tokens of activations)."""
     import dataclasses
 
-    import sft.memory_plan as mp
+    import sft.train.memory_plan as mp
 
     args = train_args(tiny_model_dir, toy_data, tmp_path / "a", "--per_device_train_batch_size", "8",
                       "--model_max_length", "64", "--max_steps", "1")

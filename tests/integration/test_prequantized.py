@@ -1,4 +1,4 @@
-"""Pre-quantized bases (sft/quantized.py): every refusal is decided from config.json before anything heavy
+"""Pre-quantized bases (sft/model/quantized.py): every refusal is decided from config.json before anything heavy
 loads, exits 2 with the reason and the way on, and never suggests a wrong fix. The folders here only claim a
 quantization in their config.json (the weights are the tiny fp32 model's): nothing would load them anyway.
 Training on real GPTQ / bitsandbytes 4-bit folders is in tests/integration/test_deepspeed.py."""
@@ -81,9 +81,9 @@ def test_the_seed_command_flags_pass_the_check_on_a_gptq_folder(folders, capsys)
 
 
 def test_gptq_without_its_packages_is_refused_with_the_install_line(folders, capsys, monkeypatch):
-    import sft.quantized
+    import sft.model.quantized
 
-    monkeypatch.setattr(sft.quantized, "_importable", lambda m: m != "gptqmodel")
+    monkeypatch.setattr(sft.model.quantized, "_importable", lambda m: m != "gptqmodel")
     d, made = folders
     rc = train_main(["--model_name_or_path", made["gptq"], "--data_path", f"{d}/toy.jsonl", "--output_dir",
                      f"{d}/out", *QLORA, "--report_to", "none"])
@@ -93,7 +93,7 @@ def test_gptq_without_its_packages_is_refused_with_the_install_line(folders, cap
 
 
 def test_read_quantization_kinds(folders, tiny_model_dir, tmp_path):
-    from sft.quantized import read_quantization
+    from sft.model.quantized import read_quantization
 
     _, made = folders
     assert read_quantization(tiny_model_dir) is None
@@ -132,7 +132,7 @@ def test_gptq_linears_count_as_the_matrices_they_stand_for(tiny_model_dir):
     import torch
     import transformers
 
-    from sft.callbacks import linear_weight_counts
+    from sft.train.metrics import linear_weight_counts
     from tests.helpers.assets import tiny_gptq_dir
 
     plain = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

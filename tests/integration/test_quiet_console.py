@@ -3,7 +3,7 @@
 peft imports bitsandbytes whenever it is installed (bitsandbytes' CPU backend then warns that the
 ``kernels`` hub package is missing), and accelerate imports DeepSpeed whenever it is installed (whose
 accelerator autodetection warns that it picked the CPU). sft/logs.py holds these notices back from
-the import of ``sft`` on and lets them out only where the run uses the library (sft/modeling.py,
+the import of ``sft`` on and lets them out only where the run uses the library (sft/model/loading.py,
 sft/distributed/process_group.py).
 """
 import os
@@ -14,7 +14,7 @@ import textwrap
 from tests.helpers.paths import ROOT
 
 NOISE = ("gemm_4bit_forward", "kernels-community", "Setting accelerator to CPU", "real_accelerator.py",
-         # gptqmodel's import banner (peft's LoRA dispatch imports it when installed; sft.peft_compat keeps it out)
+         # gptqmodel's import banner (peft's LoRA dispatch imports it when installed; sft.compat.peft keeps it out)
          "GPT-QModel", "Auto setting PYTORCH_ALLOC_CONF", "Python GIL is enabled")
 
 
@@ -68,7 +68,7 @@ def test_the_libraries_notices_reach_runs_that_use_them():
         print("HELD-UNTIL-HERE", flush=True)
         print("HELD-UNTIL-HERE", file=sys.stderr, flush=True)
         from sft.distributed.process_group import init_deepspeed_comm
-        from sft.modeling import quantization_kwargs
+        from sft.model.loading import quantization_kwargs
         quantization_kwargs(torch.float32, torch.device("cpu"))
         init_deepspeed_comm(SimpleNamespace(deepspeed="ds.json", device=torch.device("cpu"), ddp_timeout=60))
         """)

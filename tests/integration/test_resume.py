@@ -16,7 +16,7 @@ from tests.helpers.paths import ROOT, pythonpath_env
 def test_watchdog_exits_75_when_the_stop_takes_too_long(tmp_path):
     code_file = tmp_path / "codes"
     prog = ("import os, signal, time\n"
-            "from sft.preemption import PreemptionHandler\n"
+            "from sft.train.preemption import PreemptionHandler\n"
             "PreemptionHandler(timeout_s=1).install()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(60)  # a hung collective or save\n")

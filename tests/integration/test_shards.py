@@ -1,6 +1,6 @@
 """Preparation shared by the ranks of a job: shards, completion and failure markers, --data_timeout, bounded memory.
 
-Ranks are threads here (each with its own :class:`sft.shards.Plan`, as :func:`sft.shards.agree` gives them);
+Ranks are threads here (each with its own :class:`sft.data.shards.Plan`, as :func:`sft.data.shards.agree` gives them);
 tests/cluster/test_multinode.py runs the same with real torchrun processes on two namespace hosts.
 """
 import json
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from sft.dataset import build_dataset
+from sft.data.dataset import build_dataset
 from sft.errors import DataError
-from sft.shards import JobView, Plan, shard_name
+from sft.data.shards import JobView, Plan, shard_name
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
 
@@ -97,8 +97,8 @@ def test_waiting_is_bounded_by_data_timeout_and_names_what_is_awaited(tmp_path, 
 
 _KILLABLE = """
 import sys
-from sft.dataset import build_dataset
-from sft.modeling import load_tokenizer
+from sft.data.dataset import build_dataset
+from sft.model.loading import load_tokenizer
 tok, eot, _ = load_tokenizer(sys.argv[1])
 build_dataset([sys.argv[2]], tok, eot, 256, None, sys.argv[3])
 """
@@ -133,10 +133,10 @@ _UNDER_LIMIT = """
 import json, resource, sys
 mode, path, limit_mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "prepare":
-    from sft.dataset import build_dataset
-    from sft.modeling import load_tokenizer
+    from sft.data.dataset import build_dataset
+    from sft.model.loading import load_tokenizer
     tok, eot, _ = load_tokenizer(sys.argv[4])
-from sft.data import RecordCheck, iter_conversations
+from sft.data.records import RecordCheck, iter_conversations
 data_kb = int([l for l in open("/proc/self/status") if l.startswith("VmData")][0].split()[1])
 resource.setrlimit(resource.RLIMIT_DATA, ((data_kb // 1024 + limit_mb) << 20,) * 2)
 if mode == "old":  # what main did: the whole file, then every record as Python objects

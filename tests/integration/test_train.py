@@ -7,8 +7,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from sft.arguments import parse_args, validate
-from sft.training import build_trainer, save
+from sft.config.arguments import parse_args, validate
+from sft.app.train import build_trainer, save
 from tests.helpers import assets
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT

@@ -4,7 +4,7 @@ fine-tuning.
 
 - DDP: the resumed run must equal a second resume of the same checkpoint at world size 1 bit for bit (losses and every
   tensor), consume per optimizer step exactly the samples that the uninterrupted world-size-2 run that wrote the
-  checkpoint consumed (nothing repeated, nothing skipped; sft/sampling.py's order), and end with its losses and
+  checkpoint consumed (nothing repeated, nothing skipped; sft/train/trainer.py's order), and end with its losses and
   weights within a tolerance that only the order of floating-point reductions explains: a resume that lost Adam's
   moments or step count, or the scheduler's position, is far outside it (measured: docs/resume-and-preemption.md).
 - DeepSpeed ZeRO-2 and ZeRO-3 (the checkpoint converted to a universal one first) and FSDP2 (full state dicts,

@@ -1,7 +1,7 @@
 """Command line: Qwen flag names, YAML defaults, every problem reported at once."""
 import pytest
 
-from sft.arguments import parse_args, validate
+from sft.config.arguments import parse_args, validate
 from sft.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""Per-conversation attention for packed rows (sft/attention.py) with the per-row packed collator (sft/packing.py):
+"""Per-conversation attention for packed rows (sft/model/attention.py) with the per-row packed collator (sft/data/packing.py):
 each conversation's logits and gradients inside a packed micro batch equal those of the conversation alone, for
 every attention implementation --packing offers, on two architectures (tiny Qwen2 with GQA, tiny Llama as SmolLM2),
 in train and eval mode; padded batches keep their mask; the controls show the checks can fail.
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from sft.attention import PACKED_ATTENTION, document_bounds, flash_varlen_available, packed_mask, use_packed_attention
-from sft.chat import IGNORE_INDEX
-from sft.packing import PackedCollator, check_packing_support
+from sft.model.attention import PACKED_ATTENTION, document_bounds, flash_varlen_available, packed_mask, use_packed_attention
+from sft.data.chat import IGNORE_INDEX
+from sft.data.packing import PackedCollator, check_packing_support
 
 PAD = 3
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -147,7 +147,7 @@ def test_models_that_need_a_mask_keep_their_implementation(tiny_model_dir):
 
 def test_a_call_that_cannot_tell_samples_apart_is_refused():
     """No mask and no position ids (a model that does not pass them to its attention): refused, never one sequence."""
-    from sft.attention import packed_attention_forward
+    from sft.model.attention import packed_attention_forward
 
     module = torch.nn.Module()
     q = torch.randn(1, 2, 3, 8).repeat(1, 1, 2, 1)  # two equal halves
@@ -208,7 +208,7 @@ def fake_varlen(gqa_native: bool, causal_as: str):
 def test_the_path_per_device_package_and_torch_version(monkeypatch):
     """flash-attn's varlen where installed, else torch's varlen_attn where this torch has it (and no dropout), else
     the per-document SDPA loop; CPU and fp32 always take the loop."""
-    from sft import attention
+    from sft.model import attention
 
     monkeypatch.setattr(attention, "flash_varlen_available", lambda: True)
     assert attention.varlen_kernel("cuda", torch.bfloat16) == "flash_attn"
@@ -226,7 +226,7 @@ def test_the_path_per_device_package_and_torch_version(monkeypatch):
 
 
 def test_the_varlen_signature_is_read_not_assumed():
-    from sft.attention import torch_varlen_function, varlen_call_options
+    from sft.model.attention import torch_varlen_function, varlen_call_options
 
     assert varlen_call_options(fake_varlen(True, "is_causal")) == {"is_causal": True, "enable_gqa": True}
     assert varlen_call_options(fake_varlen(False, "is_causal")) == {"is_causal": True}
@@ -240,7 +240,7 @@ def test_the_varlen_signature_is_read_not_assumed():
 def test_one_varlen_call_equals_the_block_diagonal_reference(gqa_native, causal_as):
     """Two rows of 11 tokens holding 5 documents, 4 query heads over 2 key/value heads: the one-call path (with the
     stand-in kernel) gives each document what the block-diagonal causal mask gives it, boundaries from the collator."""
-    from sft.attention import _torch_varlen
+    from sft.model.attention import _torch_varlen
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 11, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
@@ -256,8 +256,8 @@ def test_the_collators_give_the_boundaries_and_the_attention_reads_them():
     """cu_seq_lens from PaddingFreeCollator and PackedCollator cut exactly where the position ids restart (pad
     documents included); the attention given them and no position ids equals the block-diagonal reference, and
     offsets that cross a row are refused."""
-    from sft.attention import packed_attention_forward
-    from sft.packing import PaddingFreeCollator
+    from sft.model.attention import packed_attention_forward
+    from sft.data.packing import PaddingFreeCollator
 
     convs = docs()
     rows = [{"input_ids": sum(pair, []), "labels": sum(pair, []),

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sft.arguments import parse_args, validate
-from sft.callbacks import ThroughputCallback, format_eta, linear_weight_counts, measure_matmul_peak, model_flops_per_token, plot_loss_curve
+from sft.config.arguments import parse_args, validate
+from sft.train.metrics import ThroughputCallback, format_eta, linear_weight_counts, measure_matmul_peak, model_flops_per_token, plot_loss_curve
 from sft.errors import ConfigError
 
 # tests/helpers/assets.py tiny Qwen2: hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 151646, tied
@@ -85,8 +85,8 @@ def test_bad_peak_tflops_is_reported(tiny_model_dir, toy_data, tmp_path):
 
 
 def test_packed_rows_count_their_pad_document_as_padding():
-    from sft.callbacks import packed_padding
-    from sft.packing import PackedCollator
+    from sft.train.metrics import packed_padding
+    from sft.data.packing import PackedCollator
 
     rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9], "position_ids": [0, 1, 2, 0, 1]},
             {"input_ids": [5, 0, 7], "labels": [5, 0, 7], "position_ids": [0, 1, 2]}]  # pad id 0 inside a document
@@ -101,7 +101,7 @@ def test_packed_rows_count_their_pad_document_as_padding():
 def test_the_peak_memory_restarts_after_loading():
     """The load peak is not carried into the step figures: after reset_peak_memory the peak RSS starts from what is
     in use now (Linux VmHWM), so 300 MiB touched and freed before the reset no longer counts."""
-    from sft.callbacks import peak_memory_bytes, reset_peak_memory
+    from sft.train.metrics import peak_memory_bytes, reset_peak_memory
 
     block = b"x" * (300 * 2**20)  # touched pages
     del block

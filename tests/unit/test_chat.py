@@ -2,8 +2,8 @@
 
 import pytest
 
-from sft.chat import IGNORE_INDEX, encode_conversation, end_of_turn_id, visualize, with_system
-from sft.data import normalize_record
+from sft.data.chat import IGNORE_INDEX, encode_conversation, end_of_turn_id, visualize, with_system
+from sft.data.records import normalize_record
 from sft.errors import TemplateError
 from tests.helpers.labels import supervised_spans
 
@@ -129,7 +129,7 @@ def test_template_rewriting_earlier_turns_is_refused(qwen_tok):
 
 
 def test_prefix_method_matches_fast_path(qwen_tok, monkeypatch):
-    import sft.chat as chat
+    import sft.data.chat as chat
 
     tok, eot = qwen_tok
     fast = encode_conversation(tok, CONVS["multi"], eot)

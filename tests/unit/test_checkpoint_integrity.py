@@ -10,8 +10,8 @@ from collections import namedtuple
 
 import pytest
 
-from sft import checkpoint as ck
-from sft import integrity
+from sft.train import checkpoint as ck
+from sft.train import integrity
 from tests.helpers.files import flip_byte
 
 
@@ -158,7 +158,7 @@ def test_a_named_damaged_checkpoint_is_refused_a_named_unmarked_one_is_not(tmp_p
 
 
 def test_validate_refuses_a_named_damaged_checkpoint_before_loading(tmp_path, tiny_model_dir, toy_data):
-    from sft.arguments import parse_args, validate
+    from sft.config.arguments import parse_args, validate
     from sft.errors import ConfigError
 
     path = fake_checkpoint(tmp_path / "old", 4)

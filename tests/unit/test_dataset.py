@@ -3,8 +3,8 @@ import os
 
 import torch
 
-from sft.chat import IGNORE_INDEX
-from sft.dataset import LazySupervisedDataset, build_dataset, make_collator
+from sft.data.chat import IGNORE_INDEX
+from sft.data.dataset import LazySupervisedDataset, build_dataset, make_collator
 from tests.helpers.data import TOY, write_jsonl
 
 

@@ -95,7 +95,7 @@ def test_shipped_deepspeed_configs_pass_our_checks_and_deepspeeds(name):
     """Each shipped JSON: valid, no optimizer/scheduler block (HF's are used), every batch/accumulation/
     clipping/precision value "auto" (the flags decide), and DeepSpeed's own config class accepts it once
     transformers has filled the "auto" values."""
-    from sft.ds_config import read_ds_config, zero_stage
+    from sft.config.deepspeed import read_ds_config, zero_stage
 
     path = os.path.join(FT, name)
     config, problems = read_ds_config(path, "cosine")
@@ -140,7 +140,7 @@ def test_deepspeed_config_as_a_yaml_mapping(tiny_model_dir, tmp_path, capsys, fo
 def test_zero3_universal_load_gets_one_adam_step_counter_per_parameter_group(monkeypatch):
     """deepspeed 0.19.8's ZeRO-3 universal loader puts one and the same ``step`` tensor into every sub group's Adam
     state; torch's AdamW increments it in place per group, so two groups advance it twice per step (Adam's bias
-    correction of a later step). sft.ds_compat.separate_zero3_universal_steps gives each group its own copy. The
+    correction of a later step). sft.compat.deepspeed.separate_zero3_universal_steps gives each group its own copy. The
     loader is replaced by a stand-in that aliases the counter as DeepSpeed's does; the end-to-end case (ZeRO-3 full
     fine-tuning resumed at another world size) is in tests/integration/test_world_size_resume.py."""
     import types
@@ -148,7 +148,7 @@ def test_zero3_universal_load_gets_one_adam_step_counter_per_parameter_group(mon
     import torch
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
-    from sft.ds_compat import separate_zero3_universal_steps
+    from sft.compat.deepspeed import separate_zero3_universal_steps
 
     flats = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]  # two sub groups' fp32 partitions
     adam = torch.optim.AdamW([{"params": [flats[0]]}, {"params": [flats[1]]}], lr=1e-3)
@@ -178,12 +178,12 @@ def test_zero3_universal_load_gets_one_adam_step_counter_per_parameter_group(mon
 
 
 def test_rebuilt_deepspeed_config_takes_the_recomputed_accumulation_and_leaves_the_users_file_alone(tmp_path):
-    """sft.world_size.rebuild_deepspeed_config: after a resume recomputed the gradient accumulation (another world
+    """sft.train.world_size.rebuild_deepspeed_config: after a resume recomputed the gradient accumulation (another world
     size, or the same world size after an earlier such resume), DeepSpeed's "auto" values follow it; the user's
     config file is not modified; load_universal adds only the checkpoint switch."""
     from transformers import TrainingArguments
 
-    from sft.world_size import rebuild_deepspeed_config
+    from sft.train.world_size import rebuild_deepspeed_config
 
     path = os.path.join(FT, "ds_config_zero2.json")
     before = open(path, encoding="utf-8").read()

@@ -7,7 +7,7 @@ Checked in fenced code blocks and in inline `code` spans:
 * every ``--flag`` after a command that runs training (``finetune.py``, ``sft-train``, ``sft-check``,
   ``python -m sft train|check``, a ``finetune/finetune_*.sh`` preset, ``finetune/launch.sh``,
   ``scripts/run_example.sh``, ``bench/throughput.py``) is a field of the training dataclasses of
-  ``sft.arguments`` (or ``--no_X`` for a boolean X, ``--config``, or one of the launcher's own flags);
+  ``sft.config.arguments`` (or ``--no_X`` for a boolean X, ``--config``, or one of the launcher's own flags);
   after a Ray command (``finetune/finetune_ray.sh``, ``scripts/ray_train.py``, ``sft-ray``) also a field of
   ``RayArguments`` or ``--preset``; after any other ``scripts/*.py`` or ``bench/*.py`` that defines its own
   argparse flags, a ``"--flag"`` string in that script's source;
@@ -46,7 +46,7 @@ LAUNCHER_FLAGS = {"model", "data", "no_preflight", "help"}  # -m --model -d --da
 
 
 def _train_flags() -> set[str]:
-    from sft.arguments import DataArguments, LoraArguments, ModelArguments, TrainingArguments
+    from sft.config.arguments import DataArguments, LoraArguments, ModelArguments, TrainingArguments
 
     return _flags_of(ModelArguments, DataArguments, TrainingArguments, LoraArguments) | {"config", "help"}
 
@@ -195,7 +195,7 @@ def _check_flags(text: str, train: set[str], ray: set[str]) -> list[str]:
         what = "a training flag or one of the launcher's"
     else:
         known = train
-        what = "a training flag (sft.arguments dataclasses)"
+        what = "a training flag (sft.config.arguments dataclasses)"
     return [f"--{name} after {runner.strip()} is not {what}"
             for name in FLAG.findall(text[end:]) if name not in known]
 

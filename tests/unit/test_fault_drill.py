@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sft import checkpoint as ck
-from sft.integrity import out_of_space_message
+from sft.train import checkpoint as ck
+from sft.train.integrity import out_of_space_message
 from tests.helpers.paths import load_bench_module
 
 

@@ -21,7 +21,7 @@ BAD = [
     ("missing-file", None, ["--fsdp", "--fsdp_config", "{d}/nope.json"],
      "nope.json: no such file; give an FSDP JSON config such as"),
     ("dangling-link", None, ["--fsdp", "--fsdp_config", "{d}/link.json"],
-     "link.json: a symlink to the missing ../sft/configs/fsdp_config_full_shard.json; give an FSDP JSON config"),
+     "link.json: a symlink to the missing ../sft/config/shipped/fsdp_config_full_shard.json; give an FSDP JSON config"),
     ("a-folder", None, ["--fsdp", "--fsdp_config", "{d}"], ": not a file; give an FSDP JSON config"),
     ("empty", None, ["--fsdp", "--fsdp_config", ""], "--fsdp_config is empty; give an FSDP JSON config"),
     ("invalid-json", '{"version": 2,}', ["--fsdp", "--fsdp_config", "{c}"], "invalid JSON at line 1 column 15"),
@@ -81,7 +81,7 @@ def forget_ds_config():
 def test_bad_fsdp_settings_stop_before_loading(text, flags, fragment, tiny_model_dir, tmp_path, capsys,
                                                forget_ds_config):
     cfg = tmp_path / "fsdp.json"
-    os.symlink("../sft/configs/fsdp_config_full_shard.json", tmp_path / "link.json")  # cp -P of the shipped link
+    os.symlink("../sft/config/shipped/fsdp_config_full_shard.json", tmp_path / "link.json")  # cp -P of the shipped link
     if text is not None:
         cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
     flags = [f.replace("{c}", str(cfg)).replace("{d}", str(tmp_path)) for f in flags]
@@ -94,14 +94,14 @@ def test_bad_fsdp_settings_stop_before_loading(text, flags, fragment, tiny_model
 def test_relative_config_path_names_the_shipped_file(tiny_model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, err = train(["--fsdp", "--fsdp_config", "fsdp_config_full_shard.json"], tiny_model_dir, tmp_path, capsys)
-    from sft.fsdp_config import SHIPPED
+    from sft.config.fsdp import SHIPPED
 
     assert rc == 2 and f"the shipped fsdp_config_full_shard.json is {os.path.join(SHIPPED, 'fsdp_config_full_shard.json')}" in err
 
 
 @pytest.mark.parametrize("fsdp", [[], ["True"], ["full_shard auto_wrap"]], ids=["bare", "True", "legacy-string"])
 def test_valid_fsdp2_settings_pass(fsdp, tiny_model_dir, tmp_path):
-    from sft.arguments import parse_args, validate
+    from sft.config.arguments import parse_args, validate
 
     data = write_jsonl(tmp_path / "toy.jsonl", TOY)
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", data, "--output_dir",
@@ -121,8 +121,8 @@ def test_shipped_configs_become_accelerates_fsdp2_plugin(path):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from sft.arguments import TrainingArguments
-    from sft.fsdp_config import read_fsdp_config
+    from sft.config.arguments import TrainingArguments
+    from sft.config.fsdp import read_fsdp_config
 
     config, problems = read_fsdp_config(path)
     assert problems == [] and config["version"] == 2

@@ -70,7 +70,7 @@ def test_each_target_gets_a_verdict(gpu_bench):
     assert "not measured" in gpu_bench.verdicts({"bf16": 1000.0})[0]
     assert all("not judged (--tiny" in v for v in gpu_bench.verdicts({"bf16": 9.0, "qwen-style": 1.0}, "qwen2.5-7b",
                                                                      {"bf16": 0.9}, tiny=True))
-    from sft.attention import flash_varlen_available
+    from sft.model.attention import flash_varlen_available
 
     # torch 2.13 has varlen_attn: a GPU without the flash-attn package takes it
     assert gpu_bench.attention_path() == ("one flash-attn varlen call per layer" if flash_varlen_available()

@@ -67,7 +67,7 @@ def test_console_scripts_name_the_cli_functions():
 
 
 def test_shipped_deepspeed_configs_are_package_data():
-    from sft.ds_config import EXAMPLE, SHIPPED
+    from sft.config.deepspeed import EXAMPLE, SHIPPED
 
     for name in ("ds_config_zero2.json", "ds_config_zero3.json", "ds_config_zero3_offload.json"):
         assert os.path.isfile(os.path.join(SHIPPED, name))
@@ -77,7 +77,7 @@ def test_shipped_deepspeed_configs_are_package_data():
 
 
 def test_shipped_fsdp_configs_are_package_data():
-    from sft.fsdp_config import EXAMPLE, SHIPPED
+    from sft.config.fsdp import EXAMPLE, SHIPPED
 
     for name in ("fsdp_config_full_shard.json", "fsdp_config_full_shard_offload.json"):
         assert os.path.isfile(os.path.join(SHIPPED, name))

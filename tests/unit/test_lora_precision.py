@@ -1,4 +1,4 @@
-"""LoRA inputs kept in the autocast dtype (issue 30, item 2; sft.modeling.keep_lora_inputs_in_autocast_dtype): under
+"""LoRA inputs kept in the autocast dtype (issue 30, item 2; sft.model.loading.keep_lora_inputs_in_autocast_dtype): under
 bf16 autocast with LoRA dropout 0 (or in evaluation) the step makes fewer dtype-cast copies and gives bitwise the same
 loss and gradients as peft's own casting; an active dropout, or a forward outside autocast, keeps peft's cast."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sft.modeling import apply_lora
+from sft.model.loading import apply_lora
 
 
 class CountOps(TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""The LM head and loss at supervised positions only (sft/loss.py) equal transformers' full computation.
+"""The LM head and loss at supervised positions only (sft/model/loss.py) equal transformers' full computation.
 
 fp32 throughout; tolerance: losses relative 1e-5, gradients relative 1e-5 with an absolute floor of 1e-7 (the
 per-row products and the loss sum run in another order than over the whole [batch, seq, vocab] logits).
@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from sft.loss import MAX_LOGIT_ELEMENTS, compute_supervised_loss, supports_supervised_head
+from sft.model.loss import MAX_LOGIT_ELEMENTS, compute_supervised_loss, supports_supervised_head
 
 RTOL, ATOL = 1e-5, 1e-7
 
@@ -127,7 +127,7 @@ def test_trainer_step_in_bf16_with_fp32_lora_adapters_equals_the_full_head(tmp_p
     import datasets
     import peft
 
-    from sft.sampling import Trainer
+    from sft.train.trainer import Trainer
 
     inputs = batch(512)
     rows = datasets.Dataset.from_dict({k: v.tolist() for k, v in inputs.items()})

@@ -1,7 +1,7 @@
 """Memory planned before step 1 (issue 30, item 7): padding-free micro batches under a token budget with the largest
-first (sft.sampling.TokenBudgetBatchSampler; through the Trainer's own data loader in
+first (sft.train.trainer.TokenBudgetBatchSampler; through the Trainer's own data loader in
 tests/integration/test_packing.py), the planned peak and the
-gradient checkpointing decision or refusal (sft.memory_plan), the flag rules, and the process group bound to its
+gradient checkpointing decision or refusal (sft.train.memory_plan), the flag rules, and the process group bound to its
 CUDA device (a stand-in for torch.distributed: no GPU here)."""
 import logging
 import os
@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sft.errors import ConfigError, SFTError
-from sft.memory_plan import GIB, activation_bytes_per_token, choose_checkpointing, fitting_tokens, plan
-from sft.sampling import TokenBudgetBatchSampler
+from sft.train.memory_plan import GIB, activation_bytes_per_token, choose_checkpointing, fitting_tokens, plan
+from sft.train.trainer import TokenBudgetBatchSampler
 from tests.unit.test_packing import train_args
 
 LENGTHS = [500, 30, 700, 120, 64, 900, 10, 333, 250, 800, 45, 600, 77, 410, 95, 1000, 5, 260]
@@ -43,7 +43,7 @@ def test_order_is_a_function_of_seed_and_epoch_with_the_largest_first_in_every_e
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ranks_are_dealt_the_one_process_order_in_turn(world):
-    """Micro batch i of the one-process order goes to rank i % W (accelerate's dealing, which sft.world_size relies
+    """Micro batch i of the one-process order goes to rank i % W (accelerate's dealing, which sft.train.world_size relies
     on), padded with the epoch's first micro batches to a multiple of W."""
     one = list(TokenBudgetBatchSampler(LENGTHS, 2, 1000, seed=1))
     ranks = [list(TokenBudgetBatchSampler(LENGTHS, 2, 1000, seed=1, world_size=world, rank=r)) for r in range(world)]
@@ -183,7 +183,7 @@ def test_weights_load_straight_onto_the_gpu_unless_a_sharder_places_them(tiny_mo
     no host copy first (issue 30, item 3). A stand-in for from_pretrained: no GPU here."""
     import transformers
 
-    from sft.modeling import load_model
+    from sft.model.loading import load_model
 
     seen = {}
 
@@ -202,7 +202,7 @@ def test_the_probe_measures_what_autograd_keeps_and_plans_with_it(llama):
     count for this fp32 Llama, grows with LoRA dropout, leaves the RNG alone, and steps aside under checkpointing."""
     from peft import LoraConfig, get_peft_model
 
-    from sft.memory_plan import measure_saved_bytes
+    from sft.train.memory_plan import measure_saved_bytes
 
     state = torch.random.get_rng_state()
     total, layer = measure_saved_bytes(llama, tokens=64)
@@ -211,7 +211,7 @@ def test_the_probe_measures_what_autograd_keeps_and_plans_with_it(llama):
     assert shaped / 2 < total < 2 * shaped and layer == total / llama.config.num_hidden_layers
     p = plan(llama, tokens=100, checkpointing=False, optim="sgd", measured=(total, layer),
              held_available=(0, GIB, "test"))
-    from sft.memory_plan import BACKWARD_FACTOR
+    from sft.train.memory_plan import BACKWARD_FACTOR
 
     assert p.per_token == int(total * BACKWARD_FACTOR) and p.activations == 100 * p.per_token
     lora = get_peft_model(LlamaForCausalLM(llama.config), LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear"))

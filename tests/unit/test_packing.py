@@ -5,10 +5,10 @@ trainer with packing in a training run are in tests/integration/test_packing.py.
 import pytest
 import torch
 
-from sft.arguments import parse_args, validate
-from sft.chat import IGNORE_INDEX
+from sft.config.arguments import parse_args, validate
+from sft.data.chat import IGNORE_INDEX
 from sft.errors import ConfigError
-from sft.packing import PackedCollator, PaddingFreeCollator, best_fit_decreasing, pack_dataset, split_row
+from sft.data.packing import PackedCollator, PaddingFreeCollator, best_fit_decreasing, pack_dataset, split_row
 
 
 def test_best_fit_decreasing_fills_bins_within_capacity():
@@ -35,7 +35,7 @@ def test_pack_dataset_rows_and_collator():
         for c_start in [i for i, p in enumerate(r["position_ids"]) if p == 0]:
             assert r["input_ids"][c_start] % 10 == 0
     batch = PackedCollator(pad_token_id=7)(rows)
-    # no attention_mask: documents come from positions, and their boundaries once per micro batch (sft/attention.py)
+    # no attention_mask: documents come from positions, and their boundaries once per micro batch (sft/model/attention.py)
     assert set(batch) == {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                           "max_length_k"}
     lengths = [len(r["input_ids"]) for r in rows]
@@ -72,9 +72,9 @@ def test_packed_rows_count_the_same_supervised_tokens_as_padded_batches(qwen_tok
     """The Trainer divides the summed loss by ``num_items_in_batch`` = labels[..., 1:] != -100 over the micro batches
     of one optimizer step (and across ranks with average_tokens_across_devices): packed rows must count exactly the
     padded batches' supervised tokens, so the loss is normalised as in the unpacked run."""
-    from sft.chat import encode_conversations
-    from sft.data import load_conversations
-    from sft.dataset import make_collator
+    from sft.data.chat import encode_conversations
+    from sft.data.records import load_conversations
+    from sft.data.dataset import make_collator
 
     tok, eot = qwen_tok
     convs = [c.messages for c in load_conversations(toy_data, "error")]

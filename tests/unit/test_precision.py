@@ -1,10 +1,10 @@
-"""--bf16 auto (sft/precision.py): the choice from the CPU's flags, the flag's values on the command line and in
+"""--bf16 auto (sft/config/precision.py): the choice from the CPU's flags, the flag's values on the command line and in
 YAML. The bad values' messages are in tests/integration/test_bad_input_corpus.py."""
 import pytest
 
-from sft.arguments import parse_args
-from sft import precision
-from sft.precision import auto_bf16, cpu_flags, parse_bf16
+from sft.config.arguments import parse_args
+from sft.config import precision
+from sft.config.precision import auto_bf16, cpu_flags, parse_bf16
 
 CPUINFO = "processor\t: 0\nmodel name\t: x\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n\nprocessor\t: 1\n"
 

@@ -77,7 +77,7 @@ def test_gpu_workers_on_a_cluster_without_gpus_suggest_use_gpu_false():
 
 
 def test_yaml_config_holds_ray_and_training_flags(tmp_path, tiny_model_dir, toy_data):
-    from sft.arguments import parse_args
+    from sft.config.arguments import parse_args
     from sft.errors import ConfigError
     from sft.ray.flags import RayArguments
 
@@ -92,7 +92,7 @@ def test_yaml_config_holds_ray_and_training_flags(tmp_path, tiny_model_dir, toy_
 
 def test_request_stop_reaches_training_in_a_thread():
     """Ray Train runs the training function in a thread: no signal handlers there, request_stop instead."""
-    from sft import preemption
+    from sft.train import preemption
 
     assert preemption.request_stop() is False  # no training in this process
     box = {}

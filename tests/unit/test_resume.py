@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sft import checkpoint as ck
+from sft.train import checkpoint as ck
 
 
 def fake_checkpoint(out, step, complete=True, payload=b"w" * 100):
@@ -101,7 +101,7 @@ def test_output_dir_rules_for_resume(tmp_path):
 
 
 def test_signal_sets_flag_and_all_ranks_stop_at_step_end(monkeypatch):
-    from sft.preemption import PreemptionHandler
+    from sft.train.preemption import PreemptionHandler
 
     h = PreemptionHandler(timeout_s=60)
     before = signal.getsignal(signal.SIGTERM)
@@ -128,9 +128,9 @@ def test_group_by_length_order_depends_on_seed_and_epoch_only(tiny_model_dir, to
     import torch
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    from sft.arguments import parse_args
-    from sft.sampling import EpochSeededLengthGroupedSampler
-    from sft.training import build_trainer
+    from sft.config.arguments import parse_args
+    from sft.train.trainer import EpochSeededLengthGroupedSampler
+    from sft.app.train import build_trainer
 
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
                        str(tmp_path / "o"), "--group_by_length", "True", "--per_device_train_batch_size", "2",
@@ -182,7 +182,7 @@ def test_zero_checkpoint_at_another_world_size_is_refused_with_the_way_on(tmp_pa
 
 def test_validate_refuses_a_zero_resume_at_another_world_size_before_loading(tmp_path, tiny_model_dir, toy_data,
                                                                              monkeypatch):
-    from sft.arguments import parse_args, validate
+    from sft.config.arguments import parse_args, validate
     from sft.errors import ConfigError
 
     out = tmp_path / "out"
@@ -208,7 +208,7 @@ def shaped_checkpoint(out, step, world_size, micro_batch, grad_accum, with_globa
 
 def test_another_world_size_keeps_the_global_batch_or_is_refused_with_the_numbers(tmp_path):
     from sft.errors import ConfigError
-    from sft.world_size import plan_world_size_change
+    from sft.train.world_size import plan_world_size_change
 
     path = shaped_checkpoint(tmp_path / "out", 3, world_size=2, micro_batch=2, grad_accum=2)  # global batch 8
     one = plan_world_size_change(path, 1, 2, 2)
@@ -237,7 +237,7 @@ def test_the_same_command_at_the_checkpoints_world_size_keeps_the_accumulation_a
     bench/fault_drill.py, whose next round at 3 nodes was then refused)."""
     from types import SimpleNamespace
 
-    from sft.world_size import plan_world_size_change
+    from sft.train.world_size import plan_world_size_change
 
     path = fake_checkpoint(tmp_path / "out", 44, complete=False)
     args = SimpleNamespace(world_size=2, per_device_train_batch_size=1, gradient_accumulation_steps=3, seed=1,
@@ -263,7 +263,7 @@ def test_the_same_command_at_the_checkpoints_world_size_keeps_the_accumulation_a
 
 def test_validate_refuses_a_world_size_that_cannot_keep_the_global_batch(tmp_path, tiny_model_dir, toy_data,
                                                                         monkeypatch, capsys):
-    from sft.arguments import parse_args, validate
+    from sft.config.arguments import parse_args, validate
     from sft.cli import run_cli
     from sft.errors import ConfigError
 
@@ -294,7 +294,7 @@ def test_a_resume_that_keeps_the_global_batch_is_not_warned_as_another_run_shape
 
 def test_a_universal_checkpoint_is_reused_and_waited_for_with_a_bound(tmp_path):
     from sft.errors import ConfigError
-    from sft.world_size import ensure_universal, universal_tag
+    from sft.train.world_size import ensure_universal, universal_tag
 
     path = fake_checkpoint(tmp_path / "out", 4)
     with pytest.raises(ConfigError, match="rank 0's conversion to a DeepSpeed universal checkpoint did not finish "

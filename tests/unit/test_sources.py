@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from sft import sources
-from sft.data import RecordCheck, iter_conversations, load_conversations
-from sft.dataset import build_dataset
+from sft.data import sources
+from sft.data.records import RecordCheck, iter_conversations, load_conversations
+from sft.data.dataset import build_dataset
 from sft.errors import DataError
 from tests.helpers.data import TOY, write_jsonl
 
@@ -117,7 +117,7 @@ def test_mixing_weights_are_respected_by_counts_and_deterministic(tmp_path, qwen
 
 
 def test_yaml_list_of_sources_with_weights(tmp_path, tiny_model_dir):
-    from sft.arguments import parse_args
+    from sft.config.arguments import parse_args
     from sft.errors import ConfigError
 
     a, b = _source(tmp_path, "a", 2), _source(tmp_path, "b", 2)

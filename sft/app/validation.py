@@ -1,0 +1,339 @@
+"""Every rule that can be checked without loading the model, checked at once (:func:`validate`).
+
+Each problem is one line naming the flag as typed, the value and the fix; :func:`validate` raises one
+:class:`~sft.errors.ConfigError` listing all of them. Nothing here changes any state.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Optional
+
+from sft.errors import ConfigError
+from sft.model.quantized import HUB_ID as _HUB_ID
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sft.config.arguments import DataArguments, LoraArguments, ModelArguments, TrainingArguments
+
+
+# --report_to name -> module that must be importable for it
+_REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
+              "comet_ml": ("comet_ml",), "clearml": ("clearml",), "trackio": ("trackio",), "swanlab": ("swanlab",)}
+
+
+def _importable(*modules: str) -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def _check_model(m: Optional[str]) -> list[str]:
+    if not m:
+        return ["--model_name_or_path is required: the folder of a transformers model (config.json + weights)"]
+    if os.path.exists(m):
+        if not os.path.isdir(m):
+            return [f"--model_name_or_path {m}: is a file; give the model's folder (with config.json)"]
+        if not os.path.isfile(os.path.join(m, "config.json")):
+            return [f"--model_name_or_path {m}: no config.json in this folder; give a transformers model folder "
+                    "(scripts/prepare_example.py writes one for the built-in example)"]
+        return []
+    if _HUB_ID.match(m) and not os.path.isdir(m.split("/")[0]):
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(m, "config.json"), str):
+            return []
+        return [f"--model_name_or_path {m}: no such folder, and no Hugging Face hub model of that name in the local "
+                "cache; give a local model folder (or download the model once, before the job)"]
+    return [f"--model_name_or_path {m}: no such folder; give an existing model folder"]
+
+
+def _check_source(flag: str, path: str) -> list[str]:
+    from sft.data.sources import folder_problem
+
+    if os.path.isdir(path):
+        why = folder_problem(path)
+        return [f"{flag} {path}: {why}"] if why else []
+    if not os.path.exists(path):
+        return [f"{flag} {path}: no such file"]
+    if not os.path.isfile(path):
+        return [f"{flag} {path}: not a regular file (a pipe or device?); give a .json, .jsonl or .parquet file"]
+    return []
+
+
+def _check_data(data_args, training_args) -> list[str]:
+    p = []
+    paths = data_args.data_path or []
+    paths = [paths] if isinstance(paths, str) else paths  # set in code rather than parsed
+    if not paths:
+        p.append("--data_path is required: a .json (list of records) or .jsonl file of conversations (or several "
+                 "sources: .parquet files, datasets save_to_disk folders)")
+    for path in paths:
+        p += _check_source("--data_path", path)
+    if data_args.eval_data_path:
+        p += _check_source("--eval_data_path", data_args.eval_data_path)
+    w = data_args.data_weights
+    if w is not None:
+        if len(w) != len(paths):
+            p.append(f"--data_weights {' '.join(map(str, w))}: {len(w)} weight(s) for {len(paths)} --data_path "
+                     "source(s); give one weight per source, in the same order")
+        elif not all(math.isfinite(x) and x > 0 for x in w):
+            p.append(f"--data_weights {' '.join(map(str, w))}: every weight must be a number > 0 (e.g. 0.7 0.3)")
+    if not (math.isfinite(data_args.data_timeout) and data_args.data_timeout > 0):
+        p.append(f"--data_timeout {data_args.data_timeout}: must be a number of seconds > 0 (default 14400)")
+    p += _check_eval(data_args, training_args)
+    cache = data_args.data_cache_dir
+    if cache and os.path.exists(cache) and not os.path.isdir(cache):
+        p.append(f"--data_cache_dir {cache}: is a file; give a folder (it is created if missing)")
+    env_cache = os.environ.get("SFT_CACHE_DIR")
+    if not cache and env_cache and os.path.exists(env_cache) and not os.path.isdir(env_cache):
+        p.append(f"SFT_CACHE_DIR={env_cache}: is a file; point it at a folder (it is created if missing) or unset it")
+    if data_args.preprocessing_num_workers is not None and data_args.preprocessing_num_workers < 1:
+        p.append(f"--preprocessing_num_workers {data_args.preprocessing_num_workers}: must be at least 1")
+    p += _check_packing(data_args, training_args)
+    return p
+
+
+def _check_eval(data_args, training_args) -> list[str]:
+    p, ratio = [], data_args.eval_split_ratio
+    if ratio is not None and not (math.isfinite(ratio) and 0 < ratio < 1):
+        p.append(f"--eval_split_ratio {ratio}: must be a fraction with 0 < R < 1 (e.g. 0.05 holds out about 5% of "
+                 "the records)")
+    if ratio is not None and data_args.eval_data_path:
+        p.append(f"--eval_split_ratio {ratio} with --eval_data_path {data_args.eval_data_path}: choose one (the "
+                 "ratio holds out records of --data_path when there is no evaluation file)")
+    has_eval = bool(data_args.eval_data_path) or ratio is not None
+    if training_args.eval_strategy != "no" and not has_eval:
+        p.append(f"--eval_strategy {training_args.eval_strategy}: evaluation needs --eval_data_path or "
+                 "--eval_split_ratio; add one or use --eval_strategy no")
+    if training_args.eval_on_start and not has_eval:
+        p.append("--eval_on_start True: the evaluation before training needs --eval_data_path or --eval_split_ratio; "
+                 "add one or drop --eval_on_start")
+    if data_args.long_conversations == "split" and data_args.lazy_preprocess:
+        p.append("--long_conversations split with --lazy_preprocess True: a lazy dataset cannot know how many samples "
+                 "a conversation gives before reading it; drop --lazy_preprocess or use --long_conversations truncate")
+    return p
+
+
+def _check_packing(data_args, training_args) -> list[str]:
+    p = []
+    budget = training_args.max_tokens_per_micro_batch
+    if budget is not None:
+        if data_args.packing or not data_args.padding_free:
+            mode = "--packing True" if data_args.packing else "--padding_free False"
+            p.append(f"--max_tokens_per_micro_batch {budget} with {mode}: the token budget applies to padding-free "
+                     "micro batches; a micro batch of packed or padded rows holds --per_device_train_batch_size x "
+                     "--model_max_length tokens at most, so lower one of those instead")
+        elif training_args.group_by_length or data_args.lazy_preprocess:
+            other = "--group_by_length True" if training_args.group_by_length else "--lazy_preprocess True"
+            p.append(f"--max_tokens_per_micro_batch {budget} with {other}: the token budget forms micro batches from "
+                     f"every sample's length, which {other} does not allow; drop one of them")
+        elif budget < training_args.model_max_length:
+            p.append(f"--max_tokens_per_micro_batch {budget}: below --model_max_length "
+                     f"{training_args.model_max_length}, a sample of that length would fit no micro batch; give at "
+                     f"least {training_args.model_max_length} or lower --model_max_length to {budget}")
+    if not data_args.packing:
+        return p
+    if data_args.lazy_preprocess:
+        p.append("--packing True with --lazy_preprocess True: packing needs every sample's length up front; "
+                 "drop one of them")
+    if training_args.group_by_length:
+        p.append("--packing True with --group_by_length True: choose one (packing already removes padding)")
+    return p
+
+
+def _check_training(t) -> list[str]:
+    p = []
+    if t.model_max_length < 8:
+        p.append(f"--model_max_length {t.model_max_length}: must be at least 8 tokens")
+    for flag, value in (("--per_device_train_batch_size", t.per_device_train_batch_size),
+                        ("--per_device_eval_batch_size", t.per_device_eval_batch_size),
+                        ("--gradient_accumulation_steps", t.gradient_accumulation_steps)):
+        if value < 1:
+            p.append(f"{flag} {value}: must be at least 1")
+    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+        p.append(f"--max_steps {t.max_steps} and --num_train_epochs {t.num_train_epochs}: nothing would be trained; "
+                 "give --num_train_epochs > 0 or --max_steps > 0")
+    if not (math.isfinite(t.learning_rate) and t.learning_rate >= 0):
+        p.append(f"--learning_rate {t.learning_rate}: must be a number >= 0 (e.g. 2e-4 for LoRA, 1e-5 for full "
+                 "fine-tuning)")
+    if not math.isfinite(t.num_train_epochs):
+        p.append(f"--num_train_epochs {t.num_train_epochs}: must be a finite number")
+    for flag, beta in (("--adam_beta1", t.adam_beta1), ("--adam_beta2", t.adam_beta2)):
+        if not 0 <= beta < 1:
+            p.append(f"{flag} {beta}: must be in [0, 1) (e.g. 0.9, 0.95, 0.999)")
+    if t.dataloader_num_workers < 0:
+        p.append(f"--dataloader_num_workers {t.dataloader_num_workers}: must be >= 0")
+    if t.warmup_ratio is not None and not 0 <= t.warmup_ratio < 1:
+        p.append(f"--warmup_ratio {t.warmup_ratio}: must be in [0, 1)")
+    if not (math.isfinite(t.preemption_timeout) and t.preemption_timeout > 0):
+        p.append(f"--preemption_timeout {t.preemption_timeout}: must be a number of seconds > 0 (e.g. 300)")
+    if not 0 <= t.seed < 2**32:
+        p.append(f"--seed {t.seed}: must be in [0, 2**32)")
+    if t.peak_tflops is not None and not (math.isfinite(t.peak_tflops) and t.peak_tflops > 0):
+        p.append(f"--peak_tflops {t.peak_tflops}: must be a positive number of TFLOP/s (or leave it unset to measure)")
+    if not isinstance(t.bf16_requested, bool) and t.bf16_requested != "auto":
+        p.append(f"--bf16 {t.bf16_requested}: must be True, False or auto (bf16 where the machine computes it fast)")
+    if t.fp16_requested_without_cuda:
+        p.append("--fp16 True: fp16 training needs a CUDA GPU and none is visible; on CPU use --bf16 True or "
+                 "leave both off (fp32)")
+    if (t.fp16 or t.fp16_requested_without_cuda) and t.bf16:
+        p.append("--fp16 True and --bf16 True: choose one precision")
+    p += t.deepspeed_problems
+    hf_ds = getattr(t, "hf_deepspeed_config", None) if t.deepspeed else None
+    if hf_ds is not None and hf_ds.mismatches:
+        from sft.config.deepspeed import mismatch_problems
+
+        p += mismatch_problems(t.deepspeed_requested, hf_ds.mismatches)
+    for name in t.report_to or []:
+        if name in _REPORTERS and not _importable(*_REPORTERS[name]):
+            p.append(f"--report_to {name}: the {name} package is not installed; pip install it or use --report_to none")
+    if "bnb" in str(t.optim) and not _importable("bitsandbytes"):
+        p.append(f"--optim {t.optim}: needs bitsandbytes, which is not installed; use --optim adamw_torch")
+    return p
+
+
+def _check_quantized_base(model_args, t, lora_args):
+    """Problems of a pre-quantized base (:mod:`sft.model.quantized`) and its kind (None: not pre-quantized)."""
+    from sft.model.quantized import model_folder, read_quantization, training_problems
+
+    folder = model_folder(model_args.model_name_or_path)
+    q = read_quantization(folder) if folder else None
+    if q is None:
+        return [], None
+    return training_problems(model_args.model_name_or_path, q, use_lora=t.use_lora, q_lora=lora_args.q_lora), q
+
+
+def _check_lora(model_args, t, lora_args) -> list[str]:
+    p, prequantized = _check_quantized_base(model_args, t, lora_args)
+    if lora_args.q_lora:
+        from sft.config.deepspeed import EXAMPLE
+
+        if not t.use_lora:
+            p.append("--q_lora True: Q-LoRA trains a LoRA adapter on the 4-bit base model; add --use_lora True")
+        if not _importable("bitsandbytes") and (prequantized is None or prequantized.bnb_4bit):
+            p.append("--q_lora True: needs bitsandbytes (4-bit NF4), which is not installed; pip install "
+                     "bitsandbytes, or use --use_lora True without --q_lora")
+        if t.zero_stage == 3:
+            packed = (f"the base's packed {prequantized.label} weights" if prequantized is not None
+                      else "bitsandbytes' packed 4-bit weights")
+            p.append(f"--q_lora True with --deepspeed {t.deepspeed_requested} (ZeRO-3): ZeRO-3 partitions every "
+                     f"weight across ranks, and {packed} cannot be partitioned or gathered "
+                     f"by it; use ZeRO-2 (--deepspeed {EXAMPLE}, the finetune_qlora_ds.sh "
+                     "default: the frozen 4-bit base is replicated, adapter gradients and optimizer state are "
+                     "sharded)" + (" or no DeepSpeed" if prequantized is not None
+                                   else " or plain LoRA (--q_lora False) with ZeRO-3"))
+    if lora_args.lora_r <= 0:
+        p.append(f"--lora_r {lora_args.lora_r}: the LoRA rank must be a positive integer (e.g. 8, 16, 64)")
+    if lora_args.lora_alpha <= 0:
+        p.append(f"--lora_alpha {lora_args.lora_alpha}: must be positive (e.g. 16)")
+    if not 0.0 <= lora_args.lora_dropout < 1.0:
+        p.append(f"--lora_dropout {lora_args.lora_dropout}: must be in [0, 1)")
+    if lora_args.lora_target_modules is not None and not all(x.strip() for x in lora_args.lora_target_modules):
+        p.append("--lora_target_modules: empty module name; give names such as q_proj v_proj (or omit the flag "
+                 "for every linear projection)")
+    if not t.use_lora and (model_args.train_embeddings != "auto" or lora_args.lora_target_modules):
+        p.append("--train_embeddings/--lora_target_modules only apply with --use_lora True; add --use_lora True "
+                 "or drop them (full fine-tuning trains every weight)")
+    return p
+
+
+def _check_output(t) -> list[str]:
+    out = t.output_dir
+    if not out:
+        return ["--output_dir is empty; give the folder to write the adapter or model to"]
+    p = []
+    parent = out
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    parent = parent or "."
+    if os.path.islink(out) and not os.path.exists(out):
+        p.append(f"--output_dir {out}: is a symlink to a missing target; fix or remove the link")
+    elif os.path.exists(out) and not os.path.isdir(out):
+        p.append(f"--output_dir {out}: is a file; give a folder path")
+    elif not os.path.isdir(parent):
+        p.append(f"--output_dir {out}: {parent} is a file, so the folder cannot be created; choose another path")
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        p.append(f"--output_dir {out}: {parent} is not writable; choose a folder you can write to")
+    from sft.train.checkpoint import check_resume
+
+    # under torchrun each rank verifies the files it wrote (sft.train.integrity); a lone check verifies all of them
+    rank = t.process_index if "WORLD_SIZE" in os.environ else None
+    resume_problems, resuming_here = check_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir, t.use_lora,
+                                                  rank, t.should_save)
+    p += resume_problems
+    if t.deepspeed and "WORLD_SIZE" in os.environ:  # a training process (torchrun, Ray); a lone check cannot know
+        from sft.train.checkpoint import check_zero_world_size
+
+        p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]),
+                                   t.zero_stage)
+    if "WORLD_SIZE" in os.environ and not resume_problems:  # the global batch kept at another world size
+        from sft.train.checkpoint import resolve_resume
+        from sft.train.world_size import plan_world_size_change
+
+        try:
+            plan_world_size_change(resolve_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir),
+                                   int(os.environ["WORLD_SIZE"]), t.per_device_train_batch_size,
+                                   t.gradient_accumulation_steps)
+        except ConfigError as e:
+            p += e.problems
+    if os.path.isdir(out) and os.listdir(out) and not t.overwrite_output_dir and not resuming_here:
+        p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
+                 "into it anyway, or choose another folder")
+    return p
+
+
+def _check_fsdp(t, lora_args) -> list[str]:
+    """FSDP2 (``--fsdp`` + ``--fsdp_config``): the config's own problems, then the combinations that cannot run."""
+    p = list(t.fsdp_problems)
+    if not t.fsdp_on:
+        if t.fsdp_config_requested is not None:
+            p.append(f"--fsdp_config {t.fsdp_config_requested}: has no effect without --fsdp; add --fsdp (FSDP2) or "
+                     "drop --fsdp_config")
+        return p
+    fsdp = f"--fsdp {t.fsdp_requested}" if isinstance(t.fsdp_requested, str) else "--fsdp"
+    if t.deepspeed_requested:
+        p.append(f"{fsdp} with --deepspeed {t.deepspeed_requested}: choose one sharding engine (FSDP2 or DeepSpeed "
+                 "ZeRO); drop one of the two flags")
+    config = t.fsdp_config if isinstance(t.fsdp_config, dict) else {}
+    if t.use_cpu and config.get("cpu_offload"):
+        # torch 2.13 fully_shard with CPUOffloadPolicy (pin_memory=True, what accelerate 1.15 builds) pins each
+        # shard: "Cannot access accelerator device when none is available".
+        p.append(f"--fsdp_config {t.fsdp_config_requested} \"cpu_offload\": true on CPU: FSDP2's offload pins host "
+                 "memory for GPU copies and fails without a GPU, and on CPU the parameters are in CPU memory already; "
+                 "use finetune/fsdp_config_full_shard.json (no offload)")
+    if config.get("state_dict_type") == "SHARDED_STATE_DICT":
+        # transformers 5.24 Trainer.save_model writes weights under FSDP for FULL_STATE_DICT only; measured with 2 CPU
+        # processes: exit 0, checkpoints of torch.distributed.checkpoint folders, and nothing but
+        # trainer_state.json and generation_config.json in --output_dir.
+        p.append(f"--fsdp_config {t.fsdp_config_requested} \"state_dict_type\": \"SHARDED_STATE_DICT\": transformers "
+                 "5.24 saves no weights at the end of training with it (the run would end with no adapter, model or "
+                 "tokenizer in --output_dir; its checkpoints hold per-rank torch.distributed.checkpoint shards only); "
+                 "use \"FULL_STATE_DICT\" (finetune/fsdp_config_full_shard.json)")
+    if lora_args.q_lora:
+        p.append(f"--q_lora True with {fsdp}: FSDP2 shards every weight as a DTensor, and bitsandbytes' packed 4-bit "
+                 "weights can only be sharded when stored in the compute dtype (bnb_4bit_quant_storage), while this "
+                 "loader gives each rank a full 4-bit replica on its own device; use Q-LoRA with ZeRO-2 "
+                 "(finetune_qlora_ds.sh) or LoRA with FSDP2 (finetune_lora_fsdp.sh)")
+    if config.get("activation_checkpointing") and t.activation_checkpointing:
+        p.append(f"--gradient_checkpointing True with --fsdp_config {t.fsdp_config_requested} "
+                 "\"activation_checkpointing\": true: choose one (transformers refuses both); FSDP's own is the "
+                 "cheaper one: add --gradient_checkpointing False")
+    return p
+
+
+def validate(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
+             lora_args: LoraArguments) -> None:
+    """Check every rule that can be checked without loading the model; raise once with all problems.
+
+    Raises:
+        ConfigError: one line per problem, each naming the flag, the value and the fix.
+    """
+    p = (_check_model(model_args.model_name_or_path) + _check_data(data_args, training_args)
+         + _check_training(training_args) + _check_lora(model_args, training_args, lora_args)
+         + _check_fsdp(training_args, lora_args) + _check_output(training_args))
+    m, out = model_args.model_name_or_path, training_args.output_dir
+    if m and out and os.path.isdir(m) and os.path.realpath(m) == os.path.realpath(out):
+        p.append(f"--output_dir {out}: is the base model's folder; saving would overwrite the model you train "
+                 "from; choose another folder")
+    if p:
+        raise ConfigError(p)

@@ -1,0 +1,1 @@
+"""Configuration: the flags' dataclasses and YAML (parsing starts nothing), DeepSpeed / FSDP / JSON config checks, --bf16 auto."""

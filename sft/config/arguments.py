@@ -1,0 +1,418 @@
+"""Command-line arguments: dataclasses parsed by ``transformers.HfArgumentParser``.
+
+Qwen's ``finetune.py`` flag names keep their meaning (``--model_name_or_path --data_path
+--eval_data_path --lazy_preprocess --model_max_length --use_lora --q_lora --lora_r --lora_alpha
+--lora_dropout --lora_target_modules --lora_bias``), plus every ``transformers.TrainingArguments``
+flag. Flags that transformers 5 removed but Qwen's scripts pass (``--evaluation_strategy``,
+``--warmup_ratio``, ``--group_by_length``, ``--overwrite_output_dir``) are accepted and mapped to
+their transformers 5 equivalents.
+
+``--config FILE.yaml`` gives defaults; flags on the command line win; a YAML key that is not a
+flag is an error. :func:`validate` (:mod:`sft.app.validation`) checks every rule before anything heavy loads and
+raises one :class:`~sft.errors.ConfigError` listing all problems. Parsing starts nothing in a single process;
+under torchrun it starts the bounded process group (see ``TrainingArguments.__post_init__``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import transformers
+
+from sft.errors import ConfigError
+from sft.config.precision import parse_bf16, resolve_bf16_flag
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Base model: a local folder with config.json and weights (required)."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow model/tokenizer Python code shipped inside the model folder to run. Off by default."},
+    )
+    train_embeddings: str = field(
+        default="auto",
+        metadata={
+            "help": "LoRA only: also train input embeddings and lm_head (peft modules_to_save). 'auto' = only when "
+            "the chat template's special tokens are new to the model (not in its embedding matrix, or their rows "
+            "are untrained).",
+            "choices": ["auto", "true", "false"],
+        },
+    )
+
+
+@dataclass
+class DataArguments:
+    data_path: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "Training data (required): one or more sources, each a .json (list) or .jsonl file "
+                  "(optionally .gz/.bz2/.xz/.zst), a .parquet file or a datasets save_to_disk folder. Several "
+                  "sources are concatenated, or mixed by --data_weights."},
+    )
+    data_weights: Optional[list[float]] = field(
+        default=None,
+        metadata={"help": "Mixing weights, one per --data_path source (e.g. 0.7 0.3): the mix has as many samples "
+                  "as the sources together, a share w_i / sum(w) from source i (whole passes plus a subset drawn "
+                  "with --seed). Unset: every sample of every source once."},
+    )
+    data_timeout: float = field(
+        default=14400.0,
+        metadata={"help": "Seconds a rank waits for the other ranks' data shards (completion markers in the cache "
+                  "folder) before it stops; independent of --ddp_timeout, so a long preparation does not end the job."},
+    )
+    eval_data_path: Optional[str] = field(default=None, metadata={"help": "Evaluation data: one source, same formats."})
+    lazy_preprocess: bool = field(
+        default=False,
+        metadata={"help": "Tokenize each sample when it is read instead of preparing the whole dataset up front."},
+    )
+    system_message: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Default system prompt for records without a leading system turn. Unset: the chat template's "
+            "own default (ChatML fallback: 'You are a helpful assistant.')."
+        },
+    )
+    on_bad_record: str = field(
+        default="error",
+        metadata={
+            "help": "What to do with an invalid record: 'error' stops before training and lists every problem; "
+            "'skip' drops the record and prints a summary with counts and ids.",
+            "choices": ["error", "skip"],
+        },
+    )
+    data_cache_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Where tokenized data shards are cached (default: $SFT_CACHE_DIR or ~/.cache/sft/datasets); "
+                  "a folder every node sees: each shard is prepared once per job, else once per node."},
+    )
+    preprocessing_num_workers: Optional[int] = field(
+        default=None, metadata={"help": "Processes each rank tokenizes its data shard with (default 1)."}
+    )
+    long_conversations: Optional[str] = field(
+        default=None,
+        metadata={"help": "A conversation longer than --model_max_length: 'split' cuts it at turn boundaries into "
+                  "several samples (each starts with the system prompt and as much earlier context as fits, "
+                  "unsupervised), so every reply that fits with its own user turn is trained exactly once; "
+                  "'truncate' keeps its first --model_max_length tokens. Unset: split, or truncate with "
+                  "--lazy_preprocess True (which cannot know a conversation's sample count before reading it).",
+                  "choices": ["split", "truncate"]},
+    )
+    eval_split_ratio: Optional[float] = field(
+        default=None,
+        metadata={"help": "Without --eval_data_path: hold out this fraction (0 < R < 1) of --data_path's records "
+                  "for evaluation, chosen by a hash of each record's id and --eval_split_seed (the same records "
+                  "when the file is reordered or grows; records without an id are keyed on their text)."},
+    )
+    eval_split_seed: int = field(
+        default=0, metadata={"help": "Seed of the --eval_split_ratio choice (independent of --seed)."}
+    )
+    packing: bool = field(default=False, metadata={
+        "help": "Pack several conversations into each row of up to --model_max_length tokens (best-fit decreasing); "
+                "position ids restart per conversation and attention never crosses conversations. "
+                "--per_device_train_batch_size then counts rows. Non-packing alternative: --group_by_length True."})
+    padding_free: bool = field(default=True, metadata={
+        "help": "Without --packing: lay each micro batch's samples end to end in one row with no padding (position "
+                "ids restart per sample, attention per sample without a mask); the same samples, order and loss as "
+                "padding them. False: pad each micro batch to its longest sample (dynamic padding, for comparison). "
+                "Falls back to padding, with a log line, when the model's attention cannot keep samples apart "
+                "without a mask."})
+
+    @property
+    def long_conversations_mode(self) -> str:
+        """``--long_conversations`` as used: the flag, or its default (``split``; ``truncate`` when lazy)."""
+        return self.long_conversations or ("truncate" if self.lazy_preprocess else "split")
+
+
+@dataclass
+class LoraArguments:
+    lora_r: int = field(default=64, metadata={"help": "LoRA rank r."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha; the update is scaled by alpha / r."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input, in [0, 1)."})
+    lora_target_modules: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "Module names to adapt. Default: every linear projection of the architecture "
+                  "(peft 'all-linear', lm_head excluded)."},
+    )
+    lora_weight_path: str = field(default="", metadata={"help": "Unused; kept so Qwen commands still parse."})
+    lora_bias: str = field(
+        default="none", metadata={"help": "Which biases to train.", "choices": ["none", "all", "lora_only"]}
+    )
+    q_lora: bool = field(
+        default=False, metadata={"help": "Q-LoRA: 4-bit NF4 base model (bitsandbytes) + LoRA; a pre-quantized base "
+                                 "(GPTQ, saved bitsandbytes 4-bit) is loaded as saved, not quantized again."}
+    )
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` plus Qwen's training flags.
+
+    On a machine without CUDA, ``use_cpu`` is switched on and ``ddp_backend`` defaults to ``gloo``
+    (:func:`sft.distributed.process_group.prepare_training_args`): otherwise ``torchrun --nproc_per_node 2``
+    would start two independent trainings on CPU.
+    """
+
+    model_max_length: int = field(default=8192, metadata={"help": "Maximum sequence length in tokens; longer samples "
+                                                            "are split or truncated (reported)."})
+    use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "transformers cache_dir for from_pretrained."})
+    optim: str = field(default="adamw_torch", metadata={"help": "Optimizer name (transformers OptimizerNames)."})
+    # Flags removed in transformers 5 that Qwen's scripts still pass; mapped in __post_init__.
+    group_by_length: bool = field(default=False, metadata={
+        "help": "Batch samples of similar length (train_sampling_strategy=group_by_length)."})
+    warmup_ratio: Optional[float] = field(default=None, metadata={
+        "help": "Fraction of training steps for LR warmup (sets warmup_steps to it)."})
+    evaluation_strategy: Optional[str] = field(
+        default=None, metadata={"help": "Old name of --eval_strategy.", "choices": ["no", "steps", "epoch"]}
+    )
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow writing into a non-empty --output_dir."})
+    preemption_timeout: float = field(
+        default=300.0,
+        metadata={"help": "Seconds from SIGTERM/SIGINT to a forced exit (code 75) if the current step and the "
+                  "checkpoint have not finished by then; the last complete checkpoint is kept."},
+    )
+    bf16: bool = field(default=False, metadata={"help": "Train in bfloat16: True, False (fp32) or auto (bf16 on a GPU "
+                       "with it or a CPU with avx512_bf16 / amx_bf16, else fp32; sft/config/precision.py)."})
+    lm_head_supervised_only: bool = field(default=True, metadata={"help": "Training: the LM head and loss only at "
+        "supervised positions (labels not -100), chunked (sft/model/loss.py); same loss and gradients. False: every position."})
+    max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={"help": "Padding-free micro batches: "
+        "at most this many tokens each (the largest runs first; sft/train/trainer.py). Unset: micro batch x "
+        "--model_max_length, lowered by the memory plan (sft/train/memory_plan.py) only when that does not fit."})
+    memory_check: str = field(default="refuse", metadata={"choices": ["refuse", "warn", "off"], "help": "A memory plan "
+        "over 90%% of what is available (sft/train/memory_plan.py): exit 2 with the fixes, warn, or only log it. An unset "
+        "budget is lowered, then an unset --gradient_checkpointing turned on, when the plan does not fit."})
+    peak_tflops: Optional[float] = field(default=None, metadata={"help": "Peak TFLOP/s of one device, the denominator "
+        "of the logged MFU (e.g. 989 for an H100 SXM in dense bf16). Unset: a torch.matmul peak measured at the start."})
+
+    def __post_init__(self):
+        """Qwen-era flag mapping and the DeepSpeed JSON pre-check (both pure), then one call into the runtime owner."""
+        if self.evaluation_strategy is not None:
+            self.eval_strategy = self.evaluation_strategy
+        if self.warmup_ratio is not None and 0 <= self.warmup_ratio < 1:  # otherwise validate() reports it
+            self.warmup_steps = float(self.warmup_ratio)
+        if self.group_by_length:
+            self.train_sampling_strategy = "group_by_length"
+        # transformers 5.24's __post_init__ reads --deepspeed (step "12. DeepSpeed") and raises a bare traceback on
+        # a bad file: read it first; a config with problems is dropped here and its problems reported by validate().
+        self.deepspeed_requested, self.deepspeed_problems, self.zero_stage = self.deepspeed, [], 0
+        if isinstance(self.deepspeed, str):
+            from sft.config.deepspeed import read_ds_config, zero_stage
+
+            config, self.deepspeed_problems = read_ds_config(self.deepspeed, str(getattr(
+                self.lr_scheduler_type, "value", self.lr_scheduler_type)))
+            if config is None:
+                self.deepspeed = None
+            else:
+                self.zero_stage = zero_stage(config)
+                if self.deepspeed.lstrip().startswith("{"):  # inline JSON (e.g. a YAML mapping): pass the dict
+                    self.deepspeed = config
+        # The same for --fsdp / --fsdp_config (step "11. FSDP" opens the file): checked by validate().
+        from sft.config.fsdp import normalize_fsdp_flag, read_fsdp_config
+
+        self.fsdp_requested, self.fsdp_config_requested = self.fsdp, self.fsdp_config
+        self.fsdp, self.fsdp_problems = normalize_fsdp_flag(self.fsdp)
+        self.fsdp_on = bool(self.fsdp) or bool(self.fsdp_problems)
+        if self.fsdp_config is not None:
+            self.fsdp_config, problems = read_fsdp_config(self.fsdp_config)
+            self.fsdp_problems += problems
+        if self.fsdp_problems or self.deepspeed:  # never hand transformers a config it would choke on
+            self.fsdp = None
+        if self.disable_tqdm is None:
+            # tqdm redraws its bar with carriage returns: in a file (a scheduler's job log) the bars splice into
+            # the log lines. Off unless stderr is a terminal; the per-step numbers (sft.train.metrics) still show progress.
+            self.disable_tqdm = not sys.stderr.isatty()
+        if self.ddp_find_unused_parameters is None:
+            # every parameter of a causal LM (and of a LoRA adapter on it) takes part in each step; DDP's
+            # search for unused ones costs a graph traversal per step and warns on every rank.
+            self.ddp_find_unused_parameters = False
+        # Qwen's --gradient_checkpointing is transformers 5's --activation_checkpointing (same meaning).
+        if self.activation_checkpointing is None and self.gradient_checkpointing is not None:
+            self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
+        if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is not None:
+            self.activation_checkpointing_kwargs, self.gradient_checkpointing_kwargs = self.gradient_checkpointing_kwargs, None
+        # None: unset, decided by the memory plan (sft.train.memory_plan.choose_checkpointing) once the model is loaded
+        self.activation_checkpointing_requested = self.activation_checkpointing
+        if self.activation_checkpointing and self.activation_checkpointing_kwargs is None:
+            # Non-reentrant checkpointing works with frozen inputs (LoRA).
+            self.activation_checkpointing_kwargs = {"use_reentrant": False}
+        # transformers 5.24's __post_init__ evaluates self.device (step "8. Device Init"), which starts the process
+        # group under torchrun, on CPU without --ddp_timeout: the device/backend choice and a bounded process group
+        # must come first. The one call into the owner of the runtime (a single process starts nothing).
+        from sft.distributed.process_group import prepare_training_args
+
+        prepare_training_args(self)
+        resolve_bf16_flag(self)  # --bf16 auto -> True / False, agreed by every rank, before transformers reads it
+        super().__post_init__()
+
+
+ALL_DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments)
+
+
+def _flag_names(extra: tuple = ()) -> set[str]:
+    names = set()
+    for dc in (*ALL_DATACLASSES, *extra):
+        names.update(f.name for f in dataclasses.fields(dc) if f.init)
+    return names
+
+
+def _split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """Remove ``--config PATH`` / ``--config=PATH`` from argv; return (path, remaining argv)."""
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError(["--config needs a file path: --config train.yaml"])
+            path = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            path = a.split("=", 1)[1]
+            if not path:
+                raise ConfigError(["--config= has no file path: --config train.yaml"])
+        else:
+            rest.append(a)
+        i += 1
+    return path, rest
+
+
+def _read_yaml(path: str, extra: tuple = ()) -> dict:
+    import yaml
+
+    if not path or not os.path.exists(path):
+        raise ConfigError([f"--config {path}: no such file; give the path of a YAML file of flag: value pairs"])
+    if not os.path.isfile(path):
+        raise ConfigError([f"--config {path}: not a file (a directory?); give the path of a YAML file of flag: value pairs"])
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([f"--config {path}:{where}: not valid YAML ({getattr(e, 'problem', e)}); "
+                           "fix the syntax (flag: value, one per line)"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8"]) from None
+    except OSError as e:  # unreadable: permissions, an I/O error
+        raise ConfigError([f"--config {path}: cannot be read ({e.strerror or e}); check the path and permissions"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {path}: top level is a {type(data).__name__}; it must be a mapping "
+                           "of flag: value pairs"])
+    known = _flag_names(extra)
+    unknown = sorted(str(k) for k in data if not (isinstance(k, str) and k in known))
+    if unknown:
+        raise ConfigError([f"--config {path}: unknown key '{k}'"
+                           + _suggest(k, known) + "; remove it or use a finetune.py flag name" for k in unknown])
+    return data
+
+
+def _suggest(name: str, known: set[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _yaml_to_argv(path: str, defaults: dict, parser) -> list[str]:
+    """Turn YAML defaults into command-line tokens, so argparse converts and checks them exactly like typed flags
+    (placed before the user's flags: the last occurrence of a flag wins)."""
+    actions = {a.dest: a for a in parser._actions}
+    argv, problems = [], []
+    defaults = _data_sources(path, defaults)
+    for key, value in defaults.items():
+        if value is None:
+            continue  # null = keep the default
+        many = actions[key].nargs in ("+", "*")
+        if isinstance(value, dict):
+            if not key.endswith(("_kwargs", "_config")) and key != "deepspeed":
+                problems.append(f"--config {path}: '{key}' is a mapping; give a single value")
+                continue
+            value = json.dumps(value)  # transformers reads dict-valued flags as JSON text
+        if isinstance(value, bool) and actions[key].type is str:
+            problems.append(f"--config {path}: '{key}' is the YAML boolean {value}; quote it if you mean the text "
+                            f"('{key}: \"{str(value).lower()}\"')")
+            continue
+        if isinstance(value, list):
+            if not many:
+                problems.append(f"--config {path}: '{key}' is a list; give a single value")
+                continue
+            if any(isinstance(v, (list, dict)) for v in value):
+                problems.append(f"--config {path}: '{key}' must be a list of plain values")
+                continue
+            argv += [f"--{key}", *map(_yaml_scalar, value)]
+        else:
+            argv += [f"--{key}", _yaml_scalar(value)]
+    if problems:
+        raise ConfigError(problems)
+    return argv
+
+
+def _data_sources(path: str, defaults: dict) -> dict:
+    """YAML ``data_path`` as a list of ``{path: ..., weight: ...}`` mappings -> ``data_path`` + ``data_weights``."""
+    sources = defaults.get("data_path")
+    if not (isinstance(sources, list) and any(isinstance(x, dict) for x in sources)):
+        return defaults
+    bad = [x for x in sources if not (isinstance(x, dict) and set(x) <= {"path", "weight"} and "path" in x)]
+    if bad:
+        raise ConfigError([f"--config {path}: 'data_path' entries must all be mappings with 'path' and optionally "
+                           f"'weight' (found {json.dumps(bad[0], default=str)[:80]})"])
+    if defaults.get("data_weights") is not None:
+        raise ConfigError([f"--config {path}: weights given both in 'data_path' and in 'data_weights'; keep one"])
+    weighted = [x for x in sources if "weight" in x]
+    if weighted and len(weighted) != len(sources):
+        raise ConfigError([f"--config {path}: 'data_path': give every source a 'weight', or none"])
+    out = dict(defaults, data_path=[x["path"] for x in sources])
+    if weighted:
+        out["data_weights"] = [x["weight"] for x in sources]
+    return out
+
+
+def _yaml_scalar(v) -> str:
+    return str(v) if not isinstance(v, bool) else ("True" if v else "False")
+
+
+def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
+    """Parse argv (default ``sys.argv[1:]``) into (ModelArguments, DataArguments, TrainingArguments, LoraArguments),
+    followed by one instance of each dataclass in ``extra`` (a launcher's own flags, e.g. the Ray launcher's;
+    their names are then also valid YAML keys).
+
+    Raises:
+        ConfigError: bad ``--config`` file, unknown YAML keys, a value argparse cannot convert (or a missing one),
+            or a value transformers rejects.
+        SystemExit: ``-h`` (exit 0).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path, argv = _split_config(argv)
+    parser = transformers.HfArgumentParser((*ALL_DATACLASSES, *extra))
+    parser.add_argument("--config", help="YAML file of flag: value defaults; the command line wins.")
+
+    def error(message: str):  # argparse's own: the whole usage (over 100 lines) above one line; ours: that line
+        raise ConfigError([f"{message}; see finetune.py -h (sft-train -h) for the flags"])
+
+    parser.error = error
+    next(a for a in parser._actions if a.dest == "bf16").type = parse_bf16  # True / False / auto (sft.config.precision)
+    if config_path is not None:
+        argv = _yaml_to_argv(config_path, _read_yaml(config_path, extra), parser) + argv
+    try:
+        parsed = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
+    except ValueError as e:  # raised by TrainingArguments.__post_init__, or for flags no dataclass has
+        if "not used by the HfArgumentParser" in str(e):
+            known = _flag_names(extra) | {"config"}
+            names = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+            unknown = [u for u in names if u[2:] not in known and not (u.startswith("--no_") and u[5:] in known)]
+            raise ConfigError([f"unknown flag {u}" + _suggest(u[2:], known).replace("'", "'--", 1)
+                               + "; see finetune.py -h (sft-train -h) for the flags" for u in unknown] or [str(e).strip()]) from None
+        raise ConfigError([str(e).strip()]) from None
+    return tuple(parsed[:len(ALL_DATACLASSES)]) + tuple(parsed[len(ALL_DATACLASSES):len(ALL_DATACLASSES) + len(extra)])
+
+
+from sft.app.validation import validate  # noqa: E402,F401  (re-exported: parse_args and validate are the public pair)

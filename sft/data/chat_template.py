@@ -1,0 +1,104 @@
+"""Chat templates: ChatML (the fallback for a tokenizer without one), and whether a template writes message contents
+verbatim and reads nothing else of them (:func:`content_is_opaque`), so that :class:`sft.data.chat._Renderer` may fill a
+per-roles skeleton instead of rendering every conversation."""
+from __future__ import annotations
+
+# ChatML, as Qwen renders it (Qwen2 tokenizer_config.json, without tools), used when a tokenizer
+# has no chat template of its own.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_ROLE_OR_CONTENT = ("role", "content")
+
+
+def content_is_opaque(template: str, env=None) -> bool:
+    """Whether ``template`` (a chat template) only ever writes each message's content verbatim into its output, so
+    that its rendering of any conversation is its rendering of the same roles with the contents put in place.
+
+    Decided on the template's jinja2 syntax tree, conservatively (False when unsure). True only when: every read
+    of a ``"content"`` key or attribute sits in an expression written to the output directly or only through
+    string concatenation (``+``, ``~``), never in a test, filter, call, condition or assignment; the loop
+    variables over ``messages`` (``{% for message in messages %}``) are used only as ``message['role']`` /
+    ``message['content']`` (or ``.role`` / ``.content``); ``messages`` itself only as that loop's sequence, as
+    ``messages[i]['role'|'content']`` with a constant ``i``, or with ``|length``; nothing is assigned, imported,
+    included or defined as a macro; ``loop.previtem`` / ``loop.nextitem`` are not read; and the environment
+    neither escapes (``autoescape``) nor post-processes (``finalize``) output. Everything else the template may do
+    depends only on the roles, the number of messages and the fixed variables, which the caller's skeleton (one
+    rendering per sequence of roles) covers. ChatML (Qwen) and SmolLM2's templates qualify; a template that
+    trims, inspects or rewrites content (e.g. removing earlier turns' reasoning) does not."""
+    from jinja2 import Environment, nodes
+
+    env = env or Environment()
+    if getattr(env, "autoescape", False) is not False or getattr(env, "finalize", None) is not None:
+        return False
+    try:
+        tree = env.parse(template)
+    except Exception:
+        return False
+    banned = (nodes.Assign, nodes.AssignBlock, nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.With,
+              nodes.Import, nodes.FromImport, nodes.Include, nodes.Extends, nodes.Block, nodes.Scope,
+              nodes.OverlayScope, nodes.ScopedEvalContextModifier)
+    parents: dict = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, banned):
+            return False
+        for child in node.iter_child_nodes():
+            parents[id(child)] = node
+            stack.append(child)
+    loops = set()
+    for f in tree.find_all(nodes.For):
+        if not isinstance(f.target, nodes.Name):
+            return False
+        if isinstance(f.iter, nodes.Name) and f.iter.name == "messages" and not f.recursive and f.test is None:
+            loops.add(f.target.name)
+    if any(isinstance(f.target, nodes.Name) and f.target.name in loops and not
+           (isinstance(f.iter, nodes.Name) and f.iter.name == "messages") for f in tree.find_all(nodes.For)):
+        return False  # a loop variable's name reused for something else
+
+    def key_of(node):
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+            return node.arg.value
+        if isinstance(node, nodes.Getattr):
+            return node.attr
+        return None
+
+    def message_item(node) -> bool:  # node is ``message`` or ``messages[i]``: its parent must read role/content
+        parent = parents.get(id(node))
+        return (isinstance(parent, (nodes.Getitem, nodes.Getattr)) and parent.node is node
+                and key_of(parent) in _ROLE_OR_CONTENT)
+
+    for name in tree.find_all(nodes.Name):
+        if name.ctx != "load":
+            continue
+        parent = parents.get(id(name))
+        if name.name in loops:
+            if not message_item(name):
+                return False
+        elif name.name == "messages":
+            if isinstance(parent, nodes.For) and parent.iter is name:
+                continue
+            if isinstance(parent, nodes.Filter) and parent.name == "length" and parent.node is name:
+                continue
+            if not (isinstance(parent, nodes.Getitem) and parent.node is name and isinstance(parent.arg, nodes.Const)
+                    and isinstance(parent.arg.value, int) and message_item(parent)):
+                return False
+        elif name.name == "loop" and isinstance(parent, nodes.Getattr) and parent.attr in ("previtem", "nextitem"):
+            return False
+    for node in tree.find_all((nodes.Getitem, nodes.Getattr)):
+        if key_of(node) != "content":
+            continue
+        child, parent = node, parents.get(id(node))
+        while isinstance(parent, (nodes.Add, nodes.Concat)):
+            child, parent = parent, parents.get(id(parent))
+        if not (isinstance(parent, nodes.Output) and any(n is child for n in parent.nodes)):
+            return False
+    return True

@@ -1,0 +1,377 @@
+"""Tokenized datasets (memory-mapped Arrow, prepared by every rank, cached) and the padding collator.
+
+Eager mode (default): the records of each source are streamed and validated (:mod:`sft.data.records`), encoded per
+conversation (:func:`encode_samples`: ids and labels built together; one longer than ``model_max_length`` is
+split at turn boundaries into several samples, ``--long_conversations split``, :mod:`sft.data.long_conversations`, or
+truncated, ``truncate``), samples left with no supervised token are dropped, and the samples are written as Arrow shards under
+``<cache>/<key>`` where the key hashes the source's bytes, the tokenizer (vocabulary, special tokens, chat
+template), the settings and this package's version. Every global rank prepares its shard and then
+memory-maps all of them (:mod:`sft.data.shards`: completion markers, ``--data_timeout``); no rank holds the
+records as Python objects. The rows come out in record order whatever the world size (:func:`in_record_order`),
+and a complete set of shards written at another world size is used as it is (:func:`shard_count`). Several
+sources are concatenated, or mixed by weight (:func:`mix`).
+
+Lazy mode (``--lazy_preprocess``, truncation only): the shards hold the validated records (``id``, ``messages``) instead, and a
+sample is encoded when the sampler asks for it; truncation is counted as samples are met, and a sample with no
+supervised token left is replaced by the next one (logged by id) so that a batch never has zero supervised tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from dataclasses import replace as dataclass_replace
+from typing import Optional, Sequence
+
+import torch
+from transformers import DataCollatorForSeq2Seq
+
+from sft import __version__
+from sft.data.chat import IGNORE_INDEX
+from sft.data.records import RecordCheck, iter_conversations
+from sft.errors import DataError
+from sft.data.eval_split import empty_side_error, in_eval, record_key
+from sft.data.samples import TruncationReport, encode_samples, encode_truncated, truncate  # noqa: F401 (re-exported)
+from sft.data.samples import limit_tokenizer_threads
+from sft.data.shards import JobView, Plan, agree, prepare_shard, read_marker, wait_for_shards
+from sft.data.sources import source_sha256
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 4  # bump when the cached columns or their meaning change (4: the ``record`` column)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of what decides the token ids: backend vocabulary/merges, added tokens, chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)).encode())
+    h.update(json.dumps(tokenizer.get_added_vocab(), sort_keys=True).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    return h.hexdigest()
+
+
+def cache_key(data_path: str, tokenizer, settings: dict) -> str:
+    """24 hex digits naming a source's cache folder: its bytes, the tokenizer, ``settings``, the version."""
+    h = hashlib.sha256()
+    for part in (source_sha256(data_path), tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True),
+                 __version__, str(CACHE_FORMAT)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("SFT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sft", "datasets")
+
+
+ENCODE_BATCH = 256  # conversations per tokenizer call
+
+
+def _features(lazy: bool):
+    import datasets
+
+    if lazy:
+        return datasets.Features({"id": datasets.Value("string"), "record": datasets.Value("int64"),
+                                  "messages": datasets.List(
+            {"role": datasets.Value("string"), "content": datasets.Value("string")})})
+    return datasets.Features({"id": datasets.Value("string"), "record": datasets.Value("int64"),
+                              "input_ids": datasets.List(datasets.Value("int32")),
+                              "labels": datasets.List(datasets.Value("int32")), "n_supervised": datasets.Value("int32")})
+
+
+@dataclass
+class _Job:
+    """What one preparation process needs (inherited by forked --preprocessing_num_workers processes)."""
+
+    path: str
+    tokenizer: object
+    eot_id: int
+    max_len: int
+    system_message: Optional[str]
+    on_bad_record: str
+    control_tokens: Sequence[str]
+    lazy: bool
+    long_conversations: str = "split"
+    holdout: Optional[tuple] = None  # (ratio, seed, keep_held): --eval_split_ratio, this side's records only
+    folder: str = ""
+    shard: int = 0
+    n_shards: int = 1
+    n_parts: int = 1
+
+
+_JOB: Optional[_Job] = None  # set before forking the part workers
+
+
+def _write_part(p: int, job: Optional[_Job] = None) -> dict:
+    """Write part ``p`` of ``job``'s shard (records ``index % (n_shards*n_parts) == shard + p*n_shards``);
+    the forked workers find the job in ``_JOB``."""
+    import pyarrow as pa
+
+    job = job or _JOB
+    schema = _features(job.lazy).arrow_schema
+    check, report, name = RecordCheck(job.path), TruncationReport(mode=job.long_conversations), f"part-{p:02d}.arrow"
+    rows: dict = {k: [] for k in schema.names}
+
+    def flush(writer, batch):
+        if job.lazy:
+            for c in batch:
+                rows["id"].append(c.id)
+                rows["record"].append(c.index)
+                rows["messages"].append(c.messages)
+        elif batch:
+            for c, samples in zip(batch, encode_samples(job.tokenizer, [c.messages for c in batch], job.eot_id,
+                                                        job.max_len, job.system_message, job.long_conversations)):
+                report.count_conversation(samples, c.id)
+                for ex in samples:
+                    if ex["n_supervised"] > 0:
+                        for k in schema.names:
+                            rows[k].append(c.id if k == "id" else c.index if k == "record" else ex[k])
+        if rows["id"]:
+            writer.write_batch(pa.RecordBatch.from_pydict(rows, schema=schema))
+        for v in rows.values():
+            v.clear()
+
+    batch = []
+    with pa.OSFile(os.path.join(job.folder, name), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for conv in iter_conversations(job.path, check, job.control_tokens, job.shard + p * job.n_shards,
+                                       job.n_shards * job.n_parts):
+            if check.n_bad and job.on_bad_record == "error":
+                continue  # this shard fails: only the rest of its problems are still counted
+            if job.holdout and in_eval(record_key(conv), job.holdout[0], job.holdout[1]) != job.holdout[2]:
+                continue  # the other side of the --eval_split_ratio split
+            batch.append(conv)
+            if len(batch) == ENCODE_BATCH:
+                flush(writer, batch)
+                batch = []
+        flush(writer, batch)
+    return {"part": name, "check": check.to_dict(), "report": report.__dict__}
+
+
+def _write_shard(job: _Job, folder: str, shard: int, n_shards: int, n_parts: int) -> dict:
+    global _JOB
+    job = dataclass_replace(job, folder=folder, shard=shard, n_shards=n_shards, n_parts=n_parts)
+    if n_parts == 1:
+        parts = [_write_part(0, job)]
+    else:  # fork: the workers inherit the tokenizer instead of unpickling it (what datasets.map does too)
+        import multiprocessing
+
+        _JOB = job
+        try:
+            with multiprocessing.get_context("fork").Pool(n_parts) as pool:
+                parts = pool.map(_write_part, range(n_parts))
+        finally:
+            _JOB = None
+    check = RecordCheck.merge(job.path, [x["check"] for x in parts])
+    if check.n_bad and job.on_bad_record == "error":
+        raise check.error()
+    return {"parts": [x["part"] for x in parts], "check": check.to_dict(),
+            "report": TruncationReport.merge([x["report"] for x in parts]).__dict__}
+
+
+def prepare_source(job: _Job, cache_root: str, plan: Plan, num_proc: Optional[int], data_timeout: float):
+    """Prepare this rank's shards of one source (those without a completion marker), wait for every shard,
+    and memory-map them. Returns ``(datasets.Dataset, TruncationReport)``; see :func:`build_dataset`.
+
+    Raises:
+        DataError: a record problem (``error``; this rank's or the first failed rank's message), no valid record
+            or no supervised sample left, or a shard not ready within ``data_timeout`` seconds.
+    """
+    import datasets
+
+    settings = {"max_len": job.max_len, "system_message": job.system_message, "on_bad_record": job.on_bad_record,
+                "control_tokens": list(job.control_tokens), "lazy": job.lazy,
+                "long_conversations": job.long_conversations,
+                "holdout": list(job.holdout) if job.holdout else None}
+    key_dir = os.path.join(cache_root, cache_key(job.path, job.tokenizer, settings))
+    os.makedirs(key_dir, exist_ok=True)
+    n = shard_count(key_dir, plan.view.world_size)
+    limit_tokenizer_threads(plan.view.local_world_size * (num_proc or 1))
+    for k in plan.mine(n):
+        if read_marker(key_dir, k, n) is None:
+            prepare_shard(key_dir, k, n, plan, lambda folder, k=k: _write_shard(job, folder, k, n, num_proc or 1))
+    markers = wait_for_shards(key_dir, n, plan, data_timeout, job.path)
+    check = RecordCheck.merge(job.path, [m["check"] for m in markers])
+    check.finish(job.on_bad_record, log=plan.view.rank == 0)
+    ds = datasets.concatenate_datasets([datasets.Dataset.from_file(os.path.join(key_dir, m["dir"], part))
+                                        for m in markers for part in m["parts"]])
+    report = TruncationReport.merge([m["report"] for m in markers]) if not job.lazy else TruncationReport()
+    if len(ds) == 0 and job.holdout and (job.lazy or report.conversations == 0):
+        raise empty_side_error(job.path, job.holdout[0], check.valid, held_all=not job.holdout[2])
+    if len(ds) == 0:
+        raise DataError(f"{job.path}: no sample has a supervised token within --model_max_length {job.max_len} "
+                        f"({report.samples} samples, all cut before their first reply ends); raise --model_max_length")
+    if plan.view.rank == 0:
+        _warn_duplicate_ids(job.path, ds, per_conversation_runs=not job.lazy)
+    logger.info("%s: %d records, %d shard(s) in %s", job.path, check.records, n, key_dir)
+    return in_record_order(ds), report
+
+
+_DONE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.done$")
+
+
+def shard_count(key_dir: str, world_size: int) -> int:
+    """How many shards this run reads from ``key_dir``: ``world_size``, unless ``key_dir`` already holds every
+    completion marker of another count (written by a run at another world size) and not of this one; then the
+    smallest such count. Safe because the rows come out in record order whatever the count
+    (:func:`in_record_order`), so any complete set is the same dataset and is not prepared again."""
+    done: dict[int, set] = {}
+    for name in os.listdir(key_dir):
+        m = _DONE.match(name)
+        if m:
+            done.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    complete = sorted(n for n, ks in done.items() if ks >= set(range(n)))
+    return world_size if world_size in complete or not complete else complete[0]
+
+
+def in_record_order(ds):
+    """``ds`` with its rows in record order: by the ``record`` column (int64, the record's 0-based index in its
+    source), the samples of one record (a split conversation) kept in their written order (a stable sort; they are
+    written next to each other in one part). The shards hold records ``index % n == k`` and their parts
+    ``index % (n * parts) == ...``, so their concatenation is in shard order; this makes the dataset the same for
+    any number of shards, parts and preparing ranks, and so for any world size. Returns ``ds`` itself when it is
+    already in order (one shard, one part), else ``ds.select(order)``: an index map (8 bytes per sample, as
+    mixing's), nothing copied."""
+    import numpy as np
+
+    record = ds.data.column("record").to_numpy()
+    if len(record) < 2 or bool(np.all(record[1:] >= record[:-1])):
+        return ds
+    return ds.select(np.argsort(record, kind="stable"))
+
+
+def _warn_duplicate_ids(path: str, ds, per_conversation_runs: bool) -> None:
+    """Warn about ids that more than one record carries. With ``per_conversation_runs`` (eager datasets) the samples
+    of one conversation share its id and are written next to each other, so each run of equal ids counts once; two
+    copies of a record that land next to each other in one shard then count as one (not warned)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids = ds.data.column("id").combine_chunks()
+    if per_conversation_runs and len(ids) > 1:
+        starts = pa.concat_arrays([pa.array([True]), pc.not_equal(ids.slice(1), ids.slice(0, len(ids) - 1))])
+        ids = pc.filter(ids, starts)
+    counts = pc.value_counts(ids)
+    dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values").to_pylist()
+    if dup:
+        logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
+                       path, len(dup), ", ".join(map(repr, dup[:5])))
+
+
+def mix(parts: Sequence, weights: Optional[Sequence[float]], seed: int, paths: Sequence[str]):
+    """Concatenate the sources' datasets, or mix them by ``weights``.
+
+    With weights, the mix has as many samples as the sources together (``total``), and source i contributes
+    ``round(total * w_i / sum(w))`` of them: whole passes over the source plus a random subset of it drawn with
+    ``seed`` (numpy, deterministic), so a 70/30 mix of any two sources has 70% and 30% of its samples from them.
+    Returns a ``datasets.Dataset`` (an index mapping over the memory-mapped sources; nothing is copied).
+    """
+    import datasets
+    import numpy as np
+
+    if not weights:
+        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(list(parts))
+    total, wsum = sum(len(d) for d in parts), float(sum(weights))
+    chosen = []
+    for i, (d, w, path) in enumerate(zip(parts, weights, paths)):
+        target = int(round(total * w / wsum))
+        passes, rest = divmod(target, len(d))
+        rng = np.random.default_rng([seed, i])
+        idx = np.concatenate([np.tile(np.arange(len(d)), passes), np.sort(rng.choice(len(d), rest, replace=False))])
+        logger.info("mixing: %s: %d samples (weight %g: %.2f passes over its %d)", path, target, w, target / len(d), len(d))
+        chosen.append(d.select(idx))
+    return datasets.concatenate_datasets(chosen)
+
+
+def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, max_len: int, system_message: Optional[str] = None,
+                  cache_dir: Optional[str] = None, num_proc: Optional[int] = None, *, on_bad_record: str = "error",
+                  control_tokens: Sequence[str] = (), weights: Optional[Sequence[float]] = None, seed: int = 42,
+                  lazy: bool = False, data_timeout: float = 14400.0, view: Optional[JobView] = None,
+                  plan: Optional[Plan] = None, long_conversations: str = "split", holdout: Optional[tuple] = None):
+    """Return ``(dataset, TruncationReport)`` for the sources ``paths`` (files or dataset folders).
+
+    ``long_conversations`` (``"split"`` or ``"truncate"``; lazy: truncation only): what becomes of a conversation
+    longer than ``max_len`` (:func:`encode_samples`). ``holdout`` ``(ratio, seed, keep_held)``: keep only the records
+    that :func:`sft.data.eval_split.in_eval` holds out (``keep_held`` True, the evaluation side) or only the others.
+
+    Every rank of the job (``view``, default: from the environment) calls this at the same point: each prepares
+    its shards (``num_proc`` processes each), then waits for the others' on the file system for up to
+    ``data_timeout`` seconds (:mod:`sft.data.shards`); ``plan`` reuses an earlier :func:`sft.data.shards.agree`.
+
+    The rows are in record order (:func:`in_record_order`), the same for any world size. The dataset has columns
+    ``id`` (str; the samples of a split conversation share it), ``record`` (int64: the record's 0-based index in
+    its source), ``input_ids`` and ``labels`` (int32 lists, equal lengths, at most
+    ``max_len``; labels -100 where not supervised) and ``n_supervised`` (int32), memory-mapped; with ``lazy`` it
+    has ``id`` and ``messages`` and is wrapped in :class:`LazySupervisedDataset`. No ``length`` column: the
+    Trainer drops columns the model's forward does not take before building its sampler, so
+    ``--group_by_length`` measures ``input_ids`` itself.
+
+    Raises:
+        DataError: as :func:`prepare_source`.
+    """
+    root = cache_dir or default_cache_dir()
+    os.makedirs(root, exist_ok=True)
+    plan = plan or agree(root, view or JobView.from_env())
+    out, reports = [], []
+    for path in paths:
+        job = _Job(path, tokenizer, eot_id, max_len, system_message, on_bad_record, tuple(control_tokens), lazy,
+                   "truncate" if lazy else long_conversations, holdout)
+        ds, report = prepare_source(job, root, plan, num_proc, data_timeout)
+        out.append(ds)
+        reports.append(report.__dict__)
+    ds = mix(out, weights, seed, paths)
+    if lazy:
+        return LazySupervisedDataset(ds, tokenizer, eot_id, max_len, system_message, ", ".join(paths)), None
+    return ds, TruncationReport.merge(reports)
+
+class LazySupervisedDataset(torch.utils.data.Dataset):
+    """Encodes a conversation when it is indexed (``--lazy_preprocess``).
+
+    ``records`` is a sequence of ``{"id": str, "messages": [{"role", "content"}, ...]}`` (the memory-mapped
+    records dataset of :func:`build_dataset`, or validated conversations as dicts). ``__getitem__`` returns
+    ``{"input_ids", "labels"}`` (lists of int). A sample left with no supervised token after truncation is
+    logged by id and replaced by the next index (mod len), so the loss of a batch never divides by zero.
+    """
+
+    def __init__(self, records, tokenizer, eot_id: int, max_len: int, system_message: Optional[str],
+                 data_path: str = "data"):
+        self.records, self.tokenizer, self.eot_id, self.data_path = records, tokenizer, eot_id, data_path
+        self.max_len, self.system_message = max_len, system_message
+        self.report = TruncationReport()
+        self._seen: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> dict:
+        n = len(self.records)
+        if not -n <= i < n:
+            raise IndexError(i)  # ends plain iteration (``for x in dataset``), e.g. in LengthGroupedSampler
+        for step in range(n):
+            j = (i + step) % n
+            rec = self.records[j]
+            ex = encode_truncated(self.tokenizer, rec["messages"], self.eot_id, self.max_len, self.system_message)
+            if j not in self._seen:
+                self._seen.add(j)
+                self.report.count(ex, rec["id"])
+                if ex["n_supervised"] == 0:
+                    logger.warning("sample id=%s has no supervised token within --model_max_length %d; using the "
+                                   "next sample instead", rec["id"], self.max_len)
+            if ex["n_supervised"] > 0:
+                return {"input_ids": ex["input_ids"], "labels": ex["labels"]}
+        raise DataError(f"{self.data_path}: no sample has a supervised token within --model_max_length "
+                        f"{self.max_len}; raise --model_max_length")
+
+
+def make_collator(tokenizer, pad_to_multiple_of: int = 8) -> DataCollatorForSeq2Seq:
+    """Dynamic padding to the longest sample of the batch, rounded up to ``pad_to_multiple_of``.
+
+    The batch is ``input_ids`` (int64, [batch, seq]), ``attention_mask`` (int64, 1 = real token,
+    0 = padding, set by position) and ``labels`` (int64, padding = -100). Thin wrapper over
+    ``transformers.DataCollatorForSeq2Seq``; requires ``tokenizer.padding_side == "right"``.
+    """
+    return DataCollatorForSeq2Seq(tokenizer, padding="longest", pad_to_multiple_of=pad_to_multiple_of,
+                                  label_pad_token_id=IGNORE_INDEX, return_tensors="pt")

@@ -1,0 +1,330 @@
+"""Read and validate conversation records.
+
+Accepted files: a JSON file holding a list of records, or JSONL (one record per line). Files are
+always read as UTF-8; a leading BOM is accepted. The formats (JSON, JSONL, compressed, Parquet, datasets
+folders) are read by :mod:`sft.data.sources`.
+
+Record forms (both may be mixed in one file):
+
+* Qwen: ``{"id": ..., "conversations": [{"from": "user"|"assistant"|"system", "value": str}, ...]}``
+  with the aliases ``human`` -> user and ``gpt`` -> assistant.
+* OpenAI: ``{"id": ... (optional), "messages": [{"role": ..., "content": str}, ...]}``.
+* Alpaca: ``{"instruction": str, "input": str (optional, may be empty), "output": str, "system": str (optional)}``:
+  one user turn (the instruction, then a blank line and the input when there is one) and one assistant turn.
+
+Rules: an optional leading system turn, then turns alternating user, assistant, ... starting with
+user and ending with assistant (at least one assistant turn). Every value is a non-empty string.
+
+The output of this module is a stream of :class:`Conversation` with roles normalised to
+``system``/``user``/``assistant`` (:func:`iter_conversations`, memory bounded by the capped list of problems);
+nothing downstream looks at the raw records again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+from sft.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+FORMS = {"conversations": ("from", "value"), "messages": ("role", "content")}
+MAX_PROBLEMS_SHOWN = 20
+
+
+@dataclass
+class Conversation:
+    """One validated record. ``messages`` is a list of ``{"role", "content"}`` dicts (roles normalised)."""
+
+    id: str
+    index: int
+    messages: list[dict[str, str]]
+
+
+@dataclass
+class Problem:
+    """One reason a record cannot be used, with where it is and how to fix it."""
+
+    file: str
+    index: Optional[int]  # 0-based record index (JSONL: counts non-blank lines)
+    record_id: Optional[str]
+    what: str
+    fix: str
+    turn: Optional[int] = None
+    kind: str = "invalid"
+
+    def __str__(self) -> str:
+        where = [self.file]
+        if self.index is not None:
+            where.append(f"record {self.index}")
+        if self.record_id is not None:
+            where.append(f"id={self.record_id!r}")
+        if self.turn is not None:
+            where.append(f"turn {self.turn}")
+        return f"{', '.join(where)}: {self.what}; {self.fix}"
+
+
+def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Problem]:
+    """Check one record; return a :class:`Conversation` or the list of its problems."""
+    if not isinstance(rec, dict):
+        return [Problem(path, index, None, f"the record is a JSON {type(rec).__name__}, not an object",
+                        'write it as {"id": ..., "conversations": [{"from": ..., "value": ...}]}', kind="not an object")]
+    rid = rec.get("id")
+    rid = None if rid is None else str(rid)
+    forms = [k for k in FORMS if k in rec]
+    if not forms and ("instruction" in rec or "output" in rec):
+        return _alpaca(path, index, rid, rec)
+    if not forms:
+        return [Problem(path, index, rid, "missing key 'conversations' (or 'messages')",
+                        'add "conversations": [{"from": "user", "value": ...}, {"from": "assistant", "value": ...}] '
+                        '(or an Alpaca record\'s "instruction" and "output")',
+                        kind="missing key")]
+    if len(forms) == 2:
+        return [Problem(path, index, rid, "has both 'conversations' and 'messages'", "keep only one of them",
+                        kind="ambiguous")]
+    form = forms[0]
+    role_key, text_key = FORMS[form]
+    turns = rec[form]
+    if not isinstance(turns, list):
+        return [Problem(path, index, rid, f"'{form}' is a {type(turns).__name__}, not a list", f"make '{form}' a list of turns",
+                        kind="bad type")]
+    if not turns:
+        return [Problem(path, index, rid, f"'{form}' is empty", "add at least a user turn and an assistant turn",
+                        kind="empty conversation")]
+    problems: list[Problem] = []
+    messages: list[dict[str, str]] = []
+    for t, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            problems.append(Problem(path, index, rid, f"the turn is a {type(turn).__name__}, not an object",
+                                    f'write it as {{"{role_key}": ..., "{text_key}": ...}}', t, kind="bad type"))
+            continue
+        role, text = turn.get(role_key), turn.get(text_key)
+        for key, val in ((role_key, role), (text_key, text)):
+            if key not in turn:
+                other = f" (found keys: {', '.join(sorted(turn))})" if turn else ""
+                problems.append(Problem(path, index, rid, f"missing key '{key}'{other}",
+                                        f"'{form}' turns need '{role_key}' and '{text_key}'", t, kind="missing key"))
+            elif not isinstance(val, str):
+                problems.append(Problem(path, index, rid, f"'{key}' is {json.dumps(val)[:40]}, not a string",
+                                        f"give '{key}' a string value", t, kind="not a string"))
+        if not isinstance(role, str) or not isinstance(text, str):
+            continue
+        norm = ROLE_ALIASES.get(role.strip().lower())
+        if norm is None:
+            problems.append(Problem(path, index, rid, f"unknown role '{role}' in '{role_key}'",
+                                    "use user, assistant or system (aliases: human, gpt)", t, kind="unknown role"))
+            continue
+        if not text.strip():
+            problems.append(Problem(path, index, rid, f"empty '{text_key}' for role {norm}",
+                                    "give the turn some text or remove it", t, kind="empty value"))
+        elif not _encodable(text):
+            problems.append(Problem(path, index, rid, f"'{text_key}' holds an unpaired UTF-16 surrogate (a \\ud800-"
+                                    "\\udfff escape)", "fix the text's encoding", t, kind="invalid unicode"))
+        messages.append({"role": norm, "content": text, "_turn": t})
+    if problems:
+        return problems
+    return _check_order(path, index, rid, messages)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _check_order(path, index, rid, messages) -> Conversation | list[Problem]:
+    body = messages[1:] if messages[0]["role"] == "system" else messages
+    for pos, m in enumerate(body):
+        expected = "user" if pos % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            what = ("a system turn after the first turn" if m["role"] == "system"
+                    else f"role {m['role']} where {expected} was expected (roles out of order)")
+            return [Problem(path, index, rid, what, "turns must go [system,] user, assistant, user, assistant, ...; "
+                            "merge consecutive turns of one speaker", m["_turn"], kind="roles out of order")]
+    if not any(m["role"] == "assistant" for m in body):
+        return [Problem(path, index, rid, "no assistant turn", "add the assistant's reply: only replies are trained",
+                        kind="no assistant turn")]
+    if body[-1]["role"] != "assistant":
+        return [Problem(path, index, rid, "the last turn is from the user, so nothing after it is trained",
+                        "remove the trailing user turn or add the assistant's reply", body[-1]["_turn"],
+                        kind="roles out of order")]
+    clean = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return Conversation(id=rid if rid is not None else f"#{index}", index=index, messages=clean)
+
+
+
+
+def _alpaca(path: str, index: int, rid: Optional[str], rec: dict) -> Conversation | list[Problem]:
+    problems = []
+    for key, required in (("instruction", True), ("output", True), ("input", False), ("system", False)):
+        val = rec.get(key)
+        if key not in rec:
+            if required:
+                problems.append(Problem(path, index, rid, f"missing key '{key}' (an Alpaca record needs 'instruction' "
+                                        "and 'output')", f"add \"{key}\": ...", kind="missing key"))
+        elif not isinstance(val, str):
+            problems.append(Problem(path, index, rid, f"'{key}' is {json.dumps(val)[:40]}, not a string",
+                                    f"give '{key}' a string value", kind="not a string"))
+        elif required and not val.strip():
+            problems.append(Problem(path, index, rid, f"empty '{key}'", f"give '{key}' some text", kind="empty value"))
+        elif not _encodable(val):
+            problems.append(Problem(path, index, rid, f"'{key}' holds an unpaired UTF-16 surrogate (a \\ud800-"
+                                    "\\udfff escape)", "fix the text's encoding", kind="invalid unicode"))
+    if problems:
+        return problems
+    user = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input", "").strip() else "")
+    messages = [{"role": "system", "content": rec["system"]}] if rec.get("system", "").strip() else []
+    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"]}]
+    return Conversation(id=rid if rid is not None else f"#{index}", index=index, messages=messages)
+
+
+def _control_problem(path: str, conv: Conversation, control_tokens: Sequence[str]) -> Optional[Problem]:
+    for t, m in enumerate(conv.messages):
+        found = [tok for tok in control_tokens if tok in m["content"]]
+        if found:
+            return Problem(path, conv.index, conv.id, f"the {m['role']} text contains the control token(s) "
+                           f"{', '.join(found)}", "remove them or write them differently (they would become real "
+                           "chat-template tokens)", t, kind="control token in text")
+    return None
+
+
+@dataclass
+class RecordCheck:
+    """What validating one source (or one shard of it) found; memory is capped, not per record.
+
+    ``records`` counts every record read (valid or not), ``valid`` the conversations passed on; ``problems``
+    keeps the first :data:`MAX_PROBLEMS_SHOWN` problems, ``bad_ids`` the first 50 bad records' ids (``#index``
+    when a record has none), ``kinds`` counts problems per kind. A plain-JSON dict (:meth:`to_dict`) so that
+    ranks can exchange it through the cache folder and :meth:`merge` the shards of one source.
+    """
+
+    path: str
+    records: int = 0
+    valid: int = 0
+    n_bad: int = 0
+    n_problems: int = 0
+    problems: list = field(default_factory=list)
+    bad_ids: list = field(default_factory=list)
+    kinds: dict = field(default_factory=dict)
+
+    def add(self, problems: list[Problem]) -> None:
+        self.n_bad += 1
+        self.n_problems += len(problems)
+        self.problems += [(p.index if p.index is not None else -1, str(p)) for p in problems][:MAX_PROBLEMS_SHOWN - len(self.problems)]
+        if len(self.bad_ids) < 50:
+            p = problems[0]
+            self.bad_ids.append((p.index if p.index is not None else -1, p.record_id if p.record_id is not None else f"#{p.index}"))
+        for p in problems:
+            self.kinds[p.kind] = self.kinds.get(p.kind, 0) + 1
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def merge(cls, path: str, parts: Sequence[dict]) -> "RecordCheck":
+        """One check of the whole source from its shards' :meth:`to_dict` (problems and ids in record order)."""
+        out = cls(path)
+        for d in parts:
+            for k in ("records", "valid", "n_bad", "n_problems"):
+                setattr(out, k, getattr(out, k) + d[k])
+            out.problems += [tuple(x) for x in d["problems"]]
+            out.bad_ids += [tuple(x) for x in d["bad_ids"]]
+            for k, n in d["kinds"].items():
+                out.kinds[k] = out.kinds.get(k, 0) + n
+        out.problems = sorted(out.problems, key=lambda x: x[0])[:MAX_PROBLEMS_SHOWN]
+        out.bad_ids = sorted(out.bad_ids, key=lambda x: x[0])[:50]
+        return out
+
+    def error(self) -> Optional[DataError]:
+        """The one error listing the problems (``--on_bad_record error``), or None when there are none."""
+        if not self.n_bad:
+            return None
+        shown = "\n".join(f"  - {text}" for _, text in self.problems)
+        more = f"\n  ... and {self.n_problems - len(self.problems)} more" if self.n_problems > len(self.problems) else ""
+        return DataError(f"{self.path}: {self.n_bad} invalid record(s) of {self.records}:\n{shown}{more}\n"
+                         "Fix them, or pass --on_bad_record skip to train without them.")
+
+    def finish(self, on_bad_record: str, log: bool = True) -> None:
+        """``error``: raise :meth:`error`; ``skip``: log counts per kind and the ids. Then refuse an empty source.
+
+        Raises:
+            DataError: problems with ``error``, or no valid record left.
+        """
+        if self.n_bad and on_bad_record == "error":
+            raise self.error()
+        if self.n_bad and log:
+            kinds = ", ".join(f"{k}: {n}" for k, n in Counter(self.kinds).most_common())
+            ids = ", ".join(rid for _, rid in self.bad_ids)
+            logger.warning("%s: skipped %d invalid record(s) (%s); ids: %s%s", self.path, self.n_bad, kinds, ids,
+                           " ..." if self.n_bad > len(self.bad_ids) else "")
+        if not self.valid:
+            raise DataError(f"{self.path}: no valid record left")
+
+
+def iter_conversations(path: str, check: RecordCheck, control_tokens: Sequence[str] = (), shard: int = 0,
+                       n_shards: int = 1, stop_at_problem: bool = False) -> Iterator[Conversation]:
+    """Validated conversations of shard ``shard`` of ``n_shards`` of ``path``, as a stream; every problem (the
+    record's structure, and text that spells one of ``control_tokens``: the tokenizer would turn it into the
+    real token, letting a user turn fake an assistant turn) is recorded in ``check``, never raised here.
+    ``stop_at_problem``: stop after the first bad record's problems (a check that will fail anyway).
+
+    Raises:
+        DataError: file-level problems (see :func:`sft.data.sources.iter_raw`).
+    """
+    from sft.data.sources import iter_raw
+
+    for item in iter_raw(path, shard, n_shards):
+        check.records += 1
+        if isinstance(item, Problem):
+            out = [item]
+        else:
+            out = normalize_record(path, *item)
+            if isinstance(out, Conversation):
+                bad = _control_problem(path, out, control_tokens) if control_tokens else None
+                if bad is None:
+                    check.valid += 1
+                    yield out
+                    continue
+                out = [bad]
+        check.add(out)
+        if stop_at_problem:
+            return
+
+
+def warn_duplicate_ids(path: str, ids: Sequence[str]) -> None:
+    dup = [i for i, n in Counter(ids).items() if n > 1]
+    if dup:
+        logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
+                       path, len(dup), ", ".join(map(repr, dup[:5])))
+
+
+def load_conversations(path: str, on_bad_record: str = "error", control_tokens: Sequence[str] = ()) -> list[Conversation]:
+    """Every valid record of ``path`` as a list (for tools that want a few records, e.g. ``sft-show-sample``;
+    training streams them with :func:`iter_conversations`).
+
+    Args:
+        on_bad_record: ``"error"`` raises listing the problems; ``"skip"`` drops bad records and logs a
+            summary (counts per kind of problem, and the ids).
+        control_tokens: text forms of the chat template's special tokens, refused in any text.
+
+    Raises:
+        DataError: the file cannot be read or parsed, a record is invalid (``error``), or no record is left.
+    """
+    check = RecordCheck(path)
+    convs = list(iter_conversations(path, check, control_tokens))
+    check.finish(on_bad_record)
+    warn_duplicate_ids(path, [c.id for c in convs])
+    return convs
+
+
+def file_sha256(path: str) -> str:
+    """Hex sha256 of a file's bytes, or of a dataset folder's files (used in cache keys and fingerprints)."""
+    from sft.data.sources import source_sha256
+
+    return source_sha256(path)

@@ -1,0 +1,419 @@
+"""Memory planned before step 1: the peak of a training step estimated from the loaded model and the largest micro
+batch, set against the memory this process may use, with gradient checkpointing turned on when it is needed and a
+refusal (exit 2) with the fixes when even that does not fit.
+
+The planned peak (bytes) is the sum of
+* ``weights``: what the process holds after loading the model: ``torch.cuda.memory_allocated`` on CUDA; on CPU the
+  resident set (``VmRSS``, so it also counts the libraries and the tokenizer);
+* ``gradients``: one per trainable parameter in its dtype (sharded by the world size under ZeRO-2/3 and FSDP);
+* ``optimizer``: the optimizer's state per trainable parameter (:func:`optimizer_state_bytes`; under DeepSpeed an
+  fp32 master copy and fp32 Adam moments, sharded by the world size from ZeRO-1 on), created at the first optimizer
+  step, so step 2 is the first that holds it next to activations;
+* ``activations``: :func:`activation_bytes_per_token` x the tokens of the largest micro batch (padding-free: the
+  :class:`sft.train.trainer.TokenBudgetBatchSampler`'s largest; padded: micro batch x longest sample; packed: micro
+  batch x longest row);
+* ``head``: the LM head's logits, upcast and gradient for every position when the head does not run at supervised
+  positions only (:mod:`sft.model.loss`), else one chunk.
+
+Available (bytes): CUDA: free device memory + what this process already allocated (``torch.cuda.mem_get_info``);
+CPU: the resident set + ``MemAvailable`` (``/proc/meminfo``, or the cgroup's ``memory.max - memory.current`` when
+smaller) divided among the processes of this node. A plan fits when it is at most :data:`FIT` of available; the
+rest is left to the allocator's caching and fragmentation. With several processes every rank plans, and the
+decision (checkpointing on, refusal) is taken on the worst rank, so all ranks take the same one.
+
+The activations per token are measured where the model can run a forward pass on its training device before the
+Trainer wraps it (:func:`measure_saved_bytes`: what autograd keeps for backward over 256 tokens, through the real
+modules, casts, LoRA dropout and attention kernel); with gradient checkpointing, every layer's input plus two layers
+(the one recomputed and its gradients), but at least :data:`CHECKPOINTED_SHARE` of the plan without it. Elsewhere
+(DeepSpeed ZeRO-3, whose weights are partitioned, or a forward that fails) they are counted from the model's shape,
+after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4.1: the tensors
+each layer saves for backward, per token), redone for transformers' Llama / Qwen2 / Mistral layers (RMSNorm in fp32, rotary q and k, grouped KV heads, SwiGLU MLP,
+SDPA or flash kernels that keep no score matrix) and peft's LoRA (each adapted layer's input cast to the adapter's
+dtype, a dropout mask and output when ``lora_dropout > 0``); on SmolLM2-135M the count is within 4% of the
+measurement (1,360 vs 1,311 KiB per token; with LoRA r 16, dropout 0.05: 2,091 vs 2,033). Either is multiplied by
+:data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen): the peak of a step's activations
+over what forward keeps, measured.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sft.distributed.process_group import gather_objects
+from sft.errors import SFTError
+
+logger = logging.getLogger("sft")
+
+GIB = 2 ** 30
+FIT = 0.9  # a plan fits when it needs at most this share of the available memory
+# What a step's activations take at their peak over what autograd keeps for backward (the gradients of the
+# activations during backward, the allocator's slack), measured on a CPU (2-core AMD EPYC, fp32, SmolLM2-135M,
+# padding-free, micro batches of up to 8,192 tokens; bench/memory_plan.py): full fine-tuning 1.17 over 3 steps, 1.35
+# over 20 steps (40,000 conversations); LoRA (frozen base, dropout 0.05) 1.5-2.0, and killed at 23 GiB where 1.35
+# would have fit. Not yet measured on a GPU.
+BACKWARD_FACTOR = 1.4
+BACKWARD_FACTOR_FROZEN = 2.0
+# With gradient checkpointing, at least this share of the activations planned without it: on the same CPU the
+# measured peak of a checkpointed step was 0.19 (full fine-tuning) and 0.26 (LoRA) of that, far above the layer inputs
+# and two layers that theory keeps (the recomputation's allocations, freed and made again in every layer).
+CHECKPOINTED_SHARE = 0.27
+
+
+def _dim(config, *names, default=0) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default
+
+
+def activation_bytes_per_token(config, act_bytes: int, checkpointing: bool, lora_in_bytes: int = 0,
+                               lora_dropout: bool = False) -> int:
+    """Bytes one token's activations keep for backward in one micro batch (all decoder layers).
+
+    Args:
+        config: the model's ``PretrainedConfig`` (``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+            ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``; a missing size falls back to the
+            Llama relations).
+        act_bytes: bytes per element of the activations (2 for bf16/fp16, 4 for fp32).
+        checkpointing: gradient (activation) checkpointing of every decoder layer.
+        lora_in_bytes: bytes per element of the LoRA adapters' input (their dtype; 0 without LoRA).
+        lora_dropout: LoRA with ``lora_dropout > 0`` (a dropout output and a 1-byte mask per adapted input).
+    Returns:
+        int bytes per token (see the module docstring for the count).
+    """
+    h = _dim(config, "hidden_size", "n_embd", default=1)
+    i = _dim(config, "intermediate_size", "ffn_dim", default=4 * h)
+    layers = _dim(config, "num_hidden_layers", "n_layer", default=1)
+    heads = _dim(config, "num_attention_heads", "n_head", default=1)
+    kv_heads = _dim(config, "num_key_value_heads", default=heads)
+    d = _dim(config, "head_dim", default=max(1, h // heads))
+    p = int(act_bytes)
+    q, kv = heads * d, kv_heads * d
+    norm = 4 * h + (4 * h if p < 4 else 0) + p * h  # fp32 input copy, fp32 normalised output, the cast back
+    attention = p * (2 * (q + 2 * kv) + 2 * q) + 4 * heads  # q/k/v before and after rotary, output and its copy, lse
+    mlp = 4 * p * i  # gate, act(gate), up, act(gate) * up
+    layer = 2 * norm + attention + mlp
+    if lora_in_bytes:  # q, k, v, gate, up read the normed hidden state; o reads q-sized, down reads i-sized inputs
+        inputs = 5 * h + q + i
+        layer += (lora_in_bytes if lora_in_bytes != p else 0) * inputs + ((lora_in_bytes + 1) * inputs if lora_dropout else 0)
+    final = norm + p * h
+    if checkpointing:
+        return layers * p * h + layer + final
+    return layers * layer + final + p * h
+
+
+def optimizer_state_bytes(optim: str, trainable_bytes: int, trainable: int) -> int:
+    """Bytes of optimizer state for ``trainable`` parameters holding ``trainable_bytes`` bytes, by transformers'
+    ``--optim`` name: 8-bit optimizers 2 bytes per parameter, Adafactor and plain SGD about nothing, Adagrad, Lion and
+    SGD with momentum one copy, every other one (AdamW and its variants) three copies in the parameters' dtype: torch's
+    AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the parameter, and its multi-tensor step writes
+    ``sqrt(exp_avg_sq)`` into new tensors of that size."""
+    name = str(getattr(optim, "value", optim)).lower()
+    if "8bit" in name:
+        return 2 * trainable
+    if "adafactor" in name or name == "sgd":
+        return 0
+    if "adagrad" in name or "lion" in name or "rmsprop" in name:
+        return trainable_bytes
+    return 3 * trainable_bytes
+
+
+def _kib_field(path: str, key: str) -> Optional[int]:
+    """``key: N kB`` from a /proc file, in bytes; None where it is missing."""
+    try:
+        with open(path) as f:
+            return next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith(key + ":")), None)
+    except OSError:
+        return None
+
+
+def _cgroup_free() -> Optional[int]:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            return None if limit == "max" else max(0, int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (``VmRSS``), bytes; 0 where ``/proc`` has none."""
+    return _kib_field("/proc/self/status", "VmRSS") or 0
+
+
+def held_and_available(device: torch.device, local_world_size: int = 1) -> tuple[int, int, str]:
+    """``(held, available, what)`` in bytes: what this process holds now and the most it may hold (module docstring);
+    ``what`` names the two for the log line."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        held = int(torch.cuda.memory_allocated(device))
+        return held, int(free) + held, f"{device} memory (allocated + free)"
+    held = resident_bytes()
+    free = [v for v in (_kib_field("/proc/meminfo", "MemAvailable"), _cgroup_free()) if v is not None]
+    if not free:
+        return held, 0, "host memory (unknown)"
+    share = f" / {local_world_size} processes on this node" if local_world_size > 1 else ""
+    return held, held + min(free) // max(1, local_world_size), f"host memory (resident + available{share})"
+
+
+@dataclass
+class MemoryPlan:
+    """One process's planned peak (bytes) of a training step; see the module docstring for each part."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    head: int
+    tokens: int
+    per_token: int
+    checkpointing: bool
+    available: int
+    where: str
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.head
+
+    @property
+    def fits(self) -> bool:
+        return self.available <= 0 or self.peak <= FIT * self.available
+
+    def line(self) -> str:
+        g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+        return (f"memory plan: weights {g(self.weights)} + gradients {g(self.gradients)} + optimizer "
+                f"{g(self.optimizer)} + activations {g(self.activations)} ({self.tokens} tokens in the largest micro "
+                f"batch x {self.per_token / 2 ** 10:.0f} KiB, gradient checkpointing "
+                f"{'on' if self.checkpointing else 'off'}) + LM head {g(self.head)} = {g(self.peak)} GiB planned peak "
+                f"of {g(self.available)} GiB {self.where}")
+
+
+PROBE_TOKENS = 256
+
+
+def measure_saved_bytes(model, tokens: int = PROBE_TOKENS) -> Optional[tuple[float, float]]:
+    """``(bytes per token, bytes per token of one decoder layer)`` that autograd keeps for backward in ``model``'s
+    decoder, measured by one forward pass in training mode over ``tokens`` random token ids (one document, position
+    ids 0..tokens-1; no LM head, no backward) under ``torch.autograd.graph.saved_tensors_hooks``: the distinct storages
+    saved, parameters and buffers left out. Every module, dtype cast, LoRA dropout and attention kernel of the real
+    step is in it. None where it cannot run: no decoder module (``base_model_prefix``), weights not on one device or
+    partitioned (DeepSpeed ZeRO-3), gradient checkpointing already on, or the forward fails. The RNG is left as it was.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, getattr(base, "base_model_prefix", "") or "model", None)
+    params = list(model.parameters())
+    checkpointing = getattr(base, "is_activation_checkpointing", None)  # transformers 5 (was is_gradient_checkpointing)
+    if (not isinstance(decoder, torch.nn.Module) or not params or checkpointing
+            or any(hasattr(p, "ds_numel") for p in params) or len({p.device for p in params}) != 1):
+        return None
+    device = params[0].device
+    layers = _dim(getattr(model, "config", None), "num_hidden_layers", "n_layer", default=1)
+    owned = {t.untyped_storage().data_ptr() for t in (*params, *model.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        try:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in owned and t.device.type != "meta":
+                saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
+            pass
+        return t
+
+    vocab = max(2, min(_dim(model.config, "vocab_size", default=2), 1000))
+    was_training = model.training
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            ids = torch.randint(0, vocab, (1, tokens), device=device)
+            positions = torch.arange(tokens, device=device).unsqueeze(0)
+            model.train()
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = decoder(input_ids=ids, position_ids=positions, use_cache=False)
+            del out
+    except Exception as e:  # noqa: BLE001  (a model this probe does not fit: the formula plans instead)
+        logger.debug("memory plan: the forward probe failed (%s); planning from the model's shape", e)
+        return None
+    finally:
+        model.train(was_training)
+    total = sum(saved.values()) / tokens
+    return total, total / max(1, layers)
+
+
+def plan(model, *, tokens: int, checkpointing: bool, optim: str, world_size: int = 1, zero_stage: int = 0,
+         deepspeed: bool = False, fsdp: bool = False, supervised_head: bool = True, lora_dropout: bool = False,
+         device: Optional[torch.device] = None, local_world_size: int = 1,
+         held_available: Optional[tuple[int, int, str]] = None,
+         measured: Optional[tuple[float, float]] = None) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``model`` (loaded, adapters applied) for a largest micro batch of ``tokens``.
+
+    ``held_available``: ``(held, available, what)`` as :func:`held_and_available` returns it (measured when None).
+    ``measured``: :func:`measure_saved_bytes`'s result; the activations per token are then that total (checkpointing
+    off) or every layer's input plus two layers (on); without it, :func:`activation_bytes_per_token` from the model's
+    shape; either times the backward factor (module docstring).
+    """
+    device = torch.device(device or "cpu")
+    held, available, where = held_available or held_and_available(device, local_world_size)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    numel = lambda p: int(getattr(p, "ds_numel", 0) or p.numel())  # noqa: E731  (ZeRO-3: the full size)
+    n_trainable = sum(numel(p) for p in trainable)
+    trainable_bytes = sum(numel(p) * p.element_size() for p in trainable)
+    w = max(1, int(world_size))
+    gradients = trainable_bytes // w if (fsdp or zero_stage >= 2) else trainable_bytes
+    if deepspeed:  # fp32 master weights and fp32 moments (ZeRO's mixed precision), partitioned from stage 1
+        optimizer = (4 * n_trainable + optimizer_state_bytes(optim, 4 * n_trainable, n_trainable))
+        optimizer = optimizer // w if zero_stage >= 1 else optimizer
+    else:
+        optimizer = optimizer_state_bytes(optim, trainable_bytes, n_trainable)
+        optimizer = optimizer // w if fsdp else optimizer
+    weights = held
+    if fsdp and w > 1:  # loaded whole, sharded when training starts
+        weights = held - sum(numel(p) * p.element_size() for p in params) * (w - 1) // w
+    floating = [p for p in params if p.is_floating_point()]
+    base = [p for p in floating if not p.requires_grad] or floating
+    act_bytes = max((p.element_size() for p in base), default=4)
+    if act_bytes >= 4 and any(p.dtype in (torch.bfloat16, torch.float16) for p in floating):
+        act_bytes = 2
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    lora_bytes = lora[0].element_size() if lora else 0
+    config = getattr(model, "config", None)
+    if measured is not None:
+        total, layer = measured
+        h = _dim(config, "hidden_size", "n_embd", default=1)
+        layers = _dim(config, "num_hidden_layers", "n_layer", default=1)
+        saved_off, saved_on = total, layers * act_bytes * h + 2 * layer
+    else:
+        saved_off, saved_on = (activation_bytes_per_token(config, act_bytes, on, lora_bytes, lora_dropout and bool(lora))
+                               for on in (False, True))
+    frozen_base = sum(numel(p) for p in params) > 2 * n_trainable  # adapters, not the weights, are trained
+    factor = BACKWARD_FACTOR_FROZEN if frozen_base else BACKWARD_FACTOR
+    per_token = int(max(saved_on * factor, CHECKPOINTED_SHARE * saved_off * factor) if checkpointing
+                    else saved_off * factor)
+    vocab = _dim(config, "vocab_size", default=0)
+    if supervised_head:  # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS fp32 logits, doubled by the softmax backward
+        from sft.model.loss import MAX_LOGIT_ELEMENTS
+
+        head = 2 * 4 * min(int(tokens) * vocab, MAX_LOGIT_ELEMENTS)
+    else:  # every position: logits, their fp32 upcast and the fp32 gradient of the log-softmax
+        head = int(tokens) * vocab * (act_bytes + 4 + 4)
+    return MemoryPlan(weights=int(weights), gradients=int(gradients), optimizer=int(optimizer),
+                      activations=int(per_token * int(tokens)), head=int(head), tokens=int(tokens),
+                      per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where)
+
+
+def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
+    """The rank whose plan leaves the least room (its index and plan)."""
+    return min(enumerate(plans), key=lambda rp: (rp[1].available * FIT - rp[1].peak) if rp[1].available > 0 else float("inf"))
+
+
+def fitting_tokens(p: MemoryPlan) -> int:
+    """The most tokens a micro batch may hold for ``p`` to fit (0 when nothing fits). The LM head's part is taken as it
+    is (at supervised positions it is one chunk whatever the tokens, else it only shrinks with them)."""
+    room = FIT * p.available - (p.peak - p.activations)
+    return max(0, int(room // p.per_token)) if p.per_token > 0 else 0
+
+
+def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refuse",
+                         fixes_extra: tuple[str, ...] = (), budget_floor: Optional[int] = None
+                         ) -> tuple[bool, MemoryPlan, Optional[int]]:
+    """Gradient checkpointing on or off, this rank's plan, a token budget where the unset one does not fit; or refusal.
+
+    Args:
+        make_plan: ``(checkpointing, tokens=None) -> MemoryPlan`` of this rank (None: the largest micro batch's).
+        requested: ``--gradient_checkpointing`` as given, or None (unset: on only when the plan without it does not
+            fit on every rank).
+        mode: ``--memory_check``: ``refuse`` (raise), ``warn`` (log and go on) or ``off`` (log the plan only).
+        fixes_extra: further fixes to name in the refusal (e.g. a ZeRO stage).
+        budget_floor: ``--model_max_length`` when ``--max_tokens_per_micro_batch`` is unset (padding-free): a plan
+            that does not fit gets the largest budget that fits on every rank, if at least this, before checkpointing.
+    Returns:
+        ``(checkpointing, plan of this rank, token budget or None)``: a budget to form the micro batches again under.
+    Raises:
+        SFTError: ``mode == "refuse"`` and the chosen plan does not fit on some rank (exit 2); the message names the
+            rank, the parts of its plan and the fixes.
+    """
+    on = bool(requested) if requested is not None else False
+    plans, budget = gather_objects(make_plan(on)), None
+    while not all(p.fits for p in plans):  # unset: a smaller budget first (no recomputation), then checkpointing
+        tokens = min(fitting_tokens(p) for p in plans)
+        if budget_floor is not None and tokens >= budget_floor:
+            budget = tokens
+            logger.info("token budget %d per micro batch (unset --max_tokens_per_micro_batch: the largest micro batch, "
+                        "%d tokens, does not fit%s)", tokens, plans[0].tokens, " with gradient checkpointing" if on else "")
+            plans = gather_objects(make_plan(on, tokens))
+            break
+        if requested is None and not on:
+            on = True
+            logger.info("gradient checkpointing on (unset --gradient_checkpointing: the plan without it does not fit)")
+            plans = gather_objects(make_plan(True))
+        else:
+            break
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    mine = plans[rank if rank < len(plans) else 0]
+    logger.info("%s", mine.line())
+    worst_rank, worst = _worst(plans)
+    if worst.fits or mode == "off":
+        return on, mine, budget
+    tokens = fitting_tokens(worst)
+    fixes = []
+    if tokens > 0:
+        fixes.append(f"--max_tokens_per_micro_batch {tokens} (at most that many tokens per micro batch; padded or "
+                     f"packed rows: a smaller --per_device_train_batch_size or --model_max_length)")
+    if not on:
+        fixes.append("--gradient_checkpointing True")
+    fixes.extend(fixes_extra)
+    who = f" on rank {worst_rank}" if len(plans) > 1 else ""
+    message = (f"this run does not fit in memory{who}, refused before step 1: {worst.line()}, more than {FIT:.0%} of "
+               f"it. Fix: " + "; or ".join(fixes or ["a device with more memory"]) +
+               ". (--memory_check warn trains anyway)")
+    if mode == "warn":
+        logger.warning("%s", message)
+        return on, mine, None
+    raise SFTError(message)
+
+
+def plan_run(model, tokens: int, training_args, lora_args, budget_floor: Optional[int] = None) -> Optional[int]:
+    """Log this run's memory plan; an unset ``--gradient_checkpointing`` is turned on (non-reentrant) and an unset
+    token budget (``budget_floor`` given) lowered when needed (:func:`choose_checkpointing`, whose budget it returns).
+    Raises SFTError where the plan does not fit on some rank and ``--memory_check refuse`` (the default)."""
+    from sft.model.loss import supports_supervised_head
+
+    t = training_args
+    fsdp_own = bool(t.fsdp and isinstance(t.fsdp_config, dict) and t.fsdp_config.get("activation_checkpointing"))
+    requested = True if fsdp_own else getattr(t, "activation_checkpointing_requested", t.activation_checkpointing)
+    world = max(1, t.world_size)
+    head = bool(t.lm_head_supervised_only and supports_supervised_head(model) and not t.fsdp)
+    fixes = []
+    if not t.use_lora:
+        fixes.append("--use_lora True (adapters only: no gradients or optimizer state for the base weights)")
+    if world > 1 and not t.deepspeed and not t.fsdp:
+        fixes.append(f"--deepspeed finetune/ds_config_zero2.json (optimizer state and gradients sharded over the "
+                     f"{world} processes)")
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    held = held_and_available(torch.device(t.device), local)  # before the probe, whose memory the step reuses
+    probe = measure_saved_bytes(model) if not (t.deepspeed and t.zero_stage == 3) else None
+    if probe is not None:
+        logger.info("memory plan: autograd keeps %.0f KiB per token for backward (measured over %d tokens)",
+                    probe[0] / 2 ** 10, PROBE_TOKENS)
+
+    def make(on: bool, micro_batch_tokens: Optional[int] = None):
+        return plan(model, tokens=micro_batch_tokens or tokens, checkpointing=on, optim=t.optim, world_size=world, measured=probe,
+                    zero_stage=t.zero_stage if t.deepspeed else 0, deepspeed=bool(t.deepspeed), fsdp=bool(t.fsdp),
+                    supervised_head=head, lora_dropout=bool(t.use_lora and lora_args.lora_dropout > 0),
+                    device=t.device, local_world_size=local, held_available=held)
+
+    on, _, budget = choose_checkpointing(make, requested, t.memory_check, tuple(fixes), budget_floor)
+    if on and not fsdp_own and not t.activation_checkpointing:
+        t.activation_checkpointing = t.gradient_checkpointing = True
+        if t.activation_checkpointing_kwargs is None:
+            t.activation_checkpointing_kwargs = t.gradient_checkpointing_kwargs = {"use_reentrant": False}
+    return budget

@@ -1,0 +1,263 @@
+"""Training samplers whose order is a function of (seed, epoch), so that a resumed run sees the same batches.
+
+transformers' ``RandomSampler`` is replaced by accelerate's ``SeedableRandomSampler`` (seed + epoch) by
+default, but ``--group_by_length``'s ``LengthGroupedSampler`` shuffles with the global torch RNG at the
+start of each epoch. A run resumed in the middle of epoch e >= 1 draws that shuffle from a different
+RNG state than the uninterrupted run did (the Trainer restores the checkpoint's RNG only after
+skipping the consumed batches), so it would train on other batches.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+import transformers
+from transformers.trainer_pt_utils import BatchRebalanceSampler, LengthGroupedSampler
+
+
+class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
+    """``LengthGroupedSampler`` shuffled by ``torch.Generator().manual_seed(seed + epoch)``.
+
+    ``set_epoch`` is called by accelerate's data loader at the start of every epoch (as for
+    ``SeedableRandomSampler``, whose convention ``seed + epoch`` this follows).
+    """
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        super().__init__(batch_size, lengths=lengths)
+        self.seed, self.epoch = int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        self.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return super().__iter__()
+
+
+def sample_lengths(ds) -> Optional[list[int]]:
+    """Tokens per sample (row with ``--packing``) of a tokenized dataset, in its order: from the Arrow column
+    ``input_ids`` of a ``datasets.Dataset`` without reading the ids into Python; ``None`` for a dataset without
+    that column (``--lazy_preprocess``: samples are encoded only when the sampler asks for them)."""
+    import datasets
+
+    if isinstance(ds, datasets.Dataset) and "input_ids" in ds.column_names:
+        import pyarrow.compute as pc
+
+        column = ds.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
+        return pc.list_value_length(column).to_pylist()
+    return None
+
+
+class TokenBudgetBatchSampler(BatchRebalanceSampler):
+    """Padding-free micro batches of at most ``micro_batch`` samples and at most ``max_tokens`` tokens, the most
+    expensive micro batch first in every epoch, dealt to the ranks as accelerate deals micro batches.
+
+    Composition (once, from ``seed``): the samples in ``torch.randperm`` order (``torch.Generator().manual_seed(seed)``)
+    fill micro batches greedily; a micro batch closes when the next sample would exceed either limit. The number of
+    micro batches is therefore fixed for the whole run (the Trainer sizes epochs and ``max_steps`` from it once);
+    which samples share a micro batch does not change between epochs.
+    Order (every epoch ``e``): the micro batches in ``randperm`` order from ``seed + e`` (accelerate's
+    ``SeedableRandomSampler`` convention), then the one with the most tokens moved to the front, so that the step
+    with the largest activation memory is step 1 of every epoch and a run that does not fit fails there, not hours
+    in (transformers' ``LengthGroupedSampler`` puts its longest group first for the same reason). Padded with the
+    epoch's first micro batches to a multiple of ``world_size`` (accelerate's ``even_batches``).
+    Dealing: micro batch ``i`` of that order goes to rank ``i % world_size`` (accelerate's ``BatchSamplerShard``),
+    so the order of micro batches is the same at any world size and a resume at another world size
+    (:mod:`sft.train.world_size`) continues at the same micro batch.
+
+    A subclass of transformers' ``BatchRebalanceSampler`` only for its type: ``Trainer._get_dataloader`` (5.24) passes
+    such a sampler as the data loader's ``batch_sampler`` and keeps accelerate from dealing its micro batches again.
+
+    Args:
+        lengths: tokens per sample, ``len(lengths)`` = the dataset's length.
+        micro_batch: most samples per micro batch (``--per_device_train_batch_size``), >= 1.
+        max_tokens: most tokens per micro batch (``--max_tokens_per_micro_batch``), >= 1.
+        seed: ``--data_seed``, else ``--seed``.
+        world_size, rank: data-parallel processes and this one's global rank.
+    Raises:
+        ValueError: a sample longer than ``max_tokens``, or a limit below 1.
+    """
+
+    def __init__(self, lengths: Sequence[int], micro_batch: int, max_tokens: int, seed: int, world_size: int = 1,
+                 rank: int = 0):
+        if micro_batch < 1 or max_tokens < 1:
+            raise ValueError(f"micro batch {micro_batch} and token budget {max_tokens} must be >= 1")
+        lengths = [int(n) for n in lengths]
+        longest = max(lengths, default=0)
+        if longest > max_tokens:
+            raise ValueError(f"sample {lengths.index(longest)} has {longest} tokens, more than the token budget "
+                             f"{max_tokens} of a micro batch")
+        self.micro_batch, self.max_tokens = int(micro_batch), int(max_tokens)
+        self.seed, self.epoch = int(seed), 0
+        self.world_size, self.rank = max(1, int(world_size)), int(rank)
+        self.drop_last = False  # read by accelerate's BatchSamplerShard
+        self.batches: list[list[int]] = []
+        current, tokens = [], 0
+        for i in torch.randperm(len(lengths), generator=torch.Generator().manual_seed(self.seed)).tolist():
+            if current and (len(current) == self.micro_batch or tokens + lengths[i] > self.max_tokens):
+                self.batches.append(current)
+                current, tokens = [], 0
+            current.append(i)
+            tokens += lengths[i]
+        if current:
+            self.batches.append(current)
+        self.tokens = [sum(lengths[i] for i in b) for b in self.batches]
+
+    @property
+    def largest_tokens(self) -> int:
+        """Tokens of the largest micro batch (0 for an empty dataset)."""
+        return max(self.tokens, default=0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def epoch_order(self) -> list[int]:
+        """Indices into ``self.batches`` in this epoch's global order (all ranks), padded to a multiple of the world
+        size."""
+        n = len(self.batches)
+        if n == 0:
+            return []
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        top = max(range(n), key=lambda b: (self.tokens[b], -b))
+        order.remove(top)
+        order.insert(0, top)
+        while len(order) % self.world_size:
+            order.append(order[len(order) - n])  # the epoch's first micro batches again
+        return order
+
+    def __iter__(self):
+        order = self.epoch_order()
+        for position in range(self.rank, len(order), self.world_size):
+            yield list(self.batches[order[position]])
+
+    def __len__(self) -> int:
+        return -(-len(self.batches) // self.world_size)
+
+
+def micro_batches(train_ds, data_args, training_args):
+    """The training batch sampler and the tokens of the largest micro batch: ``(sampler or None, tokens)``.
+
+    Padding-free (the default, without ``--packing`` or ``--group_by_length``): a
+    :class:`sft.train.trainer.TokenBudgetBatchSampler` with ``--max_tokens_per_micro_batch`` (unset: micro batch x
+    ``--model_max_length``, what a padded micro batch of the longest samples holds: no micro batch is split) and
+    its largest micro batch. Otherwise the Trainer's own sampler (None) and the most
+    tokens one of its micro batches can hold: padded, micro batch x the longest sample (rounded up to the collator's
+    multiple of 8); packed, micro batch x the longest row; padding-free by length groups, the micro batch's longest
+    samples together. Without lengths (``--lazy_preprocess``): micro batch x ``--model_max_length``.
+    """
+    mb, max_len = training_args.per_device_train_batch_size, training_args.model_max_length
+    lengths = sample_lengths(train_ds)
+    if not lengths:
+        return None, mb * max_len
+    if data_args.packing:
+        return None, mb * max(lengths)
+    if not data_args.padding_free:
+        return None, mb * (-(-max(lengths) // 8) * 8)
+    if training_args.group_by_length:
+        return None, sum(sorted(lengths)[-mb:])
+    seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
+    sampler = TokenBudgetBatchSampler(lengths, mb, training_args.max_tokens_per_micro_batch or mb * max_len, seed,
+                                      training_args.world_size, training_args.process_index)
+    return sampler, sampler.largest_tokens
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` with an epoch-seeded length-grouped sampler (see the module docstring), FSDP2 on
+    CPU process groups (:func:`sft.distributed.process_group.enable_fsdp`), and, in training with
+    ``supervised_head`` on, the LM head and loss at supervised positions only (:mod:`sft.model.loss`).
+
+    Args:
+        supervised_head: use :func:`sft.model.loss.compute_supervised_loss` for training steps when the model has a plain
+            LM head (:func:`sft.model.loss.supports_supervised_head`) and FSDP is off; evaluation, label smoothing and a
+            ``compute_loss_func`` keep the Trainer's own loss.
+        train_batch_sampler: the training data's batch sampler (a :class:`TokenBudgetBatchSampler`), or None for the
+            Trainer's own choice (random, or ``--group_by_length``).
+        **kwargs: ``transformers.Trainer``'s.
+    """
+
+    def __init__(self, *args, supervised_head: bool = False,
+                 train_batch_sampler: Optional[TokenBudgetBatchSampler] = None, **kwargs):
+        self.train_batch_sampler = train_batch_sampler
+        super().__init__(*args, **kwargs)
+        from sft.model.loss import supports_supervised_head
+
+        # Not under FSDP2: the head module runs outside the root module's forward, where FSDP2 has resharded its
+        # weight again (measured here: the 2-process FSDP2 run died with SIGSEGV); FSDP keeps the full path.
+        self.supervised_head = bool(supervised_head) and supports_supervised_head(self.model) and not self.is_fsdp_enabled
+        self.supervised_counter = None  # set by sft.train.metrics.install: counts the supervised targets it sees
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # transformers 5.24 Trainer.compute_loss(model, inputs, return_outputs, num_items_in_batch) with a causal LM
+        # that accepts loss kwargs: model(**inputs, num_items_in_batch=...) -> sum / num_items_in_batch, then
+        # x num_processes under average_tokens_across_devices. The same normalisation here, the head only where
+        # labels are.
+        if (not self.supervised_head or return_outputs or not model.training or self.label_smoother is not None
+                or self.compute_loss_func is not None or "labels" not in inputs):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        from sft.model.loss import compute_supervised_loss, shifted_labels
+
+        if self.supervised_counter is not None:
+            self.supervised_counter.add_supervised(shifted_labels(inputs))
+        # The head runs outside the model's forward, which accelerate wraps in its mixed-precision autocast (bf16 on
+        # CPU: bf16 base weights, fp32 LoRA adapters): the same autocast here, or F.linear meets fp32 x bf16.
+        with self.accelerator.autocast():
+            loss = compute_supervised_loss(model, inputs, num_items_in_batch if self.model_accepts_loss_kwargs else None,
+                                           head=self.model.get_output_embeddings())
+        if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu)
+        return loss
+
+    def create_accelerator_and_postprocess(self):
+        # transformers 5.24 calls this from __init__; the checks that follow in __init__ read is_fsdp_enabled,
+        # and the model is prepared (fully_shard) only in train(), so the FSDP2 state is complete before both.
+        super().create_accelerator_and_postprocess()
+        from sft.distributed.process_group import enable_fsdp
+
+        enable_fsdp(self)
+
+    def _load_rng_state(self, checkpoint):
+        # Adapter over a private method: transformers 5.24 Trainer._load_rng_state(checkpoint) reads
+        # rng_state_{process_index}.pth at world size > 1 and rng_state.pth at 1 (python, numpy, torch CPU, CUDA
+        # states), and only logs when the file is missing. A checkpoint written at world size > 1 resumed by one
+        # process (sft.train.world_size) has no rng_state.pth: rank 0 then takes rng_state_0.pth, as it would at any
+        # world size; ranks without a file keep the state --seed gave them.
+        single = os.path.join(checkpoint, "rng_state.pth") if checkpoint else None
+        rank0 = os.path.join(checkpoint, "rng_state_0.pth") if checkpoint else None
+        if self.args.world_size > 1 or not single or os.path.isfile(single) or not os.path.isfile(rank0):
+            return super()._load_rng_state(checkpoint)
+        import random
+
+        import numpy as np
+
+        from transformers.trainer_pt_utils import safe_globals  # the numpy state's globals, allowed as the Trainer does
+
+        with safe_globals():
+            state = torch.load(rank0, weights_only=True)
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.random.set_rng_state(state["cpu"])
+        if torch.cuda.is_available() and "cuda" in state:  # saved by a distributed run: every device's state
+            cuda = state["cuda"]
+            set_state = torch.cuda.random.set_rng_state_all if isinstance(cuda, (list, tuple)) else \
+                torch.cuda.random.set_rng_state
+            set_state(cuda)
+
+    def _run_epoch(self, model, epoch, *args, **kwargs):
+        # Adapter over a private method: transformers 5.24 Trainer._run_epoch(model, epoch, train_dataloader, ...) sets
+        # the epoch on a batch sampler wrapped once (accelerate's BatchSamplerShard), but a resumed epoch's loader
+        # (skip_first_batches) wraps it twice: the token-budget sampler would replay epoch 0's order.
+        if self.train_batch_sampler is not None:
+            self.train_batch_sampler.set_epoch(epoch)
+        return super()._run_epoch(model, epoch, *args, **kwargs)
+
+    def _get_train_sampler(self, train_dataset=None):
+        # Adapter over a private method: transformers 5.24 Trainer._get_train_sampler(train_dataset=None)
+        # returns a LengthGroupedSampler(batch_size, lengths=...) for train_sampling_strategy='group_by_length'.
+        if self.train_batch_sampler is not None:  # built on the training set (the Trainer passes its column subset)
+            return self.train_batch_sampler
+        sampler = super()._get_train_sampler(train_dataset)
+        if type(sampler) is LengthGroupedSampler:
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            sampler = EpochSeededLengthGroupedSampler(sampler.batch_size, sampler.lengths, seed)
+        return sampler
