@@ -146,7 +146,8 @@ class StepTimer:
 def build_ours(a, system: str, out_dir: str):
     from transformers import DataCollatorForSeq2Seq
 
-    from sft.config.arguments import parse_args, validate
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
     from sft.distributed.process_group import setup_runtime
     from sft.app.train import build_trainer
 

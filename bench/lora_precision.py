@@ -71,7 +71,8 @@ def run_arm(a, bf16_storage: bool, train_path: str, eval_path: str) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from sft.config.arguments import parse_args, validate
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
     from sft.distributed.process_group import setup_runtime
     from sft.app.train import build_trainer
 

@@ -42,7 +42,8 @@ def timed(obj, name: str, into: dict, key: str):
 def main() -> int:
     from transformers import TrainerCallback
 
-    from sft.config.arguments import parse_args, validate
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
     from sft.train.checkpoint import install as install_checkpoints
     from sft.cli import report
     from sft.distributed.process_group import setup_runtime

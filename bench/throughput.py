@@ -28,7 +28,8 @@ import torch
 def main() -> int:
     from transformers import TrainerCallback
 
-    from sft.config.arguments import parse_args, validate
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
     from sft.distributed.process_group import setup_runtime
     from sft.cli import report
     from sft.errors import SFTError

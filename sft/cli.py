@@ -1,187 +1,43 @@
-"""The one CLI policy, and the user-facing commands built on it.
-
-Policy (:func:`run_cli`), the same for every entry point (``finetune.py``, the ``sft-*`` console scripts,
-``python -m sft COMMAND``, ``python -m sft.distributed``, the Ray launcher):
-
-* an :class:`~sft.errors.SFTError` becomes one paragraph on stderr, ``error: <message>`` (``preempted: ...``
-  for exit code 75), prefixed ``[rank N] `` on global ranks other than 0, and its exit code: 2 a problem the
-  user can fix, 75 preempted (checkpoint saved; the same command resumes), 1 a lost peer
-  (:class:`sft.distributed.failures.PeerLost`);
-* SIGINT (Ctrl-C) and SIGTERM before a command has its own handling (training installs
-  :class:`sft.train.preemption.PreemptionHandler`) stop it with one line ``interrupted by SIGINT ...`` and exit
-  128 + the signal number (130, 143), after ``finally`` clauses ran (so no half-written folder is left);
-* a Python that lacks a package sft needs (``ModuleNotFoundError`` outside ``sft``) is one paragraph naming the
-  interpreter, the package and the fix (exit 2);
-* ``SFT_DEBUG=1`` (any value but empty, 0, false, no, off) re-raises instead, so the full traceback shows;
-* anything else is a bug or a library failure and keeps its traceback.
+"""The face: the user-facing commands, each run under the one error policy (:mod:`sft.policy`).
 
 Commands: ``train`` (``finetune.py``, ``sft-train``), ``check`` (``sft-check``: the configuration and every data
 record, exit 0 when all is well; the launcher runs it once before starting several processes), ``merge``
 (``sft-merge``), ``generate`` (``sft-generate``), ``show-sample`` (``sft-show-sample``); the Ray launcher is
-:func:`sft.ray.driver.main` (``sft-ray``).
+:func:`sft.ray.driver.main` (``sft-ray``). Each command parses its arguments and calls one function of
+:mod:`sft.app` or :mod:`sft.model.export`; nothing here knows how a job is done.
 
-This module imports only the standard library at import time (``python -m sft.distributed`` uses it).
+This module imports only the standard library and :mod:`sft.policy` at import time.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-import threading
 from typing import Callable, Optional, Sequence
 
-from sft.errors import PREEMPTED_EXIT_CODE, SFTError, report_exit_code
+from sft.errors import SFTError
+from sft.policy import debug_enabled, rank_prefix, report, run_cli  # noqa: F401  (re-exported: the policy's names)
 
-
-def debug_enabled() -> bool:
-    """``SFT_DEBUG`` set to anything but empty, 0, false, no or off (the words ``SFT_PREFLIGHT`` takes for off too):
-    show tracebacks instead of one-paragraph messages."""
-    return os.environ.get("SFT_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def rank_prefix() -> str:
-    """``"[rank N] "`` on global ranks other than 0 (``RANK`` from torchrun / Ray Train), else ``""``."""
-    rank = os.environ.get("RANK")
-    return f"[rank {rank}] " if rank not in (None, "0") else ""
-
-
-def user_message(err: BaseException) -> str:
-    """The message of an SFTError; for one re-raised by a DataLoader worker, the worker's original message."""
-    text = str(err)
-    marker = f"{type(err).__name__}: "
-    if "\nOriginal Traceback" in text and marker in text:
-        return text[text.rindex(marker) + len(marker):].strip()
-    return text
-
-
-def report(err: SFTError) -> int:
-    """Print ``err`` the policy's way and return its exit code. The code is also appended to the file named by
-    ``SFT_EXIT_CODE_FILE`` (set by finetune/launch.sh), which tells a preempted rank (75) from one that failed
-    on its own (e.g. 1, a lost peer) when torchrun replaces the workers' codes with its own."""
-    report_exit_code(err.exit_code)
-    label = "preempted" if err.exit_code == PREEMPTED_EXIT_CODE else "error"
-    print(f"{rank_prefix()}{label}: {user_message(err)}", file=sys.stderr, flush=True)
-    return err.exit_code
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM turned into an exception (as Python turns SIGINT into KeyboardInterrupt), so ``finally`` runs."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _sigterm_raises():
-    """While the body runs: SIGTERM raises :class:`Interrupted` in this process (forked children, e.g. dataset
-    workers, keep the default action). Only where SIGTERM still has its default action, on the main thread."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
-        return
-    owner = os.getpid()
-
-    def handler(signum, frame):
-        if os.getpid() != owner:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def missing_dependency(err: ModuleNotFoundError) -> Optional[SFTError]:
-    """An SFTError for a package sft needs that this Python lacks; None for a missing module of sft itself (a bug)."""
-    top = (err.name or "").split(".")[0]
-    if not top or top == "sft":
-        return None
-    fix = ("run `bash scripts/setup_env.sh` in the sft repository once (it installs everything into its .venv) and use "
-           ".venv/bin/python or the .venv/bin/sft-* commands, or install the requirements into this Python: "
-           f"{sys.executable} -m pip install -r requirements.txt")
-    return SFTError(f"this Python ({sys.executable}) has no package '{top}', which this command needs; {fix}")
-
-
-def run_cli(body: Callable[[], Optional[int]]) -> int:
-    """Run ``body()`` under the policy (module docstring). Returns the exit code: ``body``'s when it returns an int, else 0.
-
-    Raises:
-        Whatever ``body`` raises that is not an SFTError, a missing package or an interrupt, and those too when
-        ``SFT_DEBUG`` is set.
-    """
-    try:
-        with _sigterm_raises():
-            code = body()
-        return code if isinstance(code, int) else 0
-    except SFTError as e:
-        if debug_enabled():
-            raise
-        return report(e)
-    except ModuleNotFoundError as e:
-        err = missing_dependency(e)
-        if err is None or debug_enabled():
-            raise
-        return report(err)
-    except KeyboardInterrupt as e:
-        if debug_enabled():
-            raise
-        signum = getattr(e, "signum", signal.SIGINT)
-        print(f"{rank_prefix()}interrupted by {signal.Signals(signum).name}; stopped before finishing "
-              f"(exit {128 + signum})", file=sys.stderr, flush=True)
-        return 128 + signum
-
-
-# ------------------------------------------------------------------------------------------------ commands
 
 def train(argv: Optional[Sequence[str]] = None, extra: tuple = (), step_checks: Sequence[Callable] = ()) -> str:
-    """Parse -> validate -> runtime setup -> :func:`sft.app.train.run`. Returns the output folder.
+    """:func:`sft.app.train.train` (parse -> validate -> runtime setup -> run). Returns the output folder."""
+    from sft.app.train import train as run_training
 
-    ``extra``: a launcher's own flag dataclasses (parsed and ignored here, so one command line / YAML serves both).
-    ``step_checks``: callables run on every rank at every optimizer step end (:class:`sft.train.preemption.PreemptionHandler`).
-
-    Raises:
-        SFTError: any problem the user can fix (exit code 2), ``Preempted`` (75), ``PeerLost`` (1).
-    """
-    from sft.config.arguments import parse_args, validate
-    from sft.distributed.failures import raise_if_peer_lost
-    from sft.distributed.process_group import setup_runtime
-    from sft.app.train import run
-
-    try:  # parsing starts the process group under torchrun, setup_runtime DeepSpeed's communication on it
-        model_args, data_args, training_args, lora_args = parse_args(argv, extra)[:4]
-        validate(model_args, data_args, training_args, lora_args)
-        setup_runtime(training_args)
-    except Exception as e:  # a peer lost before training: named like one lost during it (run() does that)
-        raise_if_peer_lost(e, None, {})
-        raise
-    return run(model_args, data_args, training_args, lora_args, step_checks=step_checks)
+    return run_training(argv, extra, step_checks)
 
 
 def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:
-    """Check parsed arguments and every data record without training (what ``sft-check``, the launcher and the Ray
-    driver do once before starting several processes). Returns the summary lines.
+    """:func:`sft.app.check.check_parsed`. Returns the summary lines."""
+    from sft.app.check import check_parsed as check_all
 
-    Raises:
-        SFTError: the first kind of problem found (every problem of that kind is listed).
-    """
-    from sft.config.arguments import validate
-    from sft.app.train import check_data
-
-    validate(model_args, data_args, training_args, lora_args)
-    return check_data(model_args, data_args, training_args) + ["configuration and data OK"]
+    return check_all(model_args, data_args, training_args, lora_args)
 
 
 def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
-    """Parse ``argv`` and :func:`check_parsed` it. Returns the summary lines."""
-    from sft.config.arguments import parse_args
+    """:func:`sft.app.check.check`. Returns the summary lines."""
+    from sft.app.check import check as check_argv
 
-    return check_parsed(*parse_args(argv, extra)[:4])
+    return check_argv(argv, extra)
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -254,31 +110,11 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
 
     def body():
-        from sft.data.chat import visualize
-        import itertools
+        from sft.app.show import show_sample
 
-        from sft.data.records import RecordCheck, iter_conversations
-        from sft.data.dataset import encode_samples
-        from sft.model.loading import load_tokenizer
-
-        if not os.path.isfile(os.path.join(a.model_dir, "config.json")) and not os.path.isfile(
-                os.path.join(a.model_dir, "tokenizer.json")):
-            raise SFTError(f"{a.model_dir}: not a model folder (no config.json or tokenizer.json)")
-        if a.model_max_length < 8:
-            raise SFTError(f"--model_max_length {a.model_max_length}: must be at least 8")
-        if a.index < 0:
-            raise SFTError(f"--index {a.index}: must be 0 or more (it counts valid records from 0)")
-        check = RecordCheck(a.data_file)  # streamed up to the record asked for: a huge file is not loaded
-        c = next(itertools.islice(iter_conversations(a.data_file, check), a.index, None), None)
-        if c is None:
-            raise SFTError(f"--index {a.index}: the file has {check.valid} valid records")
-        tok, eot, _ = load_tokenizer(a.model_dir)
-        samples = encode_samples(tok, [c.messages], eot, a.model_max_length, a.system_message, a.long_conversations)[0]
-        for k, ex in enumerate(samples):
-            part = f" sample {k + 1} of {len(samples)}:" if len(samples) > 1 else ""
-            print(f"record {c.index} id={c.id}:{part} {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"
-                  + (f", truncated ({ex['n_lost']} supervised tokens lost)" if ex["truncated"] else ""))
-            print(visualize(tok, ex["input_ids"], ex["labels"], color=sys.stdout.isatty()))
+        for line in show_sample(a.model_dir, a.data_file, a.index, a.model_max_length, a.system_message,
+                                a.long_conversations, color=sys.stdout.isatty()):
+            print(line)
     return run_cli(body)
 
 

@@ -19,7 +19,8 @@ from sft.errors import ConfigError
 from sft.logs import setup_logging
 from sft.model.loading import apply_lora, generation_config_for, load_model, load_tokenizer, torch_dtype
 from sft.train.memory_plan import plan_run
-from sft.data.packing import PackedCollator, check_packing_support, pack_dataset
+from sft.data.packing import PackedCollator, pack_dataset
+from sft.model.attention import check_packing_support
 from sft.train.trainer import micro_batches
 
 logger = logging.getLogger("sft")
@@ -104,39 +105,6 @@ def load_records(sources: dict[str, list[str]], tok, eot: int, *, max_len: int, 
     return out
 
 
-def check_data(model_args, data_args, training_args) -> list[str]:
-    """What ``sft-check`` and the launchers check before starting several processes: the tokenizer loads and every
-    record of ``--data_path`` / ``--eval_data_path`` is valid (streamed in one process: memory does not grow
-    with the records). Returns one summary line per source.
-
-    Raises:
-        SFTError: as :func:`control_tokens_for`, :func:`sft.data.records.RecordCheck.finish` and
-            :func:`sft.model.loading.load_tokenizer`.
-    """
-    from sft.data.records import RecordCheck, iter_conversations
-
-    tok, _, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir)
-    control = control_tokens_for(tok, data_args.system_message)
-    from sft.data.eval_split import empty_side_error, in_eval, record_key
-
-    lines, ratio = [], data_args.eval_split_ratio
-    split = ratio is not None and not data_args.eval_data_path
-    sources = data_sources(data_args)
-    for path in sources["train"] + ([] if split else sources["eval"]):
-        check, held = RecordCheck(path), 0
-        for conv in iter_conversations(path, check, control):
-            held += split and in_eval(record_key(conv), ratio, data_args.eval_split_seed)
-        check.finish(data_args.on_bad_record)
-        if not split:
-            lines.append(f"{path}: {check.valid} valid conversations")
-            continue
-        if held in (0, check.valid):
-            raise empty_side_error(path, ratio, check.valid, held_all=held > 0)
-        lines.append(f"{path}: {check.valid} valid conversations ({check.valid - held} for training, {held} held out "
-                     f"for evaluation by --eval_split_ratio {ratio})")
-    return lines
-
-
 def log_dataset(name: str, ds, report, tok, max_len: int) -> None:
     """The truncation report and, for train, the first sample with its supervised tokens marked."""
     if report is None:  # lazy: counted as samples are met
@@ -165,7 +133,8 @@ def padding_free_collator(model, padding_collator):
     """``--padding_free True`` (the default, without ``--packing``): :class:`sft.data.packing.PaddingFreeCollator` when
     the model can run :data:`sft.model.attention.PACKED_ATTENTION`; otherwise ``padding_collator`` (logged)."""
     from sft.model.attention import use_packed_attention
-    from sft.data.packing import PaddingFreeCollator, attention_implementation
+    from sft.data.packing import PaddingFreeCollator
+    from sft.model.attention import attention_implementation
 
     if use_packed_attention(model):
         logger.info("padding-free batches: the samples of a micro batch end to end in one row, position ids restart "
@@ -393,3 +362,26 @@ def signal_name(signum) -> str:
         return signal.Signals(signum).name
     except (ValueError, TypeError):
         return "a signal (received by another rank)"
+
+
+def train(argv: Optional[Sequence[str]] = None, extra: tuple = (), step_checks: Sequence[Callable] = ()) -> str:
+    """Parse -> validate -> runtime setup -> :func:`run`. Returns the output folder.
+
+    ``extra``: a launcher's own flag dataclasses (parsed and ignored here, so one command line / YAML serves both).
+    ``step_checks``: callables run on every rank at every optimizer step end (:class:`sft.train.preemption.PreemptionHandler`).
+
+    Raises:
+        SFTError: any problem the user can fix (exit code 2), ``Preempted`` (75), ``PeerLost`` (1).
+    """
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
+    from sft.distributed.process_group import setup_runtime
+
+    try:  # parsing starts the process group under torchrun, setup_runtime DeepSpeed's communication on it
+        model_args, data_args, training_args, lora_args = parse_args(argv, extra)[:4]
+        validate(model_args, data_args, training_args, lora_args)
+        setup_runtime(training_args)
+    except Exception as e:  # a peer lost before training: named like one lost during it (run() does that)
+        raise_if_peer_lost(e, None, {})
+        raise
+    return run(model_args, data_args, training_args, lora_args, step_checks=step_checks)

@@ -23,6 +23,7 @@ from typing import Optional
 
 import transformers
 
+from sft.compat.transformers import parser_actions
 from sft.errors import ConfigError
 from sft.config.precision import parse_bf16, resolve_bf16_flag
 
@@ -325,7 +326,7 @@ def _suggest(name: str, known: set[str]) -> str:
 def _yaml_to_argv(path: str, defaults: dict, parser) -> list[str]:
     """Turn YAML defaults into command-line tokens, so argparse converts and checks them exactly like typed flags
     (placed before the user's flags: the last occurrence of a flag wins)."""
-    actions = {a.dest: a for a in parser._actions}
+    actions = {a.dest: a for a in parser_actions(parser)}
     argv, problems = [], []
     defaults = _data_sources(path, defaults)
     for key, value in defaults.items():
@@ -399,7 +400,7 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
         raise ConfigError([f"{message}; see finetune.py -h (sft-train -h) for the flags"])
 
     parser.error = error
-    next(a for a in parser._actions if a.dest == "bf16").type = parse_bf16  # True / False / auto (sft.config.precision)
+    next(a for a in parser_actions(parser) if a.dest == "bf16").type = parse_bf16  # True / False / auto (sft.config.precision)
     if config_path is not None:
         argv = _yaml_to_argv(config_path, _read_yaml(config_path, extra), parser) + argv
     try:
@@ -413,6 +414,3 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
                                + "; see finetune.py -h (sft-train -h) for the flags" for u in unknown] or [str(e).strip()]) from None
         raise ConfigError([str(e).strip()]) from None
     return tuple(parsed[:len(ALL_DATACLASSES)]) + tuple(parsed[len(ALL_DATACLASSES):len(ALL_DATACLASSES) + len(extra)])
-
-
-from sft.app.validation import validate  # noqa: E402,F401  (re-exported: parse_args and validate are the public pair)

@@ -276,9 +276,9 @@ def _compile_template(template: str):
     """
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    from sft.compat.transformers import compile_jinja_template
 
-    compiled = _compile_jinja_template(template)
+    compiled = compile_jinja_template(template)
     base = compiled.environment
     if type(base) is not ImmutableSandboxedEnvironment or not jinja2.__version__.startswith("3.1."):
         return compiled
@@ -313,12 +313,12 @@ class _Renderer:
     """
 
     def __init__(self, tokenizer):
-        from transformers.utils.chat_template_utils import _plain_template_data
+        from sft.compat.transformers import plain_template_data
 
         self.tokenizer, self.template = tokenizer, tokenizer.chat_template
         self.compiled = _compile_template(self.template)
         self.opaque = content_is_opaque(self.template, self.compiled.environment)
-        self.variables = _plain_template_data(dict(tokenizer.special_tokens_map))
+        self.variables = plain_template_data(dict(tokenizer.special_tokens_map))
         self.skeletons: dict = {}
         self.memo: dict = {}  # small per-tokenizer results (e.g. sft.data.long_conversations' head lengths), capped
 

@@ -11,7 +11,7 @@ How it works (transformers 5.24):
    first label of every conversation set to -100 (the last token of one conversation is never trained to
    predict the first token of the next) and no ``attention_mask``. Attention cost per row grows with the sum
    of its conversations' squared lengths, not with the micro batch's tokens squared.
-3. :func:`check_packing_support` switches an ``sdpa`` (or ``flash_attention_2``) model to
+3. :func:`sft.model.attention.check_packing_support` switches an ``sdpa`` (or ``flash_attention_2``) model to
    :data:`sft.model.attention.PACKED_ATTENTION`: causal attention per conversation, split at the position-id resets,
    with no mask (SDPA ``is_causal`` per conversation; flash-attn varlen on CUDA when installed). ``eager`` and
    ``flex_attention`` keep transformers' own handling: ``masking_utils.create_causal_mask`` detects the packed
@@ -24,16 +24,18 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sft.data.chat import IGNORE_INDEX
-from sft.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
 # Attention implementations with which packed rows stay apart: the first two are switched to sft.model.attention's
 # per-conversation attention; transformers 5.24 builds a per-row block-diagonal mask from the position ids for the
 # others (its flash_attention_3 path finds packed sequences only in a batch of one row, so it is not listed).
-PACKING_ATTENTION = ("sdpa", "flash_attention_2", "eager", "flex_attention")
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -164,8 +166,6 @@ class PackedCollator:
             ids.append(list(f["input_ids"]) + [self.pad_token_id] * k)
             labels.append([IGNORE_INDEX if p == 0 else int(x) for x, p in zip(f["labels"], row_pos)] + [IGNORE_INDEX] * k)
             pos.append(row_pos + list(range(k)))
-        from sft.model.attention import document_bounds, flat_offsets
-
         rows = torch.tensor(pos, dtype=torch.int64)
         bounds = document_bounds(rows, len(pos))
         offsets, long = flat_offsets(bounds, rows.shape[1]), max(e - s for docs in bounds for s, e in docs)
@@ -196,33 +196,30 @@ class PaddingFreeCollator:
         return self.flatten([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features], return_tensors="pt")
 
 
-def attention_implementation(model) -> str:
-    """The attention implementation the model runs with ("sdpa", "eager", "flash_attention_2", ...).
+def document_bounds(position_ids: "torch.Tensor", batch_size: int) -> list[list[tuple[int, int]]]:
+    """The documents of each row: ``[(start, end), ...]`` per row (end exclusive), covering the row.
 
-    Adapter over a private attribute: ``config._attn_implementation`` (checked against transformers 5.24).
+    A document starts at index 0 and wherever the position id does not go up by one (the rule of
+    ``transformers.masking_utils.find_packed_sequence_indices``).
+
+    Args:
+        position_ids: int tensor ``[batch_size or 1, row_len]``.
+        batch_size: rows of the batch (position ids of one row are shared by all rows).
     """
-    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
-    return str(getattr(config, "_attn_implementation", None) or "eager")
+    import torch
+
+    pos = position_ids.expand(batch_size, -1)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
+    row_len = pos.shape[1]
+    out = []
+    for row in starts.cpu().tolist():
+        s = [i for i, new in enumerate(row) if new] + [row_len]
+        out.append(list(zip(s, s[1:])))
+    return out
 
 
-def check_packing_support(model) -> str:
-    """Make sure packed conversations stay apart with this model; return the attention implementation in use.
-
-    ``sdpa`` and ``flash_attention_2`` models are switched to :data:`sft.model.attention.PACKED_ATTENTION`
-    (:func:`sft.model.attention.use_packed_attention`); the KV cache is turned off.
-
-    Raises:
-        ConfigError: the attention implementation does not separate packed sequences within a row.
-    """
-    from sft.model.attention import use_packed_attention
-
-    impl = attention_implementation(model)
-    if impl not in PACKING_ATTENTION:
-        raise ConfigError([f"--packing True: the model uses attention implementation '{impl}', for which transformers "
-                           f"cannot keep packed conversations apart (supported: {', '.join(PACKING_ATTENTION)}); "
-                           "drop --packing (use --group_by_length True instead)"])
-    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
-    config.use_cache = False  # with a KV cache transformers does not look for packed sequences
-    if impl in ("sdpa", "flash_attention_2"):
-        use_packed_attention(model)
-    return attention_implementation(model)
+def flat_offsets(bounds, row_len: int) -> list[int]:
+    """``cu_seqlens`` as a list: where each document of ``bounds`` (:func:`document_bounds`) starts in the rows
+    flattened one after the other (``row_len`` tokens each), and the total at the end."""
+    return [r * row_len + s for r, docs in enumerate(bounds) for s, _ in docs] + [len(bounds) * row_len]

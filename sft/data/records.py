@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
+from sft.data.sources import Problem, iter_raw  # noqa: F401  (Problem re-exported: a record's problem)
 from sft.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -43,29 +44,6 @@ class Conversation:
     id: str
     index: int
     messages: list[dict[str, str]]
-
-
-@dataclass
-class Problem:
-    """One reason a record cannot be used, with where it is and how to fix it."""
-
-    file: str
-    index: Optional[int]  # 0-based record index (JSONL: counts non-blank lines)
-    record_id: Optional[str]
-    what: str
-    fix: str
-    turn: Optional[int] = None
-    kind: str = "invalid"
-
-    def __str__(self) -> str:
-        where = [self.file]
-        if self.index is not None:
-            where.append(f"record {self.index}")
-        if self.record_id is not None:
-            where.append(f"id={self.record_id!r}")
-        if self.turn is not None:
-            where.append(f"turn {self.turn}")
-        return f"{', '.join(where)}: {self.what}; {self.fix}"
 
 
 def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Problem]:
@@ -277,8 +255,6 @@ def iter_conversations(path: str, check: RecordCheck, control_tokens: Sequence[s
     Raises:
         DataError: file-level problems (see :func:`sft.data.sources.iter_raw`).
     """
-    from sft.data.sources import iter_raw
-
     for item in iter_raw(path, shard, n_shards):
         check.records += 1
         if isinstance(item, Problem):

@@ -19,13 +19,37 @@ import codecs
 import hashlib
 import json
 import os
-from typing import Any, Iterator, Union
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Union
 
 from sft.errors import DataError
 
 COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd", ".lz4": "lz4"}
 CHUNK = 1 << 20  # bytes read at a time from a JSON list (1 MiB)
 ARROW_BATCH = 1024  # rows converted to Python at a time from Parquet / Arrow
+
+
+@dataclass
+class Problem:
+    """One reason a record cannot be used, with where it is and how to fix it."""
+
+    file: str
+    index: Optional[int]  # 0-based record index (JSONL: counts non-blank lines)
+    record_id: Optional[str]
+    what: str
+    fix: str
+    turn: Optional[int] = None
+    kind: str = "invalid"
+
+    def __str__(self) -> str:
+        where = [self.file]
+        if self.index is not None:
+            where.append(f"record {self.index}")
+        if self.record_id is not None:
+            where.append(f"id={self.record_id!r}")
+        if self.turn is not None:
+            where.append(f"turn {self.turn}")
+        return f"{', '.join(where)}: {self.what}; {self.fix}"
 
 
 def is_dataset_folder(path: str) -> bool:
@@ -86,7 +110,7 @@ def _open(path: str):
                         "permissions (.zst needs the zstandard package, .lz4 the lz4 package)") from None
 
 
-def iter_raw(path: str, shard: int = 0, n_shards: int = 1) -> Iterator[Union[tuple[int, Any], "Problem"]]:
+def iter_raw(path: str, shard: int = 0, n_shards: int = 1) -> Iterator[Union[tuple[int, Any], Problem]]:
     """Yield ``(index, record)`` (0-based record index; JSONL: counts non-blank lines) or a ``Problem`` for the
     records of shard ``shard`` of ``n_shards`` (``index % n_shards == shard``), in file order.
 
@@ -229,8 +253,6 @@ def _lines(f, head: bytes):
 
 
 def _iter_jsonl(path, f, head, shard, n_shards):
-    from sft.data.records import Problem
-
     index = 0
     for lineno, line in enumerate(_lines(f, head), start=1):
         if not line.strip():

@@ -128,7 +128,7 @@ def prepare_training_args(args) -> None:
     On a machine without CUDA: ``use_cpu = True`` and ``ddp_backend`` defaults to ``gloo`` when several
     processes run (otherwise ``torchrun --nproc_per_node 2`` would start two independent trainings);
     ``--fp16`` is switched off and remembered in ``args.fp16_requested_without_cuda`` so that
-    :func:`sft.config.arguments.validate` reports it with every other problem.
+    :func:`sft.app.validation.validate` reports it with every other problem.
     """
     import torch
 

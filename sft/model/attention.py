@@ -45,30 +45,14 @@ from typing import Optional
 
 import torch
 
+from sft.compat.transformers import attn_implementation
+from sft.data.packing import document_bounds, flat_offsets  # noqa: F401  (the packed batch's format)
+from sft.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
+PACKING_ATTENTION = ("sdpa", "flash_attention_2", "eager", "flex_attention")  # implementations that keep packed rows apart
 PACKED_ATTENTION = "sft_packed_sdpa"  # "sdpa" in the name: transformers checks that the model supports SDPA
-
-
-def document_bounds(position_ids: torch.Tensor, batch_size: int) -> list[list[tuple[int, int]]]:
-    """The documents of each row: ``[(start, end), ...]`` per row (end exclusive), covering the row.
-
-    A document starts at index 0 and wherever the position id does not go up by one (the rule of
-    ``transformers.masking_utils.find_packed_sequence_indices``).
-
-    Args:
-        position_ids: int tensor ``[batch_size or 1, row_len]``.
-        batch_size: rows of the batch (position ids of one row are shared by all rows).
-    """
-    pos = position_ids.expand(batch_size, -1)
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
-    row_len = pos.shape[1]
-    out = []
-    for row in starts.cpu().tolist():
-        s = [i for i, new in enumerate(row) if new] + [row_len]
-        out.append(list(zip(s, s[1:])))
-    return out
 
 
 @functools.lru_cache(maxsize=None)  # asked in every layer's call: the answer is fixed for the process
@@ -144,12 +128,6 @@ def _bounds_from_cu_seqlens(cu: torch.Tensor, batch_size: int, row_len: int) -> 
                          f"row(s) of {row_len} tokens")
     _BOUNDS_CACHE[0], _BOUNDS_CACHE[1] = cu, bounds
     return bounds
-
-
-def flat_offsets(bounds, row_len: int) -> list[int]:
-    """``cu_seqlens`` as a list: where each document of ``bounds`` (:func:`document_bounds`) starts in the rows
-    flattened one after the other (``row_len`` tokens each), and the total at the end."""
-    return [r * row_len + s for r, docs in enumerate(bounds) for s, _ in docs] + [len(bounds) * row_len]
 
 
 def _cu_seqlens(kwargs: dict, bounds, row_len: int, device) -> tuple[torch.Tensor, int]:
@@ -306,7 +284,7 @@ def use_packed_attention(model) -> bool:
     config = base.config
     config.use_cache = False
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    impl = getattr(config, "_attn_implementation", None)
+    impl = attn_implementation(config)
     windowed = getattr(text, "use_sliding_window", False) or (
         getattr(text, "sliding_window", None) is not None and "use_sliding_window" not in text.to_dict())
     if impl not in ("sdpa", "flash_attention_2") or windowed or getattr(text, "attn_logit_softcapping", None) is not None:
@@ -317,4 +295,34 @@ def use_packed_attention(model) -> bool:
     except (ValueError, ImportError) as e:  # the model does not go through the attention interface
         logger.info("packing: keeping attention '%s' (%s)", impl, str(e).splitlines()[0][:200])
         return False
-    return getattr(base.config, "_attn_implementation", None) == PACKED_ATTENTION
+    return attn_implementation(base.config) == PACKED_ATTENTION
+
+
+def attention_implementation(model) -> str:
+    """The attention implementation the model runs with ("sdpa", "eager", "flash_attention_2", ...).
+
+    Through :func:`sft.compat.transformers.attn_implementation`.
+    """
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    return str(attn_implementation(config) or "eager")
+
+
+def check_packing_support(model) -> str:
+    """Make sure packed conversations stay apart with this model; return the attention implementation in use.
+
+    ``sdpa`` and ``flash_attention_2`` models are switched to :data:`sft.model.attention.PACKED_ATTENTION`
+    (:func:`sft.model.attention.use_packed_attention`); the KV cache is turned off.
+
+    Raises:
+        ConfigError: the attention implementation does not separate packed sequences within a row.
+    """
+    impl = attention_implementation(model)
+    if impl not in PACKING_ATTENTION:
+        raise ConfigError([f"--packing True: the model uses attention implementation '{impl}', for which transformers "
+                           f"cannot keep packed conversations apart (supported: {', '.join(PACKING_ATTENTION)}); "
+                           "drop --packing (use --group_by_length True instead)"])
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    config.use_cache = False  # with a KV cache transformers does not look for packed sequences
+    if impl in ("sdpa", "flash_attention_2"):
+        use_packed_attention(model)
+    return attention_implementation(model)

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Optional
 
-from sft.cli import check_parsed, run_cli
+from sft.policy import run_cli
 from sft.distributed.contract import resolve
 from sft.distributed.process_group import deepspeed_cpu_default
 from sft.errors import PREEMPTED_EXIT_CODE, SFTError
@@ -245,6 +245,7 @@ def _drive(argv: list[str]) -> int:
     (the last occurrence wins), as finetune/launch.sh does: ``--ddp_timeout 600`` (a lost worker stops the others
     after 10 minutes, not transformers' 30) and no tqdm bars (Ray forwards worker output line by line; the step
     lines of sft.train.metrics show progress); ``--bf16 True`` is added once the cluster is known to have GPUs."""
+    from sft.app.check import check_parsed
     from sft.config.arguments import parse_args
 
     argv = ["--ddp_timeout", "600", "--disable_tqdm", "True"] + argv

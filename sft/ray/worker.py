@@ -99,9 +99,9 @@ def train_worker(config: dict) -> None:
                            f"({e.strerror}); the code, data and --output_dir must be on a path shared by every node")
     deepspeed_cpu_default()
     # imports transformers (through sft.app.train) before the poll thread starts: two threads importing it race
-    from sft.train import preemption
-    from sft.app import train as training  # noqa: F401
-    from sft.cli import run_cli, train
+    from sft.app.train import train
+    from sft.policy import run_cli
+    from sft.train import preemption  # noqa: F401  (the poll thread's import, done here)
 
     done = threading.Event()
     threading.Thread(target=_poll_stop, args=(coordinator, done), daemon=True, name="sft-stop-poll").start()

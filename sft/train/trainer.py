@@ -12,8 +12,9 @@ import os
 from typing import Optional, Sequence
 
 import torch
-import transformers
 from transformers.trainer_pt_utils import BatchRebalanceSampler, LengthGroupedSampler
+
+from sft.compat.trainer import TrainerHooks
 
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
@@ -162,7 +163,7 @@ def micro_batches(train_ds, data_args, training_args):
     return sampler, sampler.largest_tokens
 
 
-class Trainer(transformers.Trainer):
+class Trainer(TrainerHooks):
     """``transformers.Trainer`` with an epoch-seeded length-grouped sampler (see the module docstring), FSDP2 on
     CPU process groups (:func:`sft.distributed.process_group.enable_fsdp`), and, in training with
     ``supervised_head`` on, the LM head and loss at supervised positions only (:mod:`sft.model.loss`).
@@ -216,16 +217,16 @@ class Trainer(transformers.Trainer):
 
         enable_fsdp(self)
 
-    def _load_rng_state(self, checkpoint):
-        # Adapter over a private method: transformers 5.24 Trainer._load_rng_state(checkpoint) reads
-        # rng_state_{process_index}.pth at world size > 1 and rng_state.pth at 1 (python, numpy, torch CPU, CUDA
-        # states), and only logs when the file is missing. A checkpoint written at world size > 1 resumed by one
-        # process (sft.train.world_size) has no rng_state.pth: rank 0 then takes rng_state_0.pth, as it would at any
-        # world size; ranks without a file keep the state --seed gave them.
+    def load_rng_state(self, checkpoint) -> bool:
+        # The Trainer's own (transformers 5.24) reads rng_state_{process_index}.pth at world size > 1 and
+        # rng_state.pth at 1 (python, numpy, torch CPU, CUDA states), and only logs when the file is missing. A
+        # checkpoint written at world size > 1 resumed by one process (sft.train.world_size) has no rng_state.pth:
+        # rank 0 then takes rng_state_0.pth, as it would at any world size; ranks without a file keep the state
+        # --seed gave them.
         single = os.path.join(checkpoint, "rng_state.pth") if checkpoint else None
         rank0 = os.path.join(checkpoint, "rng_state_0.pth") if checkpoint else None
         if self.args.world_size > 1 or not single or os.path.isfile(single) or not os.path.isfile(rank0):
-            return super()._load_rng_state(checkpoint)
+            return False
         import random
 
         import numpy as np
@@ -242,21 +243,19 @@ class Trainer(transformers.Trainer):
             set_state = torch.cuda.random.set_rng_state_all if isinstance(cuda, (list, tuple)) else \
                 torch.cuda.random.set_rng_state
             set_state(cuda)
+        return True
 
-    def _run_epoch(self, model, epoch, *args, **kwargs):
-        # Adapter over a private method: transformers 5.24 Trainer._run_epoch(model, epoch, train_dataloader, ...) sets
-        # the epoch on a batch sampler wrapped once (accelerate's BatchSamplerShard), but a resumed epoch's loader
-        # (skip_first_batches) wraps it twice: the token-budget sampler would replay epoch 0's order.
+    def before_epoch(self, epoch: int) -> None:
+        # The Trainer sets the epoch on a batch sampler wrapped once (accelerate's BatchSamplerShard), but a resumed
+        # epoch's loader (skip_first_batches) wraps it twice: the token-budget sampler would replay epoch 0's order.
         if self.train_batch_sampler is not None:
             self.train_batch_sampler.set_epoch(epoch)
-        return super()._run_epoch(model, epoch, *args, **kwargs)
 
-    def _get_train_sampler(self, train_dataset=None):
-        # Adapter over a private method: transformers 5.24 Trainer._get_train_sampler(train_dataset=None)
-        # returns a LengthGroupedSampler(batch_size, lengths=...) for train_sampling_strategy='group_by_length'.
+    def train_sampler(self, train_dataset, default):
+        # The Trainer's own is a LengthGroupedSampler(batch_size, lengths=...) for train_sampling_strategy='group_by_length'.
         if self.train_batch_sampler is not None:  # built on the training set (the Trainer passes its column subset)
             return self.train_batch_sampler
-        sampler = super()._get_train_sampler(train_dataset)
+        sampler = default()
         if type(sampler) is LengthGroupedSampler:
             seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
             sampler = EpochSeededLengthGroupedSampler(sampler.batch_size, sampler.lengths, seed)

@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from sft.config.arguments import parse_args, validate
+from sft.app.validation import validate
+from sft.config.arguments import parse_args
 from sft.distributed.process_group import finish_process_group, setup_runtime
 from sft.logs import setup_logging
 from sft.app.train import build_trainer, save

@@ -5,7 +5,8 @@ import glob
 
 import pytest
 
-from sft.config.arguments import parse_args, validate
+from sft.app.validation import validate
+from sft.config.arguments import parse_args
 from sft.train.metrics import ThroughputCallback, head_flops_per_token, model_flops_per_token
 from sft.app.train import build_trainer
 

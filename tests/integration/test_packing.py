@@ -13,7 +13,8 @@ from sft.model.attention import PACKED_ATTENTION
 from sft.data.chat import IGNORE_INDEX, encode_conversations
 from sft.data.records import load_conversations
 from sft.data.dataset import make_collator
-from sft.data.packing import PackedCollator, PaddingFreeCollator, check_packing_support, pack_dataset, split_row
+from sft.data.packing import PackedCollator, PaddingFreeCollator, pack_dataset, split_row
+from sft.model.attention import check_packing_support
 from sft.app.train import build_trainer
 from tests.helpers.data import TOY, write_jsonl
 from tests.unit.test_packing import train_args

@@ -1,7 +1,8 @@
 """Command line: Qwen flag names, YAML defaults, every problem reported at once."""
 import pytest
 
-from sft.config.arguments import parse_args, validate
+from sft.app.validation import validate
+from sft.config.arguments import parse_args
 from sft.errors import ConfigError
 
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from sft.model.attention import PACKED_ATTENTION, document_bounds, flash_varlen_available, packed_mask, use_packed_attention
 from sft.data.chat import IGNORE_INDEX
-from sft.data.packing import PackedCollator, check_packing_support
+from sft.data.packing import PackedCollator
+from sft.model.attention import check_packing_support
 
 PAD = 3
 TOL = {"rtol": 1e-5, "atol": 1e-5}

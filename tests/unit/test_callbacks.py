@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sft.config.arguments import parse_args, validate
+from sft.app.validation import validate
+from sft.config.arguments import parse_args
 from sft.train.metrics import ThroughputCallback, format_eta, linear_weight_counts, measure_matmul_peak, model_flops_per_token, plot_loss_curve
 from sft.errors import ConfigError
 

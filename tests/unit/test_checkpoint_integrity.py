@@ -158,7 +158,8 @@ def test_a_named_damaged_checkpoint_is_refused_a_named_unmarked_one_is_not(tmp_p
 
 
 def test_validate_refuses_a_named_damaged_checkpoint_before_loading(tmp_path, tiny_model_dir, toy_data):
-    from sft.config.arguments import parse_args, validate
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
     from sft.errors import ConfigError
 
     path = fake_checkpoint(tmp_path / "old", 4)

@@ -101,7 +101,8 @@ def test_relative_config_path_names_the_shipped_file(tiny_model_dir, tmp_path, c
 
 @pytest.mark.parametrize("fsdp", [[], ["True"], ["full_shard auto_wrap"]], ids=["bare", "True", "legacy-string"])
 def test_valid_fsdp2_settings_pass(fsdp, tiny_model_dir, tmp_path):
-    from sft.config.arguments import parse_args, validate
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
 
     data = write_jsonl(tmp_path / "toy.jsonl", TOY)
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", data, "--output_dir",

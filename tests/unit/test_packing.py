@@ -5,7 +5,8 @@ trainer with packing in a training run are in tests/integration/test_packing.py.
 import pytest
 import torch
 
-from sft.config.arguments import parse_args, validate
+from sft.app.validation import validate
+from sft.config.arguments import parse_args
 from sft.data.chat import IGNORE_INDEX
 from sft.errors import ConfigError
 from sft.data.packing import PackedCollator, PaddingFreeCollator, best_fit_decreasing, pack_dataset, split_row

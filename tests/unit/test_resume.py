@@ -182,7 +182,8 @@ def test_zero_checkpoint_at_another_world_size_is_refused_with_the_way_on(tmp_pa
 
 def test_validate_refuses_a_zero_resume_at_another_world_size_before_loading(tmp_path, tiny_model_dir, toy_data,
                                                                              monkeypatch):
-    from sft.config.arguments import parse_args, validate
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
     from sft.errors import ConfigError
 
     out = tmp_path / "out"
@@ -263,7 +264,8 @@ def test_the_same_command_at_the_checkpoints_world_size_keeps_the_accumulation_a
 
 def test_validate_refuses_a_world_size_that_cannot_keep_the_global_batch(tmp_path, tiny_model_dir, toy_data,
                                                                         monkeypatch, capsys):
-    from sft.config.arguments import parse_args, validate
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
     from sft.cli import run_cli
     from sft.errors import ConfigError
 

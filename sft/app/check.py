@@ -1,0 +1,61 @@
+"""``sft-check``: the configuration and every data record, without training (what the launchers run once before
+starting several processes)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from sft.app.train import control_tokens_for, data_sources
+from sft.model.loading import load_tokenizer
+
+
+def check_data(model_args, data_args, training_args) -> list[str]:
+    """What ``sft-check`` and the launchers check before starting several processes: the tokenizer loads and every
+    record of ``--data_path`` / ``--eval_data_path`` is valid (streamed in one process: memory does not grow
+    with the records). Returns one summary line per source.
+
+    Raises:
+        SFTError: as :func:`control_tokens_for`, :func:`sft.data.records.RecordCheck.finish` and
+            :func:`sft.model.loading.load_tokenizer`.
+    """
+    from sft.data.records import RecordCheck, iter_conversations
+
+    tok, _, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir)
+    control = control_tokens_for(tok, data_args.system_message)
+    from sft.data.eval_split import empty_side_error, in_eval, record_key
+
+    lines, ratio = [], data_args.eval_split_ratio
+    split = ratio is not None and not data_args.eval_data_path
+    sources = data_sources(data_args)
+    for path in sources["train"] + ([] if split else sources["eval"]):
+        check, held = RecordCheck(path), 0
+        for conv in iter_conversations(path, check, control):
+            held += split and in_eval(record_key(conv), ratio, data_args.eval_split_seed)
+        check.finish(data_args.on_bad_record)
+        if not split:
+            lines.append(f"{path}: {check.valid} valid conversations")
+            continue
+        if held in (0, check.valid):
+            raise empty_side_error(path, ratio, check.valid, held_all=held > 0)
+        lines.append(f"{path}: {check.valid} valid conversations ({check.valid - held} for training, {held} held out "
+                     f"for evaluation by --eval_split_ratio {ratio})")
+    return lines
+
+
+def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:
+    """Check parsed arguments and every data record without training (what ``sft-check``, the launcher and the Ray
+    driver do once before starting several processes). Returns the summary lines.
+
+    Raises:
+        SFTError: the first kind of problem found (every problem of that kind is listed).
+    """
+    from sft.app.validation import validate
+
+    validate(model_args, data_args, training_args, lora_args)
+    return check_data(model_args, data_args, training_args) + ["configuration and data OK"]
+
+
+def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
+    """Parse ``argv`` and :func:`check_parsed` it. Returns the summary lines."""
+    from sft.config.arguments import parse_args
+
+    return check_parsed(*parse_args(argv, extra)[:4])

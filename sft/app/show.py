@@ -1,0 +1,45 @@
+"""``sft-show-sample``: the rendered training sample(s) of one record, supervised tokens marked."""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Iterator, Optional
+
+from sft.data.chat import visualize
+from sft.data.records import RecordCheck, iter_conversations
+from sft.data.samples import encode_samples
+from sft.errors import SFTError
+from sft.model.loading import load_tokenizer
+
+
+def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length: int = 8192,
+                system_message: Optional[str] = None, long_conversations: str = "split",
+                color: bool = False) -> Iterator[str]:
+    """Yield, per training sample of the ``index``-th valid record (0-based) of ``data_file``: a header line (record
+    index and id, tokens, supervised tokens, truncation) and the rendered text with supervised tokens marked «like
+    this» (ANSI colour instead when ``color``). Several samples when a long conversation is split.
+
+    The file is streamed up to the record asked for: a huge file is not loaded.
+
+    Raises:
+        SFTError: ``model_dir`` is not a model folder, ``model_max_length`` < 8, ``index`` < 0 or past the last valid
+            record; and as :func:`sft.model.loading.load_tokenizer` / :class:`sft.data.records.RecordCheck`.
+    """
+    if not os.path.isfile(os.path.join(model_dir, "config.json")) and not os.path.isfile(
+            os.path.join(model_dir, "tokenizer.json")):
+        raise SFTError(f"{model_dir}: not a model folder (no config.json or tokenizer.json)")
+    if model_max_length < 8:
+        raise SFTError(f"--model_max_length {model_max_length}: must be at least 8")
+    if index < 0:
+        raise SFTError(f"--index {index}: must be 0 or more (it counts valid records from 0)")
+    check = RecordCheck(data_file)
+    c = next(itertools.islice(iter_conversations(data_file, check), index, None), None)
+    if c is None:
+        raise SFTError(f"--index {index}: the file has {check.valid} valid records")
+    tok, eot, _ = load_tokenizer(model_dir)
+    samples = encode_samples(tok, [c.messages], eot, model_max_length, system_message, long_conversations)[0]
+    for k, ex in enumerate(samples):
+        part = f" sample {k + 1} of {len(samples)}:" if len(samples) > 1 else ""
+        yield (f"record {c.index} id={c.id}:{part} {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"
+               + (f", truncated ({ex['n_lost']} supervised tokens lost)" if ex["truncated"] else ""))
+        yield visualize(tok, ex["input_ids"], ex["labels"], color=color)

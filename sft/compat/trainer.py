@@ -1,0 +1,41 @@
+"""``transformers.Trainer`` with the private steps sft changes turned into named hooks (checked against transformers
+5.24). :class:`sft.train.trainer.Trainer` overrides the hooks, never a private method:
+
+* ``Trainer._load_rng_state(checkpoint)`` -> :meth:`TrainerHooks.load_rng_state` (return True when it restored the
+  state itself; else the Trainer's own runs: ``rng_state_{process_index}.pth`` at world size > 1, ``rng_state.pth``
+  at 1, only a log line when the file is missing);
+* ``Trainer._run_epoch(model, epoch, train_dataloader, ...)`` -> :meth:`TrainerHooks.before_epoch` (epoch) first;
+* ``Trainer._get_train_sampler(train_dataset=None)`` -> :meth:`TrainerHooks.train_sampler` (given the Trainer's
+  choice as a callable: a ``LengthGroupedSampler(batch_size, lengths=...)`` for ``group_by_length``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import transformers
+
+
+class TrainerHooks(transformers.Trainer):
+    """See the module docstring. The hooks' defaults leave the Trainer's behaviour unchanged."""
+
+    def load_rng_state(self, checkpoint) -> bool:
+        """Restore the RNG states of ``checkpoint`` (a folder or None) yourself and return True, or return False."""
+        return False
+
+    def before_epoch(self, epoch: int) -> None:
+        """Called at the start of every training epoch (0-based), resumed ones included."""
+
+    def train_sampler(self, train_dataset, default: Callable):
+        """The training data's sampler; ``default()`` is the Trainer's own."""
+        return default()
+
+    def _load_rng_state(self, checkpoint):
+        if not self.load_rng_state(checkpoint):
+            return super()._load_rng_state(checkpoint)
+
+    def _run_epoch(self, model, epoch, *args, **kwargs):
+        self.before_epoch(epoch)
+        return super()._run_epoch(model, epoch, *args, **kwargs)
+
+    def _get_train_sampler(self, train_dataset=None):
+        return self.train_sampler(train_dataset, lambda: super(TrainerHooks, self)._get_train_sampler(train_dataset))

@@ -1,0 +1,38 @@
+"""The uses of transformers' (and argparse's) private names outside the Trainer (checked against transformers 5.24).
+
+Each function is one use, named for what it gives; on another version the private name may be gone or changed, and
+the function is the one place to look.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+CHECKED_TRANSFORMERS_VERSION = "5.24"
+
+
+def compile_jinja_template(template: str):
+    """transformers' compiled jinja template for a chat template string, as ``apply_chat_template`` compiles it
+    (``transformers.utils.chat_template_utils._compile_jinja_template``, cached there by template text)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template(template)
+
+
+def plain_template_data(special_tokens: dict) -> dict:
+    """The template variables ``apply_chat_template`` passes for the tokenizer's special tokens
+    (``transformers.utils.chat_template_utils._plain_template_data``: added-token objects become their strings)."""
+    from transformers.utils.chat_template_utils import _plain_template_data
+
+    return _plain_template_data(special_tokens)
+
+
+def attn_implementation(config) -> Optional[str]:
+    """The attention implementation a model config runs with (``config._attn_implementation``: "sdpa", "eager",
+    "flash_attention_2", a registered name), or None when unset."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def parser_actions(parser) -> list:
+    """An ``argparse.ArgumentParser``'s actions (``parser._actions``; argparse has no public list of them). Used to
+    read a flag's ``dest`` / ``nargs`` and to set one flag's ``type`` after ``HfArgumentParser`` built it."""
+    return parser._actions
