@@ -35,7 +35,7 @@ Then the job must finish (exit 0 on the hosts left), and its per-step losses and
 uninterrupted single-process run with the same global batch (micro batch 1 x accumulation 6) within 1e-4 and
 1e-5: the same samples make every optimizer step at any world size (sft/train/world_size.py) and a resume is exact,
 so only the order of the fp32 sums across ranks and micro batches differs (measured ~1e-7 in
-tests/cluster/test_elastic.py and tests/integration/test_world_size_resume.py).
+tests/cluster/test_elastic.py and tests/integration/train/test_world_size_resume.py).
 
 Prints one line per fault (tried / survived / evidence), ``faults survived: N of 10``, the wall time and the
 load (``uptime``) before and after; exits 0 only when all 10 survived. A kill waits for the previous fault to

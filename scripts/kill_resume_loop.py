@@ -251,7 +251,7 @@ def main(argv=None) -> int:
 
 def with_repository_on_pythonpath() -> None:
     """sft and tests.helpers (the tiny test model) are imported from the repository, so it must be on PYTHONPATH
-    (tests/integration/test_resume.py passes it). Started without it (as in the README), run again with it."""
+    (tests/integration/train/test_resume.py passes it). Started without it (as in the README), run again with it."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if ROOT not in map(os.path.abspath, paths):
         os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *paths])

@@ -18,7 +18,7 @@ from typing import Optional
 # TrainingArguments via trainer_utils) and accelerate imports DeepSpeed whenever it is installed
 # (accelerate.utils.other.extract_model_from_parallel, called by Trainer() and save_pretrained).
 # The logger names and texts are no API: checked against bitsandbytes 0.50.2 and deepspeed 0.19.8;
-# tests/integration/test_quiet_console.py fails when a changed one shows again.
+# tests/integration/app/test_quiet_console.py fails when a changed one shows again.
 IMPORT_NOTICES = {
     # bitsandbytes/backends/cpu/ops.py, at import on CPUs with AVX512-BF16 without the `kernels` package
     "bitsandbytes": ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community"),

@@ -323,7 +323,7 @@ def keep_lora_inputs_in_autocast_dtype(model) -> int:
     (:func:`_lora_input_cast`: ``--lora_dropout 0``, or evaluation): two full-size casts per targeted linear per
     forward and two more in backward, ~800 copies a step at 30 layers x 7 projections (issue 30's profile counted
     965). The adapter weights stay fp32 (the optimizer's master copy; autocast casts the small ``r x hidden``
-    matrices): ``tests/unit/test_lora_precision.py`` checks loss and gradients bitwise equal to peft's casting. Uses peft's ``cast_input_dtype_enabled`` switch (peft >= 0.15,
+    matrices): ``tests/unit/model/test_lora_precision.py`` checks loss and gradients bitwise equal to peft's casting. Uses peft's ``cast_input_dtype_enabled`` switch (peft >= 0.15,
     ``peft.helpers.disable_input_dtype_casting``), set per call by :func:`_lora_input_cast`.
 
     Returns:

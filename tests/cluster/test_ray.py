@@ -7,8 +7,8 @@ tests/cluster/test_multinode.py), where each rank ran is read from Ray (node ids
 ``ray.get_runtime_context()``), a SIGTERM to the driver ends in a checkpoint and exit 75 and the same command
 resumes, an unsatisfiable STRICT_SPREAD fails at once, and a node drain ends in a checkpoint.
 Every Ray process is killed with the namespaces after the module (also on failure). The Ray flags, the placement
-rules and the stop request without Ray are in tests/unit/test_ray.py; the launcher's refusals before Ray starts
-in tests/integration/test_ray.py.
+rules and the stop request without Ray are in tests/unit/ray/test_ray.py; the launcher's refusals before Ray starts
+in tests/integration/ray/test_ray.py.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Stand-ins for cluster tools, written as executables into a folder the test puts first on PATH: only for the
-quick argument-handling checks (tests/integration/test_multinode_contract.py); the SLURM and PBS scripts run
+quick argument-handling checks (tests/integration/distributed/test_multinode_contract.py); the SLURM and PBS scripts run
 under a real slurmctld/slurmd and sshd in tests/cluster/test_slurm.py.
 
 Every call is appended to $FAKE_LOG; every "node" runs on this machine.

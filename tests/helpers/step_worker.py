@@ -1,4 +1,4 @@
-"""Test worker run under torchrun in place of finetune.py (tests/integration/test_world_size_resume.py; the
+"""Test worker run under torchrun in place of finetune.py (tests/integration/train/test_world_size_resume.py; the
 repository root on PYTHONPATH, see tests.helpers.paths.pythonpath_env): trains through :func:`sft.cli.train_main`
 (parse, validate, resume choice, the world-size change, train, save) with the Trainer's collator wrapped to record,
 in order, which samples this rank consumed (sha1 of each sample's ``input_ids``).

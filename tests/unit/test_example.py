@@ -1,6 +1,6 @@
 """The real example's data conversion (scripts/prepare_example.py: chitchat-dataset conversations), in process.
 The converted SmolLM2 model, a training run through the preset, merge and generation are in
-tests/integration/test_example.py."""
+tests/integration/app/test_example.py."""
 from scripts import prepare_example
 
 

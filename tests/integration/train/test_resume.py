@@ -1,0 +1,51 @@
+"""Resume and preemption through real processes (README "Resume and preemption"): the watchdog's exit 75 in a
+process of its own, then scripts/kill_resume_loop.py: SIGKILL at random moments in one process, and SIGTERM to
+finetune/launch.sh with two torchrun processes; each resumed run must end with the uninterrupted run's weights,
+bit for bit. The rules (completion marker, rotation, auto resume, signal handling) are in
+tests/unit/train/test_resume.py.
+"""
+import os
+import subprocess
+import sys
+import time
+
+from sft.errors import PREEMPTED_EXIT_CODE
+from tests.helpers.paths import ROOT, pythonpath_env
+
+
+def test_watchdog_exits_75_when_the_stop_takes_too_long(tmp_path):
+    code_file = tmp_path / "codes"
+    prog = ("import os, signal, time\n"
+            "from sft.train.preemption import PreemptionHandler\n"
+            "PreemptionHandler(timeout_s=1).install()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)  # a hung collective or save\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120,
+                       env=pythonpath_env({**os.environ, "SFT_EXIT_CODE_FILE": str(code_file)}))
+    assert r.returncode == PREEMPTED_EXIT_CODE, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 50
+    assert "no clean stop within 1 s" in r.stderr and code_file.read_text() == "75\n"
+
+
+def loop(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kill_resume_loop.py"), *args],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=pythonpath_env())
+
+
+def test_sigkill_at_random_steps_then_resume_is_bit_exact(tmp_path):
+    r = loop("--iterations", "2", "--steps", "6", "--kill_seed", "5", "--workdir", str(tmp_path))
+    assert r.returncode == 0 and "exact: 2/2" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count("] killed ") == 2  # really killed, not finished before the kill
+    logs = "".join(open(tmp_path / f"run{i}.log").read() for i in range(2))
+    assert "resuming from" in logs and "Traceback" not in logs
+
+
+def test_sigterm_to_launcher_with_two_processes_exits_75_and_resumes_exactly(tmp_path):
+    r = loop("--iterations", "1", "--steps", "6", "--save_steps", "2", "--nproc", "2", "--launcher",
+             "--signal", "TERM", "--kill_seed", "2", "--workdir", str(tmp_path))
+    assert r.returncode == 0 and "exact: 1/1" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert f"SIGTERM -> exit {PREEMPTED_EXIT_CODE}" in r.stdout
+    log = open(tmp_path / "run0.log").read()
+    assert "preempted: stopped by SIGTERM at step" in log and "[rank 1] preempted" in log
+    assert "resuming from" in log

@@ -1,0 +1,67 @@
+"""Truncation report, dataset cache, lazy mode and the collator."""
+import os
+
+import torch
+
+from sft.data.chat import IGNORE_INDEX
+from sft.data.dataset import LazySupervisedDataset, build_dataset, make_collator
+from tests.helpers.data import TOY, write_jsonl
+
+
+
+def test_truncation_is_counted_and_empty_samples_dropped(tmp_path, qwen_tok):
+    """--long_conversations truncate (split mode: tests/integration/data/test_long_conversations.py)."""
+    tok, eot = qwen_tok
+    long_user = {"id": "long-question", "messages": [{"role": "user", "content": "word " * 200},
+                                                      {"role": "assistant", "content": "ok"}]}
+    long_reply = {"id": "long-reply", "messages": [{"role": "user", "content": "go"},
+                                                    {"role": "assistant", "content": "word " * 200}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_user, long_reply])
+    ds, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
+    assert report.truncated == 2 and report.dropped_ids == ["long-question"]
+    assert report.samples == 3 and report.kept == 2 and list(ds["id"]) == ["add", "long-reply"]
+    assert report.supervised_tokens_lost > 150  # most of the 200-word reply
+    assert all(len(x) <= 64 for x in ds["input_ids"]) and all(n > 0 for n in ds["n_supervised"])
+    lines = "\n".join(report.lines("train", 64))
+    assert "2 of 3 samples longer than --model_max_length 64 were truncated" in lines and "long-question" in lines
+
+
+def test_cache_is_reused_and_keyed_on_settings(tmp_path, qwen_tok):
+    tok, eot = qwen_tok
+    path = write_jsonl(tmp_path / "d.jsonl", TOY)
+    cache = tmp_path / "c"
+    build_dataset([path], tok, eot, 128, None, str(cache))
+    build_dataset([path], tok, eot, 128, None, str(cache))
+    assert len(os.listdir(cache)) == 1
+    build_dataset([path], tok, eot, 64, None, str(cache))
+    build_dataset([path], tok, eot, 128, "Be brief.", str(cache))
+    build_dataset([path], tok, eot, 128, None, str(cache), on_bad_record="skip")
+    assert len(os.listdir(cache)) == 4
+    write_jsonl(tmp_path / "d.jsonl", TOY[:3])  # different content, same path
+    build_dataset([path], tok, eot, 128, None, str(cache))
+    assert len(os.listdir(cache)) == 5
+
+
+def test_lazy_equals_eager_and_skips_empty(tmp_path, qwen_tok):
+    tok, eot = qwen_tok
+    long_user = {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_user, TOY[2]])
+    ds, _ = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
+    lazy, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), lazy=True)
+    assert isinstance(lazy, LazySupervisedDataset) and report is None and len(lazy) == 3
+    assert lazy[0]["input_ids"] == ds[0]["input_ids"] and lazy[0]["labels"] == ds[0]["labels"]
+    assert lazy[1]["input_ids"] == ds[1]["input_ids"]  # "long" replaced by the next sample
+    assert lazy.report.dropped_ids == ["long"]
+
+
+def test_collator_pads_dynamically_by_position(qwen_tok):
+    tok, eot = qwen_tok
+    pad = tok.pad_token_id
+    feats = [{"input_ids": [5, pad, 7], "labels": [-100, pad, 7]},  # a real pad-id token inside the text
+             {"input_ids": list(range(1, 12)), "labels": list(range(1, 12))}]
+    b = make_collator(tok)(feats)
+    assert b["input_ids"].shape == (2, 16)  # longest = 11, rounded up to a multiple of 8
+    assert b["input_ids"].dtype == torch.long
+    assert b["attention_mask"][0].tolist() == [1, 1, 1] + [0] * 13  # position, not id, decides
+    assert b["labels"][0].tolist() == [-100, pad, 7] + [IGNORE_INDEX] * 13
+    assert b["labels"][1, 11:].eq(IGNORE_INDEX).all() and b["attention_mask"][1].sum() == 11

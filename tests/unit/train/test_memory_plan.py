@@ -1,0 +1,223 @@
+"""Memory planned before step 1 (issue 30, item 7): padding-free micro batches under a token budget with the largest
+first (sft.train.trainer.TokenBudgetBatchSampler; through the Trainer's own data loader in
+tests/integration/data/test_packing.py), the planned peak and the
+gradient checkpointing decision or refusal (sft.train.memory_plan), the flag rules, and the process group bound to its
+CUDA device (a stand-in for torch.distributed: no GPU here)."""
+import logging
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sft.errors import ConfigError, SFTError
+from sft.train.memory_plan import GIB, activation_bytes_per_token, choose_checkpointing, fitting_tokens, plan
+from sft.train.trainer import TokenBudgetBatchSampler
+from tests.unit.data.test_packing import train_args
+
+LENGTHS = [500, 30, 700, 120, 64, 900, 10, 333, 250, 800, 45, 600, 77, 410, 95, 1000, 5, 260]
+
+
+def test_micro_batches_keep_both_limits_and_every_sample_once():
+    s = TokenBudgetBatchSampler(LENGTHS, micro_batch=4, max_tokens=1024, seed=3)
+    batches = list(s)
+    assert sorted(i for b in batches for i in b) == list(range(len(LENGTHS)))
+    assert all(len(b) <= 4 and sum(LENGTHS[i] for i in b) <= 1024 for b in batches)
+    assert len(s) == len(batches) > len(LENGTHS) // 4  # the budget split some micro batches of 4
+    assert sum(LENGTHS[i] for i in batches[0]) == s.largest_tokens == max(sum(LENGTHS[i] for i in b) for b in batches)
+
+
+def test_order_is_a_function_of_seed_and_epoch_with_the_largest_first_in_every_epoch():
+    a, b = TokenBudgetBatchSampler(LENGTHS, 3, 1200, seed=7), TokenBudgetBatchSampler(LENGTHS, 3, 1200, seed=7)
+    orders = []
+    for epoch in range(3):
+        a.set_epoch(epoch)
+        b.set_epoch(epoch)
+        first, again = list(a), list(b)
+        assert first == again and len(first) == len(a)  # same count every epoch: the Trainer sizes epochs once
+        assert sum(LENGTHS[i] for i in first[0]) == a.largest_tokens
+        orders.append(first)
+    assert orders[1] != orders[2]
+    assert {tuple(x) for x in orders[0]} == {tuple(x) for x in orders[1]}  # composition fixed, order reshuffled
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ranks_are_dealt_the_one_process_order_in_turn(world):
+    """Micro batch i of the one-process order goes to rank i % W (accelerate's dealing, which sft.train.world_size relies
+    on), padded with the epoch's first micro batches to a multiple of W."""
+    one = list(TokenBudgetBatchSampler(LENGTHS, 2, 1000, seed=1))
+    ranks = [list(TokenBudgetBatchSampler(LENGTHS, 2, 1000, seed=1, world_size=world, rank=r)) for r in range(world)]
+    assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) == len(TokenBudgetBatchSampler(LENGTHS, 2, 1000, 1,
+                                                                                                  world, 0))
+    dealt = [ranks[i % world][i // world] for i in range(world * len(ranks[0]))]
+    assert dealt[:len(one)] == one and dealt[len(one):] == one[:len(dealt) - len(one)]
+
+
+def test_a_sample_over_the_budget_is_refused():
+    with pytest.raises(ValueError, match="sample 5 has 900 tokens, more than the token budget 800"):
+        TokenBudgetBatchSampler([10, 20, 30, 40, 50, 900], 2, 800, seed=0)
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--max_tokens_per_micro_batch", "100", "--model_max_length", "128"], "below --model_max_length 128"),
+    (["--max_tokens_per_micro_batch", "4096", "--packing", "True"], "with --packing True"),
+    (["--max_tokens_per_micro_batch", "9000", "--padding_free", "False"], "with --padding_free False"),
+    (["--max_tokens_per_micro_batch", "9000", "--group_by_length", "True"], "with --group_by_length True"),
+    (["--max_tokens_per_micro_batch", "9000", "--lazy_preprocess", "True", "--long_conversations", "truncate"],
+     "with --lazy_preprocess True"),
+])
+def test_token_budget_rules(tiny_model_dir, toy_data, tmp_path, extra, msg):
+    with pytest.raises(ConfigError, match=msg):
+        train_args(tiny_model_dir, toy_data, tmp_path / "c", *extra)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config)
+
+
+def test_activations_per_token_follow_the_model_shape_and_checkpointing(llama):
+    c = llama.config
+    full, ckpt = activation_bytes_per_token(c, 2, False), activation_bytes_per_token(c, 2, True)
+    assert ckpt < full / 2
+    assert activation_bytes_per_token(c, 4, False) > full  # fp32 activations
+    c2 = LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 8})
+    assert activation_bytes_per_token(c2, 2, False) - full == 4 * (full - activation_bytes_per_token(
+        LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 3}), 2, False))  # linear in the layer count
+    assert activation_bytes_per_token(c, 2, False, lora_in_bytes=4, lora_dropout=True) > full
+
+
+def test_plan_counts_gradients_and_adam_state_and_shards_them(llama):
+    n = sum(p.numel() for p in llama.parameters())
+    p1 = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch", held_available=(GIB, 8 * GIB, "test"))
+    assert (p1.gradients, p1.optimizer, p1.weights) == (4 * n, 12 * n, GIB)  # two moments and the step's temporary
+    assert p1.activations == 1000 * p1.per_token and p1.peak > GIB
+    p2 = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch", world_size=4, zero_stage=2,
+              deepspeed=True, held_available=(GIB, 8 * GIB, "test"))
+    assert p2.gradients == n and p2.optimizer == (4 + 12) * n // 4  # fp32 master, moments, temporary; partitioned
+    assert plan(llama, tokens=1000, checkpointing=False, optim="adamw_bnb_8bit",
+                held_available=(GIB, 8 * GIB, "test")).optimizer == 2 * n
+
+
+def _planner(llama, available):
+    return lambda on, tokens=None: plan(llama, tokens=tokens or 20_000, checkpointing=on, optim="adamw_torch",
+                                        held_available=(GIB // 4, available, "test memory"))
+
+
+def test_unset_checkpointing_is_turned_on_only_when_needed(llama, caplog):
+    big = _planner(llama, 64 * GIB)
+    assert choose_checkpointing(big, None)[0] is False
+    full, ckpt = _planner(llama, 0)(False), _planner(llama, 0)(True)
+    between = int((full.peak + ckpt.peak) / 2 / 0.9)  # fits with checkpointing only
+    with caplog.at_level(logging.INFO, logger="sft"):
+        on, p, budget = choose_checkpointing(_planner(llama, between), None)
+    assert on is True and p.checkpointing and p.fits and budget is None
+    assert any("gradient checkpointing on" in r.getMessage() for r in caplog.records)
+    assert choose_checkpointing(_planner(llama, between), True)[0] is True
+
+
+def test_a_plan_that_cannot_fit_is_refused_with_the_fixes(llama, caplog):
+    full = _planner(llama, 0)(False)
+    tight = int((full.peak - full.activations / 2) / 0.9)  # half the activations would fit, without checkpointing
+    with pytest.raises(SFTError) as e:
+        choose_checkpointing(_planner(llama, tight), False, fixes_extra=("--use_lora True",))
+    text = str(e.value)
+    assert text.startswith("this run does not fit in memory, refused before step 1: memory plan:")
+    assert "planned peak" in text and "test memory" in text
+    tokens = fitting_tokens(_planner(llama, tight)(False))
+    assert 0 < tokens < 20_000 and f"--max_tokens_per_micro_batch {tokens} " in text
+    assert "--gradient_checkpointing True" in text and "--use_lora True" in text and "--memory_check warn" in text
+    assert plan(llama, tokens=tokens, checkpointing=False, optim="adamw_torch",
+                held_available=(GIB // 4, tight, "test memory")).fits  # the budget it names fits
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        assert choose_checkpointing(_planner(llama, tight), False, mode="warn")[0] is False
+    assert any("--max_tokens_per_micro_batch" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unset_budget_is_lowered_before_checkpointing_and_instead_of_a_refusal(llama, caplog):
+    ckpt = _planner(llama, 0)(True)
+    tight = int((ckpt.peak - ckpt.activations / 2) / 0.9)  # half the activations fit, with checkpointing
+    f_off, f_on = fitting_tokens(_planner(llama, tight)(False)), fitting_tokens(_planner(llama, tight)(True))
+    assert 0 < f_off < f_on < 20_000
+    with caplog.at_level(logging.INFO, logger="sft"):  # smaller micro batches, no recomputation
+        on, p, budget = choose_checkpointing(_planner(llama, tight), None, budget_floor=f_off)
+    assert (on, budget, p.tokens) == (False, f_off, f_off) and p.fits
+    assert any(f"token budget {f_off} per micro batch (unset --max_tokens_per_micro_batch" in r.getMessage()
+               for r in caplog.records)
+    on, p, budget = choose_checkpointing(_planner(llama, tight), None, budget_floor=f_off + 1)  # then checkpointing
+    assert (on, budget) == (True, f_on) and p.fits and p.checkpointing
+    with pytest.raises(SFTError, match=f"--max_tokens_per_micro_batch {f_on} "):  # below the floor: refused
+        choose_checkpointing(_planner(llama, tight), None, budget_floor=f_on + 1)
+    with pytest.raises(SFTError):  # a budget the user set is never lowered (no floor given)
+        choose_checkpointing(_planner(llama, tight), None)
+
+
+def test_the_process_group_is_bound_to_the_local_cuda_device(monkeypatch):
+    import torch.distributed as dist
+
+    from sft.distributed import process_group
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(("init", kw)))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for k, v in (("RANK", "1"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(k, v)
+    assert process_group.init_process_group(None, 60) is True
+    assert calls[0] == ("set_device", torch.device("cuda", 1))
+    kw = calls[1][1]
+    assert kw["backend"] == "nccl" and kw["device_id"] == torch.device("cuda", 1)
+    assert kw["timeout"].total_seconds() == 60
+    assert os.environ["LOCAL_RANK"] == "1"
+
+
+@pytest.mark.parametrize("device,on_device,expected", [
+    (torch.device("cuda", 1), True, {"": 1}), (torch.device("cuda", 1), False, None), (torch.device("cpu"), True, None)])
+def test_weights_load_straight_onto_the_gpu_unless_a_sharder_places_them(tiny_model_dir, qwen_tok, monkeypatch,
+                                                                         device, on_device, expected):
+    """On CUDA (no DeepSpeed or FSDP) from_pretrained gets device_map = this process's GPU and the training dtype:
+    no host copy first (issue 30, item 3). A stand-in for from_pretrained: no GPU here."""
+    import transformers
+
+    from sft.model.loading import load_model
+
+    seen = {}
+
+    def fake(path, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake)
+    with pytest.raises(Exception):
+        load_model(tiny_model_dir, qwen_tok, False, dtype=torch.bfloat16, device=device, load_on_device=on_device)
+    assert seen["dtype"] == torch.bfloat16 and seen.get("device_map") == expected
+
+
+def test_the_probe_measures_what_autograd_keeps_and_plans_with_it(llama):
+    """measure_saved_bytes: one forward pass under saved_tensors_hooks; per token it is within 2x of the shape-based
+    count for this fp32 Llama, grows with LoRA dropout, leaves the RNG alone, and steps aside under checkpointing."""
+    from peft import LoraConfig, get_peft_model
+
+    from sft.train.memory_plan import measure_saved_bytes
+
+    state = torch.random.get_rng_state()
+    total, layer = measure_saved_bytes(llama, tokens=64)
+    assert torch.equal(state, torch.random.get_rng_state())
+    shaped = activation_bytes_per_token(llama.config, 4, False)
+    assert shaped / 2 < total < 2 * shaped and layer == total / llama.config.num_hidden_layers
+    p = plan(llama, tokens=100, checkpointing=False, optim="sgd", measured=(total, layer),
+             held_available=(0, GIB, "test"))
+    from sft.train.memory_plan import BACKWARD_FACTOR
+
+    assert p.per_token == int(total * BACKWARD_FACTOR) and p.activations == 100 * p.per_token
+    lora = get_peft_model(LlamaForCausalLM(llama.config), LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear"))
+    assert measure_saved_bytes(lora, tokens=64)[0] > total
+    llama.activation_checkpointing_enable()
+    try:
+        assert measure_saved_bytes(llama, tokens=64) is None
+    finally:
+        llama.activation_checkpointing_disable()
