@@ -1,7 +1,7 @@
 """User-facing errors and the exit codes (stdlib only).
 
 Every error a user can fix (bad flags, bad data, a missing file) is raised as a subclass of
-:class:`SFTError`. :mod:`sft.cli` prints its message to stderr without a traceback and exits
+:class:`SFTError`. :mod:`sft.policy` prints its message to stderr without a traceback and exits
 with :attr:`SFTError.exit_code`; set ``SFT_DEBUG=1`` to see the traceback as well.
 """
 from __future__ import annotations

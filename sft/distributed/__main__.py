@@ -4,7 +4,7 @@
     python -m sft.distributed rendezvous      # the preflight node rendezvous, from the (validated) environment
     python -m sft.distributed nodes --allocated N --source TEXT   # NNODES for a scheduler's N nodes (stdout)
 
-Both exit 2 with ``error: ...`` on stderr when the user has something to fix (the policy of :mod:`sft.cli`).
+Both exit 2 with ``error: ...`` on stderr when the user has something to fix (the policy of :mod:`sft.policy`).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The one owner of the distributed runtime inside a training process.
 
-Order in a run (:mod:`sft.cli`): parse -> validate -> :func:`setup_runtime` -> train.
+Order in a run (:func:`sft.app.train.train`): parse -> validate -> :func:`setup_runtime` -> train.
 
 * :func:`prepare_training_args` -- the CPU/gloo choice and a process group with ``--ddp_timeout``. It has
   to run inside ``TrainingArguments.__post_init__``: transformers 5.24's ``__post_init__`` evaluates
@@ -113,7 +113,7 @@ def finish_process_group() -> None:
     134: its communication threads were torn down with the interpreter; once in a full test run, FSDP2 full
     fine-tuning, 2 processes). Every rank meets at a barrier first, so none destroys its group while another still
     uses it. A no-op without a process group, and in a Ray worker (Ray Train owns that group: :mod:`sft.ray.worker`
-    calls :func:`sft.cli.train`, not this)."""
+    calls :func:`sft.app.train.train`, not this)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):

@@ -74,7 +74,7 @@ def _node_drain_notice() -> Optional[str]:
 
 
 def train_worker(config: dict) -> None:
-    """Ray Train's training function (one call per worker): :func:`sft.cli.train` on ``config["argv"]`` in
+    """Ray Train's training function (one call per worker): :func:`sft.app.train.train` on ``config["argv"]`` in
     ``config["cwd"]`` (the driver's working directory, so relative paths mean the same on every node), under the
     one CLI policy; the node-drain notice is a per-step check of the run.
 

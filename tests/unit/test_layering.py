@@ -1,5 +1,5 @@
 """The package's layering rules, read from the source: no sys.path edits, the library never imports an entry
-script, thin entry scripts (the error policy lives in sft.cli), console scripts, module sizes, package data.
+script, thin entry scripts (the error policy lives in sft.policy), console scripts, module sizes, package data.
 The rules that need a fresh interpreter (what an import pulls in, what parsing starts) are in
 tests/integration/test_layering.py."""
 import os
@@ -46,7 +46,7 @@ ENTRY_POINTS = {  # file -> what it must call
 @pytest.mark.parametrize("path", sorted(ENTRY_POINTS))
 def test_entry_scripts_are_thin(path):
     """An entry script runs one function and exits with its code (the scripts/ ones through scripts/_entry.py, whose
-    only handled error is a Python without the sft package: the policy in sft.cli cannot report that)."""
+    only handled error is a Python without the sft package: the policy in sft.policy cannot report that)."""
     text = open(os.path.join(ROOT, path), encoding="utf-8").read()
     code = [ln for ln in text.split('"""', 2)[-1].splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert ENTRY_POINTS[path] in text and len(code) <= 6, code
