@@ -12,6 +12,7 @@ from sft.train.metrics import install as install_throughput_callback
 from sft.data.chat import chat_control_tokens, visualize
 from sft.train.checkpoint import run_info
 from sft.data.dataset import build_dataset, make_collator
+from sft.data.spec import PreparationSpec
 from sft.distributed.failures import raise_if_peer_lost
 from sft.distributed.fingerprints import check_same_inputs
 from sft.distributed.rendezvous import preflight_enabled
@@ -96,12 +97,11 @@ def load_records(sources: dict[str, list[str]], tok, eot: int, *, max_len: int, 
     split = eval_split_ratio is not None and sources.get("eval") == sources["train"]
     out = {}
     for name, paths in sources.items():
-        out[name] = build_dataset(paths, tok, eot, max_len, system_message, root, num_proc,
-                                  on_bad_record=on_bad_record, control_tokens=control, lazy=lazy, plan=plan,
-                                  weights=weights if name == "train" else None, seed=seed,
-                                  data_timeout=data_timeout, long_conversations=long_conversations,
-                                  holdout=(eval_split_ratio, eval_split_seed, name == "eval") if split else None
-                                  ) if paths else None
+        spec = PreparationSpec(max_len, system_message, on_bad_record, lazy, long_conversations, root, num_proc,
+                               weights if name == "train" else None, seed, data_timeout, eval_split_ratio,
+                               eval_split_seed)
+        out[name] = build_dataset(paths, tok, eot, spec, control_tokens=control, plan=plan,
+                                  held_out=(name == "eval") if split else None) if paths else None
     return out
 
 
