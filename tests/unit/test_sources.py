@@ -135,6 +135,22 @@ def test_yaml_list_of_sources_with_weights(tmp_path, tiny_model_dir):
         parse_args(["--config", str(cfg), "--output_dir", str(tmp_path / "o")])
 
 
+def test_preparation_spec_maps_the_flags(tmp_path, tiny_model_dir):
+    from sft.app.train import preparation_spec
+    from sft.config.arguments import parse_args
+
+    base = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "o"), "--data_path", "a", "b"]
+    _, d, t, _ = parse_args(base + ["--data_weights", "0.7", "0.3", "--lazy_preprocess", "True", "--seed", "7"])
+    assert preparation_spec(d, t) == PreparationSpec(8192, lazy=True, long_conversations="truncate",
+                                                     weights=(0.7, 0.3), seed=7)
+    _, d, t, _ = parse_args(base + ["--model_max_length", "64", "--system_message", "Hi.", "--on_bad_record", "skip",
+                                    "--data_cache_dir", "c", "--preprocessing_num_workers", "2", "--seed", "7",
+                                    "--data_seed", "3", "--data_timeout", "60", "--eval_split_ratio", "0.25",
+                                    "--eval_split_seed", "5"])
+    assert preparation_spec(d, t) == PreparationSpec(64, "Hi.", "skip", cache_dir="c", num_proc=2, seed=3,
+                                                     data_timeout=60.0, eval_split_ratio=0.25, eval_split_seed=5)
+
+
 def test_show_sample_streams_to_the_record_asked_for(tmp_path, tiny_model_dir, capsys):
     from sft.cli import show_sample_main
 
