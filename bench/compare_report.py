@@ -161,6 +161,7 @@ def preprocessing(a) -> list[tuple[str, float]]:
     from sft.data.chat import encode_conversations
     from sft.data.records import load_conversations
     from sft.data.dataset import build_dataset
+    from sft.data.spec import PreparationSpec
     from sft.model.loading import load_tokenizer
 
     tok, eot, _ = load_tokenizer(a.model)
@@ -180,7 +181,8 @@ def preprocessing(a) -> list[tuple[str, float]]:
     for num_proc in (1, 2):
         with tempfile.TemporaryDirectory() as cache:
             t0 = time.perf_counter()
-            build_dataset([a.data], tok, eot, a.max_length, None, cache, num_proc if num_proc > 1 else None)
+            build_dataset([a.data], tok, eot, PreparationSpec(a.max_length, cache_dir=cache,
+                                                              num_proc=num_proc if num_proc > 1 else None))
             out.append((f"ours: full dataset preparation (stream + Arrow shard, {num_proc} process(es))",
                         len(msgs) / (time.perf_counter() - t0)))
     return out

@@ -56,9 +56,11 @@ tok, eot, _ = load_tokenizer(model)
 from sft.data.dataset import build_dataset
 if sys.argv[8] == "after":
     from sft.data.shards import JobView, Plan
+    from sft.data.spec import PreparationSpec
     plan = Plan(JobView(rank=rank, world_size=world, local_rank=rank, local_world_size=world), run, True, [0] * world)
     t1 = time.perf_counter()
-    ds, report = build_dataset([data], tok, eot, max_len, None, cache, plan=plan, long_conversations=sys.argv[9])
+    spec = PreparationSpec(max_len, long_conversations=sys.argv[9], cache_dir=cache)
+    ds, report = build_dataset([data], tok, eot, spec, plan=plan)
 else:  # an older sft: load every record, then build (rank 0 prepares)
     from sft.data.records import load_conversations
     t1 = time.perf_counter()
@@ -89,10 +91,12 @@ from sft.model.loading import load_tokenizer
 tok, eot, _ = load_tokenizer(model)
 from sft.data.dataset import build_dataset
 from sft.data.shards import JobView, agree
+from sft.data.spec import PreparationSpec
 t1 = time.perf_counter()
 plan = agree(cache, JobView.from_env())  # as sft.app.train.load_records: probe files + two collectives
 t2 = time.perf_counter()
-ds, report = build_dataset([data], tok, eot, int(max_len), None, cache, plan=plan, long_conversations=long_conversations)
+spec = PreparationSpec(int(max_len), long_conversations=long_conversations, cache_dir=cache)
+ds, report = build_dataset([data], tok, eot, spec, plan=plan)
 t3 = time.perf_counter()
 peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 2**20
 import torch.distributed as dist

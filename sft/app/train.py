@@ -1,6 +1,7 @@
 """One training run: data -> tokenizer -> datasets -> model (LoRA) -> transformers.Trainer -> save."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Callable, Optional, Sequence
@@ -12,6 +13,7 @@ from sft.train.metrics import install as install_throughput_callback
 from sft.data.chat import chat_control_tokens, visualize
 from sft.train.checkpoint import run_info
 from sft.data.dataset import build_dataset, make_collator
+from sft.data.spec import PreparationSpec
 from sft.distributed.failures import raise_if_peer_lost
 from sft.distributed.fingerprints import check_same_inputs
 from sft.distributed.rendezvous import preflight_enabled
@@ -68,40 +70,51 @@ def control_tokens_for(tok, system_message: Optional[str]) -> list[str]:
     return control
 
 
-def load_records(sources: dict[str, list[str]], tok, eot: int, *, max_len: int, on_bad_record: str = "error",
-                 system_message: Optional[str] = None, lazy: bool = False, cache_dir: Optional[str] = None,
-                 num_proc: Optional[int] = None, weights=None, seed: int = 42, data_timeout: float = 14400.0,
-                 long_conversations: str = "split", eval_split_ratio: Optional[float] = None,
-                 eval_split_seed: int = 0) -> dict:
+def preparation_spec(data_args, training_args) -> PreparationSpec:
+    """The run's data preparation settings from the parsed flags (the one place that maps them; see
+    :class:`sft.data.spec.PreparationSpec` for each field): ``--model_max_length``, ``--system_message``,
+    ``--on_bad_record``, ``--lazy_preprocess``, ``--long_conversations`` (as resolved), ``--data_cache_dir``,
+    ``--preprocessing_num_workers``, ``--data_weights``, ``--data_seed`` (else ``--seed``), ``--data_timeout``,
+    ``--eval_split_ratio`` and ``--eval_split_seed``."""
+    weights = data_args.data_weights
+    return PreparationSpec(
+        max_len=training_args.model_max_length, system_message=data_args.system_message,
+        on_bad_record=data_args.on_bad_record, lazy=data_args.lazy_preprocess,
+        long_conversations=data_args.long_conversations_mode, cache_dir=data_args.data_cache_dir,
+        num_proc=data_args.preprocessing_num_workers, weights=tuple(weights) if weights is not None else None,
+        seed=training_args.data_seed if training_args.data_seed is not None else training_args.seed,
+        data_timeout=data_args.data_timeout, eval_split_ratio=data_args.eval_split_ratio,
+        eval_split_seed=data_args.eval_split_seed)
+
+
+def load_records(sources: dict[str, list[str]], tok, eot: int, spec: PreparationSpec) -> dict:
     """The train / eval datasets of the named sources (``{"train": [paths], "eval": [paths] or []}``): streamed,
-    validated (control tokens refused), prepared by every rank into memory-mapped shards and, for train, mixed
-    by ``weights`` (:func:`sft.data.dataset.build_dataset`). The one place that decides which records train and which
-    evaluate: with ``eval_split_ratio`` (the eval sources being the train sources, :func:`data_sources`) a record is
-    held out by :func:`sft.data.eval_split.in_eval` of its id and ``eval_split_seed``, in the stream, so each side is
-    prepared from its own records only. Every sample keeps its record's ``id`` column (eager mode). Returns ``{name: (dataset, report) or
-    None}``; every rank of the job calls it at the same point.
+    validated (control tokens refused), prepared by every rank into memory-mapped shards as ``spec`` says
+    (:func:`preparation_spec`) and, for train, mixed by ``spec.weights`` (:func:`sft.data.dataset.build_dataset`).
+    The one place that decides which records train and which evaluate: with ``spec.eval_split_ratio`` (the eval
+    sources being the train sources, :func:`data_sources`) a record is held out by
+    :func:`sft.data.eval_split.in_eval` of its id and ``spec.eval_split_seed``, in the stream, so each side is
+    prepared from its own records only. Every sample keeps its record's ``id`` column (eager mode). Returns
+    ``{name: (dataset, report) or None}``; every rank of the job calls it at the same point.
 
     Raises:
-        ConfigError: ``system_message`` holds a control token.
-        DataError: a file or record problem (``on_bad_record`` "error"), no record left, a split that leaves one
-            side empty, or a shard not ready within ``data_timeout`` seconds.
+        ConfigError: ``spec.system_message`` holds a control token.
+        DataError: a file or record problem (``spec.on_bad_record`` "error"), no record left, a split that leaves
+            one side empty, or a shard not ready within ``spec.data_timeout`` seconds.
     """
     from sft.data.shards import JobView, agree
     from sft.data.dataset import default_cache_dir
 
-    control = control_tokens_for(tok, system_message)
-    root = cache_dir or default_cache_dir()
+    control = control_tokens_for(tok, spec.system_message)
+    root = spec.cache_dir or default_cache_dir()
     os.makedirs(root, exist_ok=True)
     plan = agree(root, JobView.from_env())
-    split = eval_split_ratio is not None and sources.get("eval") == sources["train"]
+    split = spec.eval_split_ratio is not None and sources.get("eval") == sources["train"]
     out = {}
     for name, paths in sources.items():
-        out[name] = build_dataset(paths, tok, eot, max_len, system_message, root, num_proc,
-                                  on_bad_record=on_bad_record, control_tokens=control, lazy=lazy, plan=plan,
-                                  weights=weights if name == "train" else None, seed=seed,
-                                  data_timeout=data_timeout, long_conversations=long_conversations,
-                                  holdout=(eval_split_ratio, eval_split_seed, name == "eval") if split else None
-                                  ) if paths else None
+        side = dataclasses.replace(spec, cache_dir=root, weights=spec.weights if name == "train" else None)
+        out[name] = build_dataset(paths, tok, eot, side, control_tokens=control, plan=plan,
+                                  held_out=(name == "eval") if split else None) if paths else None
     return out
 
 
@@ -176,14 +189,7 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     Returns ``(trainer, tokenizer, eot_id)``."""
     tok, eot, grew = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code,
                                     training_args.cache_dir)
-    prepared = load_records(data_sources(data_args), tok, eot, max_len=training_args.model_max_length,
-                            on_bad_record=data_args.on_bad_record, system_message=data_args.system_message,
-                            lazy=data_args.lazy_preprocess, cache_dir=data_args.data_cache_dir,
-                            num_proc=data_args.preprocessing_num_workers, weights=data_args.data_weights,
-                            seed=training_args.data_seed if training_args.data_seed is not None else training_args.seed,
-                            data_timeout=data_args.data_timeout,
-                            long_conversations=data_args.long_conversations_mode,
-                            eval_split_ratio=data_args.eval_split_ratio, eval_split_seed=data_args.eval_split_seed)
+    prepared = load_records(data_sources(data_args), tok, eot, preparation_spec(data_args, training_args))
     datasets = {}
     for name, got in prepared.items():
         datasets[name] = got[0] if got else None

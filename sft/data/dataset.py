@@ -38,6 +38,7 @@ from sft.data.samples import TruncationReport, encode_samples, encode_truncated,
 from sft.data.samples import limit_tokenizer_threads
 from sft.data.shards import JobView, Plan, agree, prepare_shard, read_marker, wait_for_shards
 from sft.data.sources import source_sha256
+from sft.data.spec import PreparationSpec
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +91,20 @@ class _Job:
     path: str
     tokenizer: object
     eot_id: int
-    max_len: int
-    system_message: Optional[str]
-    on_bad_record: str
     control_tokens: Sequence[str]
-    lazy: bool
-    long_conversations: str = "split"
-    holdout: Optional[tuple] = None  # (ratio, seed, keep_held): --eval_split_ratio, this side's records only
+    spec: PreparationSpec
+    held_out: Optional[bool] = None  # --eval_split_ratio: True the held-out records only, False the others
     folder: str = ""
     shard: int = 0
     n_shards: int = 1
     n_parts: int = 1
+
+    @property
+    def holdout(self) -> Optional[tuple]:
+        """``(ratio, seed, keep_held)`` of the split whose one side this job keeps, or None (every record)."""
+        if self.held_out is None:
+            return None
+        return self.spec.eval_split_ratio, self.spec.eval_split_seed, self.held_out
 
 
 _JOB: Optional[_Job] = None  # set before forking the part workers
@@ -112,19 +116,20 @@ def _write_part(p: int, job: Optional[_Job] = None) -> dict:
     import pyarrow as pa
 
     job = job or _JOB
-    schema = _features(job.lazy).arrow_schema
-    check, report, name = RecordCheck(job.path), TruncationReport(mode=job.long_conversations), f"part-{p:02d}.arrow"
+    spec, holdout = job.spec, job.holdout
+    schema = _features(spec.lazy).arrow_schema
+    check, report, name = RecordCheck(job.path), TruncationReport(mode=spec.long_conversations), f"part-{p:02d}.arrow"
     rows: dict = {k: [] for k in schema.names}
 
     def flush(writer, batch):
-        if job.lazy:
+        if spec.lazy:
             for c in batch:
                 rows["id"].append(c.id)
                 rows["record"].append(c.index)
                 rows["messages"].append(c.messages)
         elif batch:
             for c, samples in zip(batch, encode_samples(job.tokenizer, [c.messages for c in batch], job.eot_id,
-                                                        job.max_len, job.system_message, job.long_conversations)):
+                                                        spec.max_len, spec.system_message, spec.long_conversations)):
                 report.count_conversation(samples, c.id)
                 for ex in samples:
                     if ex["n_supervised"] > 0:
@@ -139,9 +144,9 @@ def _write_part(p: int, job: Optional[_Job] = None) -> dict:
     with pa.OSFile(os.path.join(job.folder, name), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for conv in iter_conversations(job.path, check, job.control_tokens, job.shard + p * job.n_shards,
                                        job.n_shards * job.n_parts):
-            if check.n_bad and job.on_bad_record == "error":
+            if check.n_bad and spec.on_bad_record == "error":
                 continue  # this shard fails: only the rest of its problems are still counted
-            if job.holdout and in_eval(record_key(conv), job.holdout[0], job.holdout[1]) != job.holdout[2]:
+            if holdout and in_eval(record_key(conv), holdout[0], holdout[1]) != holdout[2]:
                 continue  # the other side of the --eval_split_ratio split
             batch.append(conv)
             if len(batch) == ENCODE_BATCH:
@@ -166,46 +171,48 @@ def _write_shard(job: _Job, folder: str, shard: int, n_shards: int, n_parts: int
         finally:
             _JOB = None
     check = RecordCheck.merge(job.path, [x["check"] for x in parts])
-    if check.n_bad and job.on_bad_record == "error":
+    if check.n_bad and job.spec.on_bad_record == "error":
         raise check.error()
     return {"parts": [x["part"] for x in parts], "check": check.to_dict(),
             "report": TruncationReport.merge([x["report"] for x in parts]).__dict__}
 
 
-def prepare_source(job: _Job, cache_root: str, plan: Plan, num_proc: Optional[int], data_timeout: float):
-    """Prepare this rank's shards of one source (those without a completion marker), wait for every shard,
-    and memory-map them. Returns ``(datasets.Dataset, TruncationReport)``; see :func:`build_dataset`.
+def prepare_source(job: _Job, cache_root: str, plan: Plan):
+    """Prepare this rank's shards of one source (those without a completion marker; ``job.spec.num_proc``
+    processes), wait for every shard, and memory-map them. Returns ``(datasets.Dataset, TruncationReport)``; see
+    :func:`build_dataset`.
 
     Raises:
         DataError: a record problem (``error``; this rank's or the first failed rank's message), no valid record
-            or no supervised sample left, or a shard not ready within ``data_timeout`` seconds.
+            or no supervised sample left, or a shard not ready within ``job.spec.data_timeout`` seconds.
     """
     import datasets
 
-    settings = {"max_len": job.max_len, "system_message": job.system_message, "on_bad_record": job.on_bad_record,
-                "control_tokens": list(job.control_tokens), "lazy": job.lazy,
-                "long_conversations": job.long_conversations,
-                "holdout": list(job.holdout) if job.holdout else None}
+    spec, holdout, parts = job.spec, job.holdout, job.spec.num_proc or 1
+    settings = {"max_len": spec.max_len, "system_message": spec.system_message, "on_bad_record": spec.on_bad_record,
+                "control_tokens": list(job.control_tokens), "lazy": spec.lazy,
+                "long_conversations": spec.long_conversations,
+                "holdout": list(holdout) if holdout else None}
     key_dir = os.path.join(cache_root, cache_key(job.path, job.tokenizer, settings))
     os.makedirs(key_dir, exist_ok=True)
     n = shard_count(key_dir, plan.view.world_size)
-    limit_tokenizer_threads(plan.view.local_world_size * (num_proc or 1))
+    limit_tokenizer_threads(plan.view.local_world_size * parts)
     for k in plan.mine(n):
         if read_marker(key_dir, k, n) is None:
-            prepare_shard(key_dir, k, n, plan, lambda folder, k=k: _write_shard(job, folder, k, n, num_proc or 1))
-    markers = wait_for_shards(key_dir, n, plan, data_timeout, job.path)
+            prepare_shard(key_dir, k, n, plan, lambda folder, k=k: _write_shard(job, folder, k, n, parts))
+    markers = wait_for_shards(key_dir, n, plan, spec.data_timeout, job.path)
     check = RecordCheck.merge(job.path, [m["check"] for m in markers])
-    check.finish(job.on_bad_record, log=plan.view.rank == 0)
+    check.finish(spec.on_bad_record, log=plan.view.rank == 0)
     ds = datasets.concatenate_datasets([datasets.Dataset.from_file(os.path.join(key_dir, m["dir"], part))
                                         for m in markers for part in m["parts"]])
-    report = TruncationReport.merge([m["report"] for m in markers]) if not job.lazy else TruncationReport()
-    if len(ds) == 0 and job.holdout and (job.lazy or report.conversations == 0):
-        raise empty_side_error(job.path, job.holdout[0], check.valid, held_all=not job.holdout[2])
+    report = TruncationReport.merge([m["report"] for m in markers]) if not spec.lazy else TruncationReport()
+    if len(ds) == 0 and holdout and (spec.lazy or report.conversations == 0):
+        raise empty_side_error(job.path, holdout[0], check.valid, held_all=not holdout[2])
     if len(ds) == 0:
-        raise DataError(f"{job.path}: no sample has a supervised token within --model_max_length {job.max_len} "
+        raise DataError(f"{job.path}: no sample has a supervised token within --model_max_length {spec.max_len} "
                         f"({report.samples} samples, all cut before their first reply ends); raise --model_max_length")
     if plan.view.rank == 0:
-        _warn_duplicate_ids(job.path, ds, per_conversation_runs=not job.lazy)
+        _warn_duplicate_ids(job.path, ds, per_conversation_runs=not spec.lazy)
     logger.info("%s: %d records, %d shard(s) in %s", job.path, check.records, n, key_dir)
     return in_record_order(ds), report
 
@@ -286,45 +293,50 @@ def mix(parts: Sequence, weights: Optional[Sequence[float]], seed: int, paths: S
     return datasets.concatenate_datasets(chosen)
 
 
-def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, max_len: int, system_message: Optional[str] = None,
-                  cache_dir: Optional[str] = None, num_proc: Optional[int] = None, *, on_bad_record: str = "error",
-                  control_tokens: Sequence[str] = (), weights: Optional[Sequence[float]] = None, seed: int = 42,
-                  lazy: bool = False, data_timeout: float = 14400.0, view: Optional[JobView] = None,
-                  plan: Optional[Plan] = None, long_conversations: str = "split", holdout: Optional[tuple] = None):
-    """Return ``(dataset, TruncationReport)`` for the sources ``paths`` (files or dataset folders).
+def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, spec: PreparationSpec, *,
+                  control_tokens: Sequence[str] = (), held_out: Optional[bool] = None, view: Optional[JobView] = None,
+                  plan: Optional[Plan] = None):
+    """Return ``(dataset, TruncationReport)`` for the sources ``paths`` (files or dataset folders), prepared as
+    ``spec`` says (:class:`sft.data.spec.PreparationSpec`: sample length, system message, bad records, lazy or
+    eager, long conversations, cache folder, processes, mixing weights and seed, wait bound).
 
-    ``long_conversations`` (``"split"`` or ``"truncate"``; lazy: truncation only): what becomes of a conversation
-    longer than ``max_len`` (:func:`encode_samples`). ``holdout`` ``(ratio, seed, keep_held)``: keep only the records
-    that :func:`sft.data.eval_split.in_eval` holds out (``keep_held`` True, the evaluation side) or only the others.
+    ``control_tokens``: the chat template's control tokens, refused in every text of the records (a record problem).
+    ``held_out`` (with ``spec.eval_split_ratio``): keep only the records that :func:`sft.data.eval_split.in_eval`
+    holds out (True, the evaluation side) or only the others (False); None (default): every record.
 
     Every rank of the job (``view``, default: from the environment) calls this at the same point: each prepares
-    its shards (``num_proc`` processes each), then waits for the others' on the file system for up to
-    ``data_timeout`` seconds (:mod:`sft.data.shards`); ``plan`` reuses an earlier :func:`sft.data.shards.agree`.
+    its shards (``spec.num_proc`` processes each), then waits for the others' on the file system for up to
+    ``spec.data_timeout`` seconds (:mod:`sft.data.shards`); ``plan`` reuses an earlier :func:`sft.data.shards.agree`.
 
-    The rows are in record order (:func:`in_record_order`), the same for any world size. The dataset has columns
+    The rows are in record order (:func:`in_record_order`), the same for any world size, and several sources are
+    concatenated or mixed by ``spec.weights`` (:func:`mix`). The dataset has columns
     ``id`` (str; the samples of a split conversation share it), ``record`` (int64: the record's 0-based index in
     its source), ``input_ids`` and ``labels`` (int32 lists, equal lengths, at most
-    ``max_len``; labels -100 where not supervised) and ``n_supervised`` (int32), memory-mapped; with ``lazy`` it
-    has ``id`` and ``messages`` and is wrapped in :class:`LazySupervisedDataset`. No ``length`` column: the
+    ``spec.max_len``; labels -100 where not supervised) and ``n_supervised`` (int32), memory-mapped; with
+    ``spec.lazy`` (truncation only, whatever ``spec.long_conversations`` says) it has ``id`` and ``messages``, is
+    wrapped in :class:`LazySupervisedDataset` and the report is None. No ``length`` column: the
     Trainer drops columns the model's forward does not take before building its sampler, so
     ``--group_by_length`` measures ``input_ids`` itself.
 
     Raises:
+        ValueError: ``held_out`` given without ``spec.eval_split_ratio``.
         DataError: as :func:`prepare_source`.
     """
-    root = cache_dir or default_cache_dir()
+    if held_out is not None and spec.eval_split_ratio is None:
+        raise ValueError("build_dataset: held_out needs spec.eval_split_ratio")
+    if spec.lazy:
+        spec = dataclass_replace(spec, long_conversations="truncate")
+    root = spec.cache_dir or default_cache_dir()
     os.makedirs(root, exist_ok=True)
     plan = plan or agree(root, view or JobView.from_env())
     out, reports = [], []
     for path in paths:
-        job = _Job(path, tokenizer, eot_id, max_len, system_message, on_bad_record, tuple(control_tokens), lazy,
-                   "truncate" if lazy else long_conversations, holdout)
-        ds, report = prepare_source(job, root, plan, num_proc, data_timeout)
+        ds, report = prepare_source(_Job(path, tokenizer, eot_id, tuple(control_tokens), spec, held_out), root, plan)
         out.append(ds)
         reports.append(report.__dict__)
-    ds = mix(out, weights, seed, paths)
-    if lazy:
-        return LazySupervisedDataset(ds, tokenizer, eot_id, max_len, system_message, ", ".join(paths)), None
+    ds = mix(out, spec.weights, spec.seed, paths)
+    if spec.lazy:
+        return LazySupervisedDataset(ds, tokenizer, eot_id, spec.max_len, spec.system_message, ", ".join(paths)), None
     return ds, TruncationReport.merge(reports)
 
 class LazySupervisedDataset(torch.utils.data.Dataset):

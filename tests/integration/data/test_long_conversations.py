@@ -5,6 +5,7 @@ import pytest
 from sft.data.chat import IGNORE_INDEX, encode_conversation, with_system
 from sft.data.records import normalize_record
 from sft.data.dataset import build_dataset
+from sft.data.spec import PreparationSpec
 from sft.data.long_conversations import split_conversation
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.labels import supervised_spans
@@ -91,8 +92,9 @@ def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok, caplog):
     question = {"id": "long-question", "messages": [{"role": "user", "content": "word " * 200},
                                                      {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_rec, question])
+    spec = PreparationSpec(64, cache_dir=str(tmp_path / "c"))  # split is the default
     with caplog.at_level("WARNING"):
-        ds, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"))  # split is the default
+        ds, report = build_dataset([path], tok, eot, spec)
     assert "more than once" not in caplog.text  # the samples of a split conversation share its id: not duplicates
     assert report.mode == "split" and report.conversations == 3 and report.split == 1
     ids = list(ds["id"])
@@ -106,7 +108,8 @@ def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok, caplog):
     assert "1 of 3 conversations longer than --model_max_length 64 were split at turn boundaries" in lines
     assert "1 user turns too long to fit with their reply within --model_max_length 64 were cut" in lines
     assert "1 replies are too long for --model_max_length 64 by themselves" in lines
-    cut, cut_report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
+    truncate = PreparationSpec(64, long_conversations="truncate", cache_dir=spec.cache_dir)
+    cut, cut_report = build_dataset([path], tok, eot, truncate)
     assert list(cut["id"]) == ["add", "long"] and cut_report.split == 0 and cut_report.truncated == 2
     assert cut_report.dropped_ids == ["long-question"]
     assert cut_report.supervised_tokens < report.supervised_tokens

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from sft.data.dataset import build_dataset
+from sft.data.spec import PreparationSpec
 from sft.errors import DataError
 from sft.data.shards import JobView, Plan, shard_name
 from tests.helpers.data import TOY, write_jsonl
@@ -46,8 +47,9 @@ def _ranks(fn, world=2):
 def test_each_rank_prepares_its_shard_and_every_rank_maps_all(tmp_path, qwen_tok):
     tok, eot = qwen_tok
     path, cache = write_jsonl(tmp_path / "d.jsonl", TOY), str(tmp_path / "c")
-    one, _ = build_dataset([path], tok, eot, 128, None, str(tmp_path / "single"))
-    got = _ranks(lambda r: build_dataset([path], tok, eot, 128, None, cache, plan=_plan(r), data_timeout=60))
+    one, _ = build_dataset([path], tok, eot, PreparationSpec(128, cache_dir=str(tmp_path / "single")))
+    spec = PreparationSpec(128, cache_dir=cache, data_timeout=60)
+    got = _ranks(lambda r: build_dataset([path], tok, eot, spec, plan=_plan(r)))
     (key,) = os.listdir(cache)
     markers = [json.load(open(os.path.join(cache, key, shard_name(k, 2) + ".done"))) for k in range(2)]
     assert [m["dir"].rsplit("-", 1)[1] for m in markers] == ["0", "1"]  # shard k was written by rank k
@@ -71,7 +73,8 @@ def test_a_failed_rank_stops_every_rank_with_its_message(tmp_path, qwen_tok):
     tok, eot = qwen_tok
     bad = {"id": "broken-7", "conversations": [{"from": "robot", "value": "x"}]}
     path, cache = write_jsonl(tmp_path / "d.jsonl", [bad] + TOY[1:4]), str(tmp_path / "c")
-    got = _ranks(lambda r: build_dataset([path], tok, eot, 128, None, cache, plan=_plan(r), data_timeout=60))
+    spec = PreparationSpec(128, cache_dir=cache, data_timeout=60)
+    got = _ranks(lambda r: build_dataset([path], tok, eot, spec, plan=_plan(r)))
     assert isinstance(got[0], DataError) and "record 0, id='broken-7', turn 0: unknown role 'robot'" in str(got[0])
     assert isinstance(got[1], DataError)
     assert str(got[1]).startswith(f"rank 0 (node 0, host host0) could not prepare shard 0 of 2 of {path}: {path}: "
@@ -79,8 +82,8 @@ def test_a_failed_rank_stops_every_rank_with_its_message(tmp_path, qwen_tok):
     # the failure belongs to that run: a later run (fixed nothing, new run id) prepares and fails again itself
     (key,) = os.listdir(cache)
     assert not os.path.exists(os.path.join(cache, key, shard_name(0, 2) + ".done"))
-    again = _ranks(lambda r: build_dataset([path], tok, eot, 128, None, cache, plan=_plan(r, run="run2"),
-                                           on_bad_record="skip", data_timeout=60))
+    skip = PreparationSpec(128, on_bad_record="skip", cache_dir=cache, data_timeout=60)
+    again = _ranks(lambda r: build_dataset([path], tok, eot, skip, plan=_plan(r, run="run2")))
     assert sorted(again[1][0]["id"]) == sorted(r["id"] for r in TOY[1:4])
 
 
@@ -89,7 +92,7 @@ def test_waiting_is_bounded_by_data_timeout_and_names_what_is_awaited(tmp_path, 
     path, cache = write_jsonl(tmp_path / "d.jsonl", TOY), str(tmp_path / "c")
     start = time.monotonic()
     with pytest.raises(DataError) as e:  # rank 1 of 2 on node 1; rank 0 (node 0) never comes
-        build_dataset([path], tok, eot, 128, None, cache, plan=_plan(1), data_timeout=1.5)
+        build_dataset([path], tok, eot, PreparationSpec(128, cache_dir=cache, data_timeout=1.5), plan=_plan(1))
     assert 1.5 <= time.monotonic() - start < 30
     assert (f"rank 1: shard(s) 0 of 2 of {path} from node(s) 0 (rank(s) 0) not prepared within --data_timeout 1.5 s"
             in str(e.value))
@@ -98,9 +101,10 @@ def test_waiting_is_bounded_by_data_timeout_and_names_what_is_awaited(tmp_path, 
 _KILLABLE = """
 import sys
 from sft.data.dataset import build_dataset
+from sft.data.spec import PreparationSpec
 from sft.model.loading import load_tokenizer
 tok, eot, _ = load_tokenizer(sys.argv[1])
-build_dataset([sys.argv[2]], tok, eot, 256, None, sys.argv[3])
+build_dataset([sys.argv[2]], tok, eot, PreparationSpec(256, cache_dir=sys.argv[3]))
 """
 
 
@@ -123,7 +127,7 @@ def test_a_preparation_killed_midway_is_redone_not_trusted(tmp_path, qwen_tok, t
     proc.wait(30)
     (key,) = os.listdir(cache)
     assert not any(f.endswith(".done") for f in os.listdir(os.path.join(cache, key)))
-    ds, report = build_dataset([path], tok, eot, 256, None, cache)
+    ds, report = build_dataset([path], tok, eot, PreparationSpec(256, cache_dir=cache))
     assert len(ds) == report.samples == len(rows) and len(set(ds["id"])) == len(rows)
     marker = json.load(open(os.path.join(cache, key, shard_name(0, 1) + ".done")))
     assert ".tmp-" not in marker["dir"] and os.path.dirname(part) != os.path.join(cache, key, marker["dir"])
@@ -134,6 +138,7 @@ import json, resource, sys
 mode, path, limit_mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "prepare":
     from sft.data.dataset import build_dataset
+    from sft.data.spec import PreparationSpec
     from sft.model.loading import load_tokenizer
     tok, eot, _ = load_tokenizer(sys.argv[4])
 from sft.data.records import RecordCheck, iter_conversations
@@ -147,7 +152,7 @@ elif mode == "stream":
     check = RecordCheck(path)
     print("loaded", sum(1 for _ in iter_conversations(path, check)))
 else:
-    ds, report = build_dataset([path], tok, eot, 64, None, sys.argv[5])
+    ds, report = build_dataset([path], tok, eot, PreparationSpec(64, cache_dir=sys.argv[5]))
     print("loaded", len(ds))
 """
 
@@ -177,8 +182,8 @@ def test_memory_is_bounded_for_real_under_a_data_limit(tmp_path, tiny_model_dir)
 def test_preprocessing_workers_split_a_shard_and_give_the_same_samples(tmp_path, qwen_tok, caplog):
     tok, eot = qwen_tok
     path = write_jsonl(tmp_path / "d.jsonl", TOY + [TOY[0]])  # "add" twice
-    one, _ = build_dataset([path], tok, eot, 128, None, str(tmp_path / "one"))
-    two, report = build_dataset([path], tok, eot, 128, None, str(tmp_path / "two"), num_proc=2)
+    one, _ = build_dataset([path], tok, eot, PreparationSpec(128, cache_dir=str(tmp_path / "one")))
+    two, report = build_dataset([path], tok, eot, PreparationSpec(128, cache_dir=str(tmp_path / "two"), num_proc=2))
     assert report.samples == len(TOY) + 1
     assert sorted(zip(two["id"], two["input_ids"])) == sorted(zip(one["id"], one["input_ids"]))
     (key,) = os.listdir(tmp_path / "two")
@@ -211,16 +216,16 @@ def test_the_dataset_is_the_same_row_for_row_for_any_number_of_preparing_ranks(t
     tok, eot = qwen_tok
     a = write_jsonl(tmp_path / "a.jsonl", _records())
     b = write_jsonl(tmp_path / "b.jsonl", _records(7))
-    kw = dict(lazy=lazy, weights=[0.7, 0.3], seed=3, data_timeout=60)
-    one, _ = build_dataset([a, b], tok, eot, 64, None, str(tmp_path / "w1"), **kw)
+    kw = dict(lazy=lazy, weights=(0.7, 0.3), seed=3, data_timeout=60)
+    one, _ = build_dataset([a, b], tok, eot, PreparationSpec(64, cache_dir=str(tmp_path / "w1"), **kw))
     one = one.records if lazy else one
     if not lazy:  # the split mode is exercised: some records have several samples, in order
         ids = one["id"]
         assert len(ids) > len(set(ids)) and one["record"][:2] == [0, 0]
     # (ranks are threads here, so part workers only with one rank: the forked workers find their job in a global)
     for world, num_proc in ((1, 2), (2, None), (3, None)):
-        got = _ranks(lambda r: build_dataset([a, b], tok, eot, 64, None, str(tmp_path / f"w{world}-{num_proc}"),
-                                             num_proc=num_proc, plan=_plan(r, world), **kw), world)
+        spec = PreparationSpec(64, cache_dir=str(tmp_path / f"w{world}-{num_proc}"), num_proc=num_proc, **kw)
+        got = _ranks(lambda r: build_dataset([a, b], tok, eot, spec, plan=_plan(r, world)), world)
         for r in range(world):
             assert not isinstance(got[r], Exception), got[r]
             ds = got[r][0].records if lazy else got[r][0]
@@ -230,8 +235,9 @@ def test_the_dataset_is_the_same_row_for_row_for_any_number_of_preparing_ranks(t
 def test_a_cache_prepared_at_one_world_size_is_reused_at_another(tmp_path, qwen_tok):
     tok, eot = qwen_tok
     path, cache = write_jsonl(tmp_path / "d.jsonl", _records(9)), str(tmp_path / "c")
-    two = _ranks(lambda r: build_dataset([path], tok, eot, 64, None, cache, plan=_plan(r, 2), data_timeout=60))
-    one, _ = build_dataset([path], tok, eot, 64, None, cache, plan=_plan(0, 1))
+    two = _ranks(lambda r: build_dataset([path], tok, eot, PreparationSpec(64, cache_dir=cache, data_timeout=60),
+                                         plan=_plan(r, 2)))
+    one, _ = build_dataset([path], tok, eot, PreparationSpec(64, cache_dir=cache), plan=_plan(0, 1))
     (key,) = os.listdir(cache)
     assert not [n for n in os.listdir(os.path.join(cache, key)) if "-of-00001" in n]  # nothing prepared again
     assert _rows(one) == _rows(two[0][0]) and [x["record"] for x in one] == sorted(x["record"] for x in one)

@@ -5,6 +5,7 @@ import torch
 
 from sft.data.chat import IGNORE_INDEX
 from sft.data.dataset import LazySupervisedDataset, build_dataset, make_collator
+from sft.data.spec import PreparationSpec
 from tests.helpers.data import TOY, write_jsonl
 
 
@@ -17,7 +18,8 @@ def test_truncation_is_counted_and_empty_samples_dropped(tmp_path, qwen_tok):
     long_reply = {"id": "long-reply", "messages": [{"role": "user", "content": "go"},
                                                     {"role": "assistant", "content": "word " * 200}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_user, long_reply])
-    ds, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
+    spec = PreparationSpec(64, long_conversations="truncate", cache_dir=str(tmp_path / "c"))
+    ds, report = build_dataset([path], tok, eot, spec)
     assert report.truncated == 2 and report.dropped_ids == ["long-question"]
     assert report.samples == 3 and report.kept == 2 and list(ds["id"]) == ["add", "long-reply"]
     assert report.supervised_tokens_lost > 150  # most of the 200-word reply
@@ -30,15 +32,16 @@ def test_cache_is_reused_and_keyed_on_settings(tmp_path, qwen_tok):
     tok, eot = qwen_tok
     path = write_jsonl(tmp_path / "d.jsonl", TOY)
     cache = tmp_path / "c"
-    build_dataset([path], tok, eot, 128, None, str(cache))
-    build_dataset([path], tok, eot, 128, None, str(cache))
+    spec = PreparationSpec(128, cache_dir=str(cache))
+    build_dataset([path], tok, eot, spec)
+    build_dataset([path], tok, eot, spec)
     assert len(os.listdir(cache)) == 1
-    build_dataset([path], tok, eot, 64, None, str(cache))
-    build_dataset([path], tok, eot, 128, "Be brief.", str(cache))
-    build_dataset([path], tok, eot, 128, None, str(cache), on_bad_record="skip")
+    build_dataset([path], tok, eot, PreparationSpec(64, cache_dir=str(cache)))
+    build_dataset([path], tok, eot, PreparationSpec(128, "Be brief.", cache_dir=str(cache)))
+    build_dataset([path], tok, eot, PreparationSpec(128, on_bad_record="skip", cache_dir=str(cache)))
     assert len(os.listdir(cache)) == 4
     write_jsonl(tmp_path / "d.jsonl", TOY[:3])  # different content, same path
-    build_dataset([path], tok, eot, 128, None, str(cache))
+    build_dataset([path], tok, eot, spec)
     assert len(os.listdir(cache)) == 5
 
 
@@ -46,8 +49,9 @@ def test_lazy_equals_eager_and_skips_empty(tmp_path, qwen_tok):
     tok, eot = qwen_tok
     long_user = {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_user, TOY[2]])
-    ds, _ = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), long_conversations="truncate")
-    lazy, report = build_dataset([path], tok, eot, 64, None, str(tmp_path / "c"), lazy=True)
+    spec = PreparationSpec(64, long_conversations="truncate", cache_dir=str(tmp_path / "c"))
+    ds, _ = build_dataset([path], tok, eot, spec)
+    lazy, report = build_dataset([path], tok, eot, PreparationSpec(64, lazy=True, cache_dir=str(tmp_path / "c")))
     assert isinstance(lazy, LazySupervisedDataset) and report is None and len(lazy) == 3
     assert lazy[0]["input_ids"] == ds[0]["input_ids"] and lazy[0]["labels"] == ds[0]["labels"]
     assert lazy[1]["input_ids"] == ds[1]["input_ids"]  # "long" replaced by the next sample

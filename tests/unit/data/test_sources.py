@@ -8,6 +8,7 @@ import pytest
 from sft.data import sources
 from sft.data.records import RecordCheck, iter_conversations, load_conversations
 from sft.data.dataset import build_dataset
+from sft.data.spec import PreparationSpec
 from sft.errors import DataError
 from tests.helpers.data import TOY, write_jsonl
 
@@ -102,17 +103,17 @@ def test_mixing_weights_are_respected_by_counts_and_deterministic(tmp_path, qwen
     tok, eot = qwen_tok
     a, b = _source(tmp_path, "a", 10), _source(tmp_path, "b", 10)
     cache = str(tmp_path / "c")
-    ds, _ = build_dataset([a, b], tok, eot, 64, None, cache, weights=[3, 1], seed=1)
+    ds, _ = build_dataset([a, b], tok, eot, PreparationSpec(64, cache_dir=cache, weights=(3, 1), seed=1))
     ids = list(ds["id"])
     counts = collections.Counter(i[0] for i in ids)
     assert counts == {"a": 15, "b": 5}  # 20 samples in all, 3:1
     per_id = collections.Counter(ids)
     assert all(per_id[f"a{i}"] in (1, 2) for i in range(10)) and sum(per_id[f"a{i}"] == 2 for i in range(10)) == 5
     assert len({i for i in ids if i.startswith("b")}) == 5  # a subset, no repeats
-    again, _ = build_dataset([a, b], tok, eot, 64, None, cache, weights=[3, 1], seed=1)
-    other, _ = build_dataset([a, b], tok, eot, 64, None, cache, weights=[3, 1], seed=2)
+    again, _ = build_dataset([a, b], tok, eot, PreparationSpec(64, cache_dir=cache, weights=(3, 1), seed=1))
+    other, _ = build_dataset([a, b], tok, eot, PreparationSpec(64, cache_dir=cache, weights=(3, 1), seed=2))
     assert list(again["id"]) == ids and list(other["id"]) != ids
-    plain, _ = build_dataset([a, b], tok, eot, 64, None, cache)
+    plain, _ = build_dataset([a, b], tok, eot, PreparationSpec(64, cache_dir=cache))
     assert sorted(plain["id"]) == sorted([f"a{i}" for i in range(10)] + [f"b{i}" for i in range(10)])
 
 
@@ -132,6 +133,22 @@ def test_yaml_list_of_sources_with_weights(tmp_path, tiny_model_dir):
     cfg.write_text(f"data_path:\n  - {{file: {a}}}\n")
     with pytest.raises(ConfigError, match="'data_path' entries must all be mappings with 'path'"):
         parse_args(["--config", str(cfg), "--output_dir", str(tmp_path / "o")])
+
+
+def test_preparation_spec_maps_the_flags(tmp_path, tiny_model_dir):
+    from sft.app.train import preparation_spec
+    from sft.config.arguments import parse_args
+
+    base = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "o"), "--data_path", "a", "b"]
+    _, d, t, _ = parse_args(base + ["--data_weights", "0.7", "0.3", "--lazy_preprocess", "True", "--seed", "7"])
+    assert preparation_spec(d, t) == PreparationSpec(8192, lazy=True, long_conversations="truncate",
+                                                     weights=(0.7, 0.3), seed=7)
+    _, d, t, _ = parse_args(base + ["--model_max_length", "64", "--system_message", "Hi.", "--on_bad_record", "skip",
+                                    "--data_cache_dir", "c", "--preprocessing_num_workers", "2", "--seed", "7",
+                                    "--data_seed", "3", "--data_timeout", "60", "--eval_split_ratio", "0.25",
+                                    "--eval_split_seed", "5"])
+    assert preparation_spec(d, t) == PreparationSpec(64, "Hi.", "skip", cache_dir="c", num_proc=2, seed=3,
+                                                     data_timeout=60.0, eval_split_ratio=0.25, eval_split_seed=5)
 
 
 def test_show_sample_streams_to_the_record_asked_for(tmp_path, tiny_model_dir, capsys):
