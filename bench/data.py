@@ -51,18 +51,30 @@ rank, world, data, model, cache, run, max_len = sys.argv[1:8]
 rank, world, max_len = int(rank), int(world), int(max_len)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 t0 = time.perf_counter()
-from sft.model.loading import load_tokenizer
-tok, eot, _ = load_tokenizer(model)
-from sft.data.dataset import build_dataset
-if sys.argv[8] == "after":
+api = sys.argv[8]
+if api == "after":  # this layout: sft/ in folders by job, the preparation settings in one PreparationSpec
+    from sft.model.loading import load_tokenizer
+    from sft.data.dataset import build_dataset
     from sft.data.shards import JobView, Plan
     from sft.data.spec import PreparationSpec
+    tok, eot, _ = load_tokenizer(model)
     plan = Plan(JobView(rank=rank, world_size=world, local_rank=rank, local_world_size=world), run, True, [0] * world)
     t1 = time.perf_counter()
     spec = PreparationSpec(max_len, long_conversations=sys.argv[9], cache_dir=cache)
     ds, report = build_dataset([data], tok, eot, spec, plan=plan)
+elif api == "flat":  # an sft with the sharded preparation in the flat sft/ (sft/shards.py)
+    from sft.modeling import load_tokenizer
+    from sft.dataset import build_dataset
+    from sft.shards import JobView, Plan
+    tok, eot, _ = load_tokenizer(model)
+    plan = Plan(JobView(rank=rank, world_size=world, local_rank=rank, local_world_size=world), run, True, [0] * world)
+    t1 = time.perf_counter()
+    ds, report = build_dataset([data], tok, eot, max_len, None, cache, plan=plan, long_conversations=sys.argv[9])
 else:  # an older sft: load every record, then build (rank 0 prepares)
-    from sft.data.records import load_conversations
+    from sft.modeling import load_tokenizer
+    from sft.dataset import build_dataset
+    from sft.data import load_conversations
+    tok, eot, _ = load_tokenizer(model)
     t1 = time.perf_counter()
     convs = load_conversations(data)
     ds, report = build_dataset(convs, data, tok, eot, max_len, None, cache)
@@ -305,8 +317,9 @@ def main() -> int:
             if mode == "hosts":
                 r = run_hosts(world, data, a.model, cache, a.max_length, a.long_conversations, work)
             else:
-                # a checkout with the sharded preparation (e.g. main before a speed-up) is called as this one
-                api = "after" if mode == "after" or os.path.exists(os.path.join(repo, "sft", "shards.py")) else "before"
+                # the API of the checkout: this layout, the flat sft/ with the sharded preparation, or older
+                api = ("after" if mode == "after" or os.path.exists(os.path.join(repo, "sft", "data", "spec.py")) else
+                       "flat" if os.path.exists(os.path.join(repo, "sft", "shards.py")) else "before")
                 r = run_ranks(world, data, a.model, cache, a.max_length, api, repo, a.long_conversations)
             prep = max(x["prepare_s"] for x in r["ranks"])  # until every rank has every shard mapped
             rate = a.conversations / prep
