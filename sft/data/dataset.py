@@ -33,11 +33,11 @@ from sft import __version__
 from sft.data.chat import IGNORE_INDEX
 from sft.data.records import RecordCheck, iter_conversations
 from sft.errors import DataError
+from sft.fsio import file_sha256
 from sft.data.eval_split import empty_side_error, in_eval, record_key
 from sft.data.samples import TruncationReport, encode_samples, encode_truncated, truncate  # noqa: F401 (re-exported)
 from sft.data.samples import limit_tokenizer_threads
 from sft.data.shards import JobView, Plan, agree, prepare_shard, read_marker, wait_for_shards
-from sft.data.sources import source_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def cache_key(data_path: str, tokenizer, settings: dict) -> str:
     """24 hex digits naming a source's cache folder: its bytes, the tokenizer, ``settings``, the version."""
     h = hashlib.sha256()
-    for part in (source_sha256(data_path), tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True),
+    for part in (file_sha256(data_path), tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True),
                  __version__, str(CACHE_FORMAT)):
         h.update(part.encode())
         h.update(b"\0")

@@ -321,10 +321,3 @@ def load_conversations(path: str, on_bad_record: str = "error", control_tokens: 
     check.finish(on_bad_record)
     warn_duplicate_ids(path, [c.id for c in convs])
     return convs
-
-
-def file_sha256(path: str) -> str:
-    """Hex sha256 of a file's bytes, or of a dataset folder's files (used in cache keys and fingerprints)."""
-    from sft.data.sources import source_sha256
-
-    return source_sha256(path)

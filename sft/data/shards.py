@@ -34,6 +34,7 @@ import uuid
 from typing import Callable, Optional
 
 from sft.errors import DataError
+from sft.fsio import atomic_write_json, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -128,20 +129,14 @@ def shard_name(k: int, n: int) -> str:
     return f"shard-{k:05d}-of-{n:05d}"
 
 
-def _write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
-
-
 def read_marker(key_dir: str, k: int, n: int) -> Optional[dict]:
-    """The completion marker of shard ``k`` of ``n`` (None when the shard is not complete)."""
+    """The completion marker of shard ``k`` of ``n`` (None when the shard is not complete).
+
+    Not :func:`sft.train.integrity.read_marker` (a checkpoint's marker, which must list its files and whose reader
+    says why one cannot be used): a shard's marker is whatever its preparer wrote, and a missing or unparsable one
+    only means "not yet" to the ranks polling for it. Both read through :func:`sft.fsio.read_json`."""
     try:
-        with open(os.path.join(key_dir, shard_name(k, n) + ".done")) as f:
-            return json.load(f)
+        return read_json(os.path.join(key_dir, shard_name(k, n) + ".done"))
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -160,20 +155,19 @@ def prepare_shard(key_dir: str, k: int, n: int, plan: Plan, write_parts: Callabl
         marker = write_parts(tmp)
         final = f"{name}.{plan.run}-{plan.view.rank}"
         os.replace(tmp, os.path.join(key_dir, final))
-        _write_json_atomic(os.path.join(key_dir, name + ".done"), dict(marker, dir=final))
+        atomic_write_json(os.path.join(key_dir, name + ".done"), dict(marker, dir=final))
     except BaseException as e:
         message = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
         v = plan.view
-        _write_json_atomic(os.path.join(key_dir, f"{name}.failed-{plan.run}"),
-                           {"rank": v.rank, "node_rank": v.node_rank, "host": v.host, "message": message})
+        atomic_write_json(os.path.join(key_dir, f"{name}.failed-{plan.run}"),
+                          {"rank": v.rank, "node_rank": v.node_rank, "host": v.host, "message": message})
         raise
 
 
 def _failure(key_dir: str, n: int, run: str, waiting: list[int]) -> Optional[dict]:
     for k in waiting:
         try:
-            with open(os.path.join(key_dir, f"{shard_name(k, n)}.failed-{run}")) as f:
-                return dict(json.load(f), shard=k)
+            return dict(read_json(os.path.join(key_dir, f"{shard_name(k, n)}.failed-{run}")), shard=k)
         except (FileNotFoundError, json.JSONDecodeError):
             continue
     return None

@@ -12,8 +12,8 @@ import re
 import socket
 from typing import Optional
 
-from sft.data.records import file_sha256
 from sft.errors import PreflightError
+from sft.fsio import file_sha256
 from sft.distributed.contract import route_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

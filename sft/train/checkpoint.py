@@ -25,7 +25,6 @@ every rank write into the final folder name themselves):
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -35,6 +34,7 @@ from typing import Optional
 from transformers import TrainerCallback
 
 from sft.errors import SFTError
+from sft.fsio import atomic_write_json, fsync_dir, fsync_file, read_json
 from sft.train.integrity import (HASH, MARKER, checkpoint_files, file_digest, hash_own_files, owner_rank, read_marker,
                         verify_entries)
 
@@ -90,16 +90,6 @@ def latest_complete(output_dir: str) -> Optional[str]:
     return None
 
 
-def _fsync(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems do not support fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def mark_complete(path: str, info: dict, entries: Optional[dict] = None) -> dict:
     """Write :data:`MARKER` atomically into ``path``, listing every file there with its size and checksum.
 
@@ -115,17 +105,12 @@ def mark_complete(path: str, info: dict, entries: Optional[dict] = None) -> dict
         if rel in entries:
             files[rel] = entries[rel]
         else:
-            _fsync(full)
+            fsync_file(full, ignore_errors=True)  # as always here: a failing fsync does not stop the marker
             files[rel] = {"size": os.path.getsize(full), HASH: file_digest(full), "rank": owner_rank(rel)}
     for root, _, _ in os.walk(path):
-        _fsync(root, directory=True)
-    tmp = os.path.join(path, f".{MARKER}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({**info, "hash": HASH, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MARKER))
-    _fsync(path, directory=True)
+        fsync_dir(root)
+    atomic_write_json(os.path.join(path, MARKER), {**info, "hash": HASH, "files": files}, indent=1,
+                      tmp=os.path.join(path, f".{MARKER}.tmp"), sync_dir=True)
     return files
 
 
@@ -133,7 +118,7 @@ def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint so that no crash can leave it looking complete: marker first, then the files."""
     try:
         os.remove(os.path.join(path, MARKER))
-        _fsync(path, directory=True)
+        fsync_dir(path)
     except FileNotFoundError:
         pass
     shutil.rmtree(path, ignore_errors=True)
@@ -404,8 +389,7 @@ def warn_if_different(path: str, now: dict) -> None:
         logger.warning("%s has no completion marker (%s): it may be incomplete, or written by another tool; "
                        "resuming from it anyway because it was named explicitly", path, MARKER)
         return
-    with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-        saved = json.load(f)
+    saved = read_json(os.path.join(path, MARKER))
     same_global = saved.get("global_batch", now.get("global_batch")) == now.get("global_batch")
     diff = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v
             and not (same_global and k in ("world_size", "gradient_accumulation_steps",
