@@ -33,6 +33,7 @@ import time
 import uuid
 from typing import Callable, Optional
 
+from sft.distributed import collectives
 from sft.errors import DataError
 from sft.fsio import atomic_write_json, read_json
 
@@ -60,10 +61,8 @@ class JobView:
         """From torchrun's / Ray Train's variables; rank and world size from the process group when it is up."""
         env = os.environ
         rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
+        if collectives.initialized():
+            rank, world = collectives.rank(), collectives.world_size()
         return cls(rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
                    node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))))
@@ -101,19 +100,13 @@ def agree(cache_root: str, view: JobView) -> Plan:
     several processes run; every rank calls this at the same point, before any preparation)."""
     if view.world_size == 1:
         return Plan(view, uuid.uuid4().hex[:12], True, [view.node_rank])
-    import torch.distributed as dist
-
-    box = [uuid.uuid4().hex[:12] if view.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    run = box[0]
+    run = collectives.broadcast_object(uuid.uuid4().hex[:12] if view.rank == 0 else None, src=0)
     probe = os.path.join(cache_root, f".probe-{run}")
     os.makedirs(probe, exist_ok=True)
     open(os.path.join(probe, f"node-{view.node_rank}"), "w").close()
-    nodes: list = [None] * view.world_size
-    dist.all_gather_object(nodes, view.node_rank)  # also: every rank has written its probe file
+    nodes = collectives.gather_objects(view.node_rank)  # also: every rank has written its probe file
     sees_all = all(os.path.exists(os.path.join(probe, f"node-{n}")) for n in set(nodes))
-    seen: list = [None] * view.world_size
-    dist.all_gather_object(seen, sees_all)
+    seen = collectives.gather_objects(sees_all)
     if view.local_rank == 0:
         import shutil
 

@@ -33,6 +33,7 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
+from sft.distributed.collectives import barrier, gather_objects
 from sft.errors import SFTError
 from sft.fsio import atomic_write_json, fsync_dir, fsync_file, read_json
 from sft.train.integrity import (HASH, MARKER, checkpoint_files, file_digest, hash_own_files, owner_rank, read_marker,
@@ -158,26 +159,6 @@ def rotate(output_dir: str, limit: Optional[int], best: Optional[str], verified:
     return doomed
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _distributed():
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def _gather(obj) -> list:
-    """``obj`` of every rank, by global rank (``[obj]`` without a process group). A collective."""
-    from sft.distributed.process_group import gather_objects
-
-    return gather_objects(obj)
-
-
 class AtomicCheckpoints(TrainerCallback):
     """Marks each checkpoint complete once every rank has saved it, then applies ``save_total_limit``.
 
@@ -199,14 +180,14 @@ class AtomicCheckpoints(TrainerCallback):
                     logger.warning("%s is newer than the step this run starts from (%d); marking it incomplete "
                                    "(it will be overwritten)", path, state.global_step)
                     os.remove(os.path.join(path, MARKER))
-        _barrier()
+        barrier()
 
     def on_save(self, args, state, control, **kwargs):
-        _barrier()  # every rank's files (RNG state, shards) are written
+        barrier()  # every rank's files (RNG state, shards) are written
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         # Each rank hashes what it wrote, where it wrote it (sft.train.integrity); the saver lists what it can see.
         mine = hash_own_files(path, args.process_index, args.should_save, (MARKER,)) if os.path.isdir(path) else {}
-        entries = {rel: e for part in _gather(mine) for rel, e in part.items()}
+        entries = {rel: e for part in gather_objects(mine) for rel, e in part.items()}
         if args.should_save:
             mark_complete(path, {**self.info, "global_step": state.global_step}, entries)
             rotate(args.output_dir, self.save_total_limit, state.best_model_checkpoint, verified=path)
@@ -271,7 +252,7 @@ def choose_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwr
     rejected = []
     for _, path in reversed(checkpoint_dirs(output_dir)):
         has_marker = os.path.exists(os.path.join(path, MARKER))
-        reasons = _gather(verify(path, rank, saver) if has_marker else "")
+        reasons = gather_objects(verify(path, rank, saver) if has_marker else "")
         if all(r is None for r in reasons):
             for bad, why in rejected if rank in (None, 0) else ():  # every rank knows; global rank 0 says it
                 logger.warning("not resuming from %s: %s; resuming from the previous complete checkpoint %s instead",
