@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from sft.errors import ConfigError
-from sft.model.quantized import HUB_ID as _HUB_ID
+from sft.model.quantized import HUB_ID as _HUB_ID, importable
 
 if TYPE_CHECKING:  # pragma: no cover
     from sft.config.arguments import DataArguments, LoraArguments, ModelArguments, TrainingArguments
@@ -19,12 +19,6 @@ if TYPE_CHECKING:  # pragma: no cover
 # --report_to name -> module that must be importable for it
 _REPORTERS = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",),
               "comet_ml": ("comet_ml",), "clearml": ("clearml",), "trackio": ("trackio",), "swanlab": ("swanlab",)}
-
-
-def _importable(*modules: str) -> bool:
-    import importlib.util
-
-    return any(importlib.util.find_spec(m) is not None for m in modules)
 
 
 def _check_model(m: Optional[str]) -> list[str]:
@@ -185,9 +179,9 @@ def _check_training(t) -> list[str]:
 
         p += mismatch_problems(t.deepspeed_requested, hf_ds.mismatches)
     for name in t.report_to or []:
-        if name in _REPORTERS and not _importable(*_REPORTERS[name]):
+        if name in _REPORTERS and not importable(*_REPORTERS[name]):
             p.append(f"--report_to {name}: the {name} package is not installed; pip install it or use --report_to none")
-    if "bnb" in str(t.optim) and not _importable("bitsandbytes"):
+    if "bnb" in str(t.optim) and not importable("bitsandbytes"):
         p.append(f"--optim {t.optim}: needs bitsandbytes, which is not installed; use --optim adamw_torch")
     return p
 
@@ -210,7 +204,7 @@ def _check_lora(model_args, t, lora_args) -> list[str]:
 
         if not t.use_lora:
             p.append("--q_lora True: Q-LoRA trains a LoRA adapter on the 4-bit base model; add --use_lora True")
-        if not _importable("bitsandbytes") and (prequantized is None or prequantized.bnb_4bit):
+        if not importable("bitsandbytes") and (prequantized is None or prequantized.bnb_4bit):
             p.append("--q_lora True: needs bitsandbytes (4-bit NF4), which is not installed; pip install "
                      "bitsandbytes, or use --use_lora True without --q_lora")
         if t.zero_stage == 3:

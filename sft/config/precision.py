@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+from sft.distributed.collectives import all_ranks, backend
+
 FAST_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 TRUE, FALSE = ("true", "1", "yes", "y", "t"), ("false", "0", "no", "n", "f")
 
@@ -86,15 +88,10 @@ def matmul_probe(n: int = PROBE_N, repeats: int = 5) -> tuple[float, float]:
 
 def agree_across_ranks(use: bool) -> bool:
     """Under an initialised gloo process group: True only if every rank has ``use`` True (an all-reduce MIN of one
-    integer); otherwise ``use``."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+    integer on the CPU, :func:`sft.distributed.collectives.all_ranks`); otherwise ``use``."""
+    if backend() != "gloo":
         return use
-    flag = torch.tensor([int(use)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return all_ranks(use)
 
 
 def resolve_bf16_flag(args) -> None:

@@ -31,13 +31,13 @@ from transformers import DataCollatorForSeq2Seq
 
 from sft import __version__
 from sft.data.chat import IGNORE_INDEX
-from sft.data.records import RecordCheck, iter_conversations
+from sft.data.records import RecordCheck, iter_conversations, log_duplicate_ids
 from sft.errors import DataError
+from sft.fsio import file_sha256
 from sft.data.eval_split import empty_side_error, in_eval, record_key
 from sft.data.samples import TruncationReport, encode_samples, encode_truncated, truncate  # noqa: F401 (re-exported)
 from sft.data.samples import limit_tokenizer_threads
 from sft.data.shards import JobView, Plan, agree, prepare_shard, read_marker, wait_for_shards
-from sft.data.sources import source_sha256
 from sft.data.spec import PreparationSpec
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def cache_key(data_path: str, tokenizer, settings: dict) -> str:
     """24 hex digits naming a source's cache folder: its bytes, the tokenizer, ``settings``, the version."""
     h = hashlib.sha256()
-    for part in (source_sha256(data_path), tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True),
+    for part in (file_sha256(data_path), tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True),
                  __version__, str(CACHE_FORMAT)):
         h.update(part.encode())
         h.update(b"\0")
@@ -212,7 +212,7 @@ def prepare_source(job: _Job, cache_root: str, plan: Plan):
         raise DataError(f"{job.path}: no sample has a supervised token within --model_max_length {spec.max_len} "
                         f"({report.samples} samples, all cut before their first reply ends); raise --model_max_length")
     if plan.view.rank == 0:
-        _warn_duplicate_ids(job.path, ds, per_conversation_runs=not spec.lazy)
+        log_duplicate_ids(job.path, _duplicate_ids(ds, per_conversation_runs=not spec.lazy))
     logger.info("%s: %d records, %d shard(s) in %s", job.path, check.records, n, key_dir)
     return in_record_order(ds), report
 
@@ -250,10 +250,11 @@ def in_record_order(ds):
     return ds.select(np.argsort(record, kind="stable"))
 
 
-def _warn_duplicate_ids(path: str, ds, per_conversation_runs: bool) -> None:
-    """Warn about ids that more than one record carries. With ``per_conversation_runs`` (eager datasets) the samples
-    of one conversation share its id and are written next to each other, so each run of equal ids counts once; two
-    copies of a record that land next to each other in one shard then count as one (not warned)."""
+def _duplicate_ids(ds, per_conversation_runs: bool) -> list:
+    """The ids (str) that more than one record of ``ds`` carries, in the order found (counted by pyarrow, not in
+    Python). With ``per_conversation_runs`` (eager datasets) the samples of one conversation share its id and are
+    written next to each other, so each run of equal ids counts once; two copies of a record that land next to each
+    other in one shard then count as one (not warned)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -262,10 +263,7 @@ def _warn_duplicate_ids(path: str, ds, per_conversation_runs: bool) -> None:
         starts = pa.concat_arrays([pa.array([True]), pc.not_equal(ids.slice(1), ids.slice(0, len(ids) - 1))])
         ids = pc.filter(ids, starts)
     counts = pc.value_counts(ids)
-    dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values").to_pylist()
-    if dup:
-        logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
-                       path, len(dup), ", ".join(map(repr, dup[:5])))
+    return counts.filter(pc.greater(counts.field("counts"), 1)).field("values").to_pylist()
 
 
 def mix(parts: Sequence, weights: Optional[Sequence[float]], seed: int, paths: Sequence[str]):

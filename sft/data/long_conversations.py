@@ -30,11 +30,10 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-from sft.data.chat import IGNORE_INDEX, Encoded, _Renderer, encode_conversations, labels_from_spans
+from sft.data.chat import _PROBE, IGNORE_INDEX, Encoded, _Renderer, encode_conversations, labels_from_spans
 from sft.errors import TemplateError
 
 Sample = tuple[list[int], list[int]]
-_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
 
 
 class Split(NamedTuple):

@@ -274,7 +274,13 @@ def iter_conversations(path: str, check: RecordCheck, control_tokens: Sequence[s
 
 
 def warn_duplicate_ids(path: str, ids: Sequence[str]) -> None:
-    dup = [i for i, n in Counter(ids).items() if n > 1]
+    """Warn (:func:`log_duplicate_ids`) about the ids of ``path``'s records (``ids``) that appear more than once."""
+    log_duplicate_ids(path, [i for i, n in Counter(ids).items() if n > 1])
+
+
+def log_duplicate_ids(path: str, dup: Sequence[str]) -> None:
+    """The one warning for ids that more than one record of ``path`` carries: ``dup``, those ids in the order found
+    (the first 5 are named); nothing when ``dup`` is empty."""
     if dup:
         logger.warning("%s: %d id(s) appear more than once (e.g. %s); all copies are trained on",
                        path, len(dup), ", ".join(map(repr, dup[:5])))
@@ -297,10 +303,3 @@ def load_conversations(path: str, on_bad_record: str = "error", control_tokens: 
     check.finish(on_bad_record)
     warn_duplicate_ids(path, [c.id for c in convs])
     return convs
-
-
-def file_sha256(path: str) -> str:
-    """Hex sha256 of a file's bytes, or of a dataset folder's files (used in cache keys and fingerprints)."""
-    from sft.data.sources import source_sha256
-
-    return source_sha256(path)

@@ -33,7 +33,9 @@ import time
 import uuid
 from typing import Callable, Optional
 
+from sft.distributed import collectives
 from sft.errors import DataError
+from sft.fsio import atomic_write_json, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +61,8 @@ class JobView:
         """From torchrun's / Ray Train's variables; rank and world size from the process group when it is up."""
         env = os.environ
         rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
+        if collectives.initialized():
+            rank, world = collectives.rank(), collectives.world_size()
         return cls(rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
                    node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))))
@@ -100,19 +100,13 @@ def agree(cache_root: str, view: JobView) -> Plan:
     several processes run; every rank calls this at the same point, before any preparation)."""
     if view.world_size == 1:
         return Plan(view, uuid.uuid4().hex[:12], True, [view.node_rank])
-    import torch.distributed as dist
-
-    box = [uuid.uuid4().hex[:12] if view.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    run = box[0]
+    run = collectives.broadcast_object(uuid.uuid4().hex[:12] if view.rank == 0 else None, src=0)
     probe = os.path.join(cache_root, f".probe-{run}")
     os.makedirs(probe, exist_ok=True)
     open(os.path.join(probe, f"node-{view.node_rank}"), "w").close()
-    nodes: list = [None] * view.world_size
-    dist.all_gather_object(nodes, view.node_rank)  # also: every rank has written its probe file
+    nodes = collectives.gather_objects(view.node_rank)  # also: every rank has written its probe file
     sees_all = all(os.path.exists(os.path.join(probe, f"node-{n}")) for n in set(nodes))
-    seen: list = [None] * view.world_size
-    dist.all_gather_object(seen, sees_all)
+    seen = collectives.gather_objects(sees_all)
     if view.local_rank == 0:
         import shutil
 
@@ -128,20 +122,14 @@ def shard_name(k: int, n: int) -> str:
     return f"shard-{k:05d}-of-{n:05d}"
 
 
-def _write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
-
-
 def read_marker(key_dir: str, k: int, n: int) -> Optional[dict]:
-    """The completion marker of shard ``k`` of ``n`` (None when the shard is not complete)."""
+    """The completion marker of shard ``k`` of ``n`` (None when the shard is not complete).
+
+    Not :func:`sft.train.integrity.read_marker` (a checkpoint's marker, which must list its files and whose reader
+    says why one cannot be used): a shard's marker is whatever its preparer wrote, and a missing or unparsable one
+    only means "not yet" to the ranks polling for it. Both read through :func:`sft.fsio.read_json`."""
     try:
-        with open(os.path.join(key_dir, shard_name(k, n) + ".done")) as f:
-            return json.load(f)
+        return read_json(os.path.join(key_dir, shard_name(k, n) + ".done"))
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -160,20 +148,19 @@ def prepare_shard(key_dir: str, k: int, n: int, plan: Plan, write_parts: Callabl
         marker = write_parts(tmp)
         final = f"{name}.{plan.run}-{plan.view.rank}"
         os.replace(tmp, os.path.join(key_dir, final))
-        _write_json_atomic(os.path.join(key_dir, name + ".done"), dict(marker, dir=final))
+        atomic_write_json(os.path.join(key_dir, name + ".done"), dict(marker, dir=final))
     except BaseException as e:
         message = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
         v = plan.view
-        _write_json_atomic(os.path.join(key_dir, f"{name}.failed-{plan.run}"),
-                           {"rank": v.rank, "node_rank": v.node_rank, "host": v.host, "message": message})
+        atomic_write_json(os.path.join(key_dir, f"{name}.failed-{plan.run}"),
+                          {"rank": v.rank, "node_rank": v.node_rank, "host": v.host, "message": message})
         raise
 
 
 def _failure(key_dir: str, n: int, run: str, waiting: list[int]) -> Optional[dict]:
     for k in waiting:
         try:
-            with open(os.path.join(key_dir, f"{shard_name(k, n)}.failed-{run}")) as f:
-                return dict(json.load(f), shard=k)
+            return dict(read_json(os.path.join(key_dir, f"{shard_name(k, n)}.failed-{run}")), shard=k)
         except (FileNotFoundError, json.JSONDecodeError):
             continue
     return None

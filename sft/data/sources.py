@@ -16,7 +16,6 @@ are only parsed for the own shard where the format allows it (JSONL: other lines
 from __future__ import annotations
 
 import codecs
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -65,20 +64,6 @@ def folder_problem(path: str) -> str:
     if not is_dataset_folder(path):
         return "is a directory; give a .json, .jsonl (optionally .gz/.bz2/.xz/.zst) or .parquet file, or a folder written by datasets' save_to_disk"
     return ""
-
-
-def source_sha256(path: str) -> str:
-    """Hex sha256 of a source's bytes: the file, or every file of a dataset folder (names and contents)."""
-    h = hashlib.sha256()
-    files = [path] if not os.path.isdir(path) else [os.path.join(path, n) for n in sorted(os.listdir(path))
-                                                    if os.path.isfile(os.path.join(path, n))]
-    for name in files:
-        if os.path.isdir(path):
-            h.update(os.path.basename(name).encode() + b"\0")
-        with open(name, "rb") as f:
-            for chunk in iter(lambda: f.read(CHUNK), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def _kind(path: str) -> str:

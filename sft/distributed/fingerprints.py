@@ -12,8 +12,9 @@ import re
 import socket
 from typing import Optional
 
-from sft.data.records import file_sha256
 from sft.errors import PreflightError
+from sft.fsio import file_sha256
+from sft.distributed.collectives import gather_objects, world_size
 from sft.distributed.contract import route_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -107,14 +108,11 @@ def check_same_inputs(model_path: str, data_files: dict[str, Optional[str]]) -> 
     Raises:
         PreflightError: naming each differing item and the node ranks / hosts holding each version.
     """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if world_size() == 1:
         return {}
     files = {flag: path for flag, path in data_files.items() if path}
     mine = {**_rank_info(), "fp": input_fingerprint(model_path, files), "where": {f"{f} file": p for f, p in files.items()}}
-    infos: list = [None] * dist.get_world_size()
-    dist.all_gather_object(infos, mine)
+    infos = gather_objects(mine)
     peers: dict[str, dict] = {}
     for info in infos:
         peer = peers.setdefault(info["addr"] or "?", {"node_rank": info["node_rank"], "host": info["host"], "ranks": []})

@@ -22,6 +22,8 @@ import socket
 import sys
 from typing import Mapping, Optional
 
+from sft.distributed.collectives import gather_objects  # noqa: F401 (moved to sft.distributed.collectives; re-exported)
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -91,18 +93,6 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
     else:
         dist.init_process_group(backend=backend or "gloo", timeout=timeout)
     return True
-
-
-def gather_objects(obj) -> list:
-    """``obj`` of every rank in rank order (``all_gather_object``; a collective), or ``[obj]`` without a process
-    group or with one process."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def finish_process_group() -> None:

@@ -125,10 +125,12 @@ def tensor_names(model_dir: str) -> Optional[set[str]]:
         return None
 
 
-def _importable(module: str) -> bool:
+def importable(*modules: str) -> bool:
+    """True when at least one of the top-level modules named (``"bitsandbytes"``; ``"tensorboard", "tensorboardX"``)
+    is installed: found by ``importlib.util.find_spec``, without importing it."""
     import importlib.util
 
-    return importlib.util.find_spec(module) is not None
+    return any(importlib.util.find_spec(m) is not None for m in modules)
 
 
 def training_problems(flag: str, q: Quantization, *, use_lora: bool, q_lora: bool) -> list[str]:
@@ -151,7 +153,7 @@ def training_problems(flag: str, q: Quantization, *, use_lora: bool, q_lora: boo
         p.append(f"{head}: LoRA on quantized weights is Q-LoRA; add --q_lora True (the base is loaded as saved, "
                  "not quantized again), or give the 16-bit model it was quantized from for plain LoRA")
     if q.method == "gptq":
-        missing = [m for m in GPTQ_PACKAGES if not _importable(m)]
+        missing = [m for m in GPTQ_PACKAGES if not importable(m)]
         if missing:
             p.append(f"{head}: loading GPTQ weights needs {' and '.join(missing)}, not installed; pip install "
                      f"{' '.join(missing)}, or use {SIXTEEN_BIT_WAY}")

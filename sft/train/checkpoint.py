@@ -25,7 +25,6 @@ every rank write into the final folder name themselves):
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -34,7 +33,9 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
+from sft.distributed.collectives import barrier, gather_objects
 from sft.errors import SFTError
+from sft.fsio import atomic_write_json, fsync_dir, fsync_file, read_json
 from sft.train.integrity import (HASH, MARKER, checkpoint_files, file_digest, hash_own_files, owner_rank, read_marker,
                         verify_entries)
 
@@ -90,16 +91,6 @@ def latest_complete(output_dir: str) -> Optional[str]:
     return None
 
 
-def _fsync(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems do not support fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def mark_complete(path: str, info: dict, entries: Optional[dict] = None) -> dict:
     """Write :data:`MARKER` atomically into ``path``, listing every file there with its size and checksum.
 
@@ -115,17 +106,12 @@ def mark_complete(path: str, info: dict, entries: Optional[dict] = None) -> dict
         if rel in entries:
             files[rel] = entries[rel]
         else:
-            _fsync(full)
+            fsync_file(full, ignore_errors=True)  # as always here: a failing fsync does not stop the marker
             files[rel] = {"size": os.path.getsize(full), HASH: file_digest(full), "rank": owner_rank(rel)}
     for root, _, _ in os.walk(path):
-        _fsync(root, directory=True)
-    tmp = os.path.join(path, f".{MARKER}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({**info, "hash": HASH, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, MARKER))
-    _fsync(path, directory=True)
+        fsync_dir(root)
+    atomic_write_json(os.path.join(path, MARKER), {**info, "hash": HASH, "files": files}, indent=1,
+                      tmp=os.path.join(path, f".{MARKER}.tmp"), sync_dir=True)
     return files
 
 
@@ -133,7 +119,7 @@ def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint so that no crash can leave it looking complete: marker first, then the files."""
     try:
         os.remove(os.path.join(path, MARKER))
-        _fsync(path, directory=True)
+        fsync_dir(path)
     except FileNotFoundError:
         pass
     shutil.rmtree(path, ignore_errors=True)
@@ -173,26 +159,6 @@ def rotate(output_dir: str, limit: Optional[int], best: Optional[str], verified:
     return doomed
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _distributed():
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def _gather(obj) -> list:
-    """``obj`` of every rank, by global rank (``[obj]`` without a process group). A collective."""
-    from sft.distributed.process_group import gather_objects
-
-    return gather_objects(obj)
-
-
 class AtomicCheckpoints(TrainerCallback):
     """Marks each checkpoint complete once every rank has saved it, then applies ``save_total_limit``.
 
@@ -214,14 +180,14 @@ class AtomicCheckpoints(TrainerCallback):
                     logger.warning("%s is newer than the step this run starts from (%d); marking it incomplete "
                                    "(it will be overwritten)", path, state.global_step)
                     os.remove(os.path.join(path, MARKER))
-        _barrier()
+        barrier()
 
     def on_save(self, args, state, control, **kwargs):
-        _barrier()  # every rank's files (RNG state, shards) are written
+        barrier()  # every rank's files (RNG state, shards) are written
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         # Each rank hashes what it wrote, where it wrote it (sft.train.integrity); the saver lists what it can see.
         mine = hash_own_files(path, args.process_index, args.should_save, (MARKER,)) if os.path.isdir(path) else {}
-        entries = {rel: e for part in _gather(mine) for rel, e in part.items()}
+        entries = {rel: e for part in gather_objects(mine) for rel, e in part.items()}
         if args.should_save:
             mark_complete(path, {**self.info, "global_step": state.global_step}, entries)
             rotate(args.output_dir, self.save_total_limit, state.best_model_checkpoint, verified=path)
@@ -286,7 +252,7 @@ def choose_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwr
     rejected = []
     for _, path in reversed(checkpoint_dirs(output_dir)):
         has_marker = os.path.exists(os.path.join(path, MARKER))
-        reasons = _gather(verify(path, rank, saver) if has_marker else "")
+        reasons = gather_objects(verify(path, rank, saver) if has_marker else "")
         if all(r is None for r in reasons):
             for bad, why in rejected if rank in (None, 0) else ():  # every rank knows; global rank 0 says it
                 logger.warning("not resuming from %s: %s; resuming from the previous complete checkpoint %s instead",
@@ -404,8 +370,7 @@ def warn_if_different(path: str, now: dict) -> None:
         logger.warning("%s has no completion marker (%s): it may be incomplete, or written by another tool; "
                        "resuming from it anyway because it was named explicitly", path, MARKER)
         return
-    with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-        saved = json.load(f)
+    saved = read_json(os.path.join(path, MARKER))
     same_global = saved.get("global_batch", now.get("global_batch")) == now.get("global_batch")
     diff = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v
             and not (same_global and k in ("world_size", "gradient_accumulation_steps",

@@ -24,11 +24,12 @@ in all, spread over the ranks like the writes were.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
 from typing import Optional
+
+from sft.fsio import fsync_file, hash_file, read_json
 
 MARKER = "sft_checkpoint_complete.json"  # a checkpoint's completion marker (sft.train.checkpoint writes it last)
 
@@ -50,11 +51,7 @@ def file_digest(path: str) -> str:
     """XXH3-128 of the file's bytes as 32 hex digits. Raises OSError when it cannot be read."""
     import xxhash
 
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    return hash_file(path, xxhash.xxh3_128(), _CHUNK).hexdigest()
 
 
 def owner_rank(rel: str) -> Optional[int]:
@@ -77,14 +74,6 @@ def checkpoint_files(path: str, skip: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def hash_own_files(path: str, rank: int, saver: bool, skip: tuple[str, ...]) -> dict[str, dict]:
     """Flush to disk and hash the files of checkpoint ``path`` that ``rank`` wrote (its own rank files, and the
     shared ones when ``saver``). Returns ``{relative path: {"size": bytes, HASH: hex, "rank": owner or None}}``."""
@@ -93,7 +82,7 @@ def hash_own_files(path: str, rank: int, saver: bool, skip: tuple[str, ...]) -> 
         owner = owner_rank(rel)
         if owner == rank or (owner is None and saver):
             full = os.path.join(path, rel)
-            _fsync(full)
+            fsync_file(full)
             entries[rel] = {"size": os.path.getsize(full), HASH: file_digest(full), "rank": owner}
     return entries
 
@@ -127,10 +116,11 @@ def verify_entries(path: str, files: dict, rank: Optional[int] = None, saver: bo
 
 
 def read_marker(path: str, marker: str) -> tuple[Optional[dict], Optional[str]]:
-    """``(marker contents, None)``, or ``(None, why it cannot be used)``."""
+    """``(marker contents, None)``, or ``(None, why it cannot be used)``: a checkpoint's marker must be a JSON object
+    with a ``files`` object (:mod:`sft.data.shards` reads its shard markers, of another format, with the same
+    :func:`sft.fsio.read_json`)."""
     try:
-        with open(os.path.join(path, marker), encoding="utf-8") as f:
-            data = json.load(f)
+        data = read_json(os.path.join(path, marker))
         if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
             return None, f"{marker} has no file list"
         return data, None

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from sft.distributed.process_group import gather_objects
+from sft.distributed.collectives import gather_objects, rank as global_rank
 from sft.errors import SFTError
 
 logger = logging.getLogger("sft")
@@ -354,9 +354,7 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
             plans = gather_objects(make_plan(True))
         else:
             break
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = global_rank()
     mine = plans[rank if rank < len(plans) else 0]
     logger.info("%s", mine.line())
     worst_rank, worst = _worst(plans)

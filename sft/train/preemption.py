@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 
 from transformers import TrainerCallback
 
+from sft.distributed.collectives import any_rank
 from sft.errors import PREEMPTED_EXIT_CODE, SFTError, report_exit_code
 
 logger = logging.getLogger("sft")
@@ -111,16 +112,7 @@ class PreemptionHandler(TrainerCallback):
 
     # ---- Trainer callback ----------------------------------------------------------------------
     def _agreed(self, args) -> bool:
-        local = 1 if self.signum is not None else 0
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return bool(local)
-        import torch
-
-        flag = torch.tensor([local], dtype=torch.int32, device=args.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.signum is not None, device=args.device)  # on the Trainer's device: NCCL wants CUDA
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.stopped_at is None:

@@ -27,6 +27,7 @@ import os
 from typing import Optional
 
 from sft.errors import ConfigError
+from sft.fsio import atomic_write
 from sft.train.integrity import MARKER, read_marker
 
 
@@ -193,11 +194,7 @@ def _convert(checkpoint: str) -> None:
             ds_to_universal.main(args)
         os.replace(out, os.path.join(checkpoint, f"{step}_universal"))
         latest = os.path.join(checkpoint, UNIVERSAL_LATEST)
-        with open(latest + ".tmp", "w", encoding="utf-8") as f:
-            f.write(f"{step}_universal")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest + ".tmp", latest)
+        atomic_write(latest, f"{step}_universal", tmp=latest + ".tmp")
     except Exception as e:  # noqa: BLE001 - DeepSpeed's reason, in one paragraph
         last = [x for x in said.getvalue().splitlines() if x.strip()][-3:]
         raise ConfigError([f"resuming {checkpoint} at another world size: converting it to a DeepSpeed universal "

@@ -83,7 +83,7 @@ def test_the_seed_command_flags_pass_the_check_on_a_gptq_folder(folders, capsys)
 def test_gptq_without_its_packages_is_refused_with_the_install_line(folders, capsys, monkeypatch):
     import sft.model.quantized
 
-    monkeypatch.setattr(sft.model.quantized, "_importable", lambda m: m != "gptqmodel")
+    monkeypatch.setattr(sft.model.quantized, "importable", lambda m: m != "gptqmodel")
     d, made = folders
     rc = train_main(["--model_name_or_path", made["gptq"], "--data_path", f"{d}/toy.jsonl", "--output_dir",
                      f"{d}/out", *QLORA, "--report_to", "none"])

@@ -117,7 +117,7 @@ def test_auto_resume_falls_back_past_damaged_checkpoints_with_one_line_each(tmp_
     with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="sft"):
         full = ck.verify
         m.setattr(ck, "verify", lambda path, rank, saver: full(path))  # rank 1 of a two-rank job: both ranks find
-        m.setattr(ck, "_gather", lambda obj: [obj, obj])  # the same problems (one rank's files would do as well)
+        m.setattr(ck, "gather_objects", lambda obj: [obj, obj])  # the same problems (one rank's files would do as well)
         assert ck.choose_resume(str(out), "auto", False, rank=1, saver=False) == two
     assert caplog.records == []  # the same choice on rank 1, said once by global rank 0
     assert ck.choose_resume(str(out), None, True) is None  # --overwrite_output_dir: a fresh start

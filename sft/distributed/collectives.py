@@ -1,0 +1,108 @@
+"""Every collective the rest of sft runs on the default process group, as one small function each, and the queries
+they rest on (rank, world size, backend).
+
+Each collective is a no-op that returns the local value when there is no initialised process group (a single
+process, a test, a notebook) or when the group has one process; otherwise it is a collective of the default group,
+bounded by that group's timeout (``--ddp_timeout``, :func:`sft.distributed.process_group.init_process_group`): every
+rank must call the same collectives in the same order.
+
+Devices: the object collectives (:func:`gather_objects`, :func:`broadcast_object`) leave the choice to torch (under
+NCCL it pickles into a tensor on the current CUDA device, ``torch.cuda.set_device`` having been called by the
+process group's start). :func:`any_rank` and :func:`all_ranks` reduce one int32 on ``device``, by default the
+current CUDA device under NCCL and the CPU otherwise (gloo), the device each backend requires.
+
+Imports torch only when called (the module itself is cheap to import).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def _dist():
+    """``torch.distributed`` when its default process group is initialised, else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def initialized() -> bool:
+    """True when torch.distributed's default process group is initialised in this process."""
+    return _dist() is not None
+
+
+def rank() -> int:
+    """This process's global rank in the default process group; 0 without one."""
+    dist = _dist()
+    return dist.get_rank() if dist else 0
+
+
+def world_size() -> int:
+    """The number of processes in the default process group; 1 without one."""
+    dist = _dist()
+    return dist.get_world_size() if dist else 1
+
+
+def backend() -> Optional[str]:
+    """The default process group's backend (``"gloo"``, ``"nccl"``, ...); None without one."""
+    dist = _dist()
+    return dist.get_backend() if dist else None
+
+
+def _several():
+    """``torch.distributed`` when a collective must run (an initialised group of more than one process), else None."""
+    dist = _dist()
+    return dist if dist and dist.get_world_size() > 1 else None
+
+
+def barrier() -> None:
+    """Wait until every rank has called this (``dist.barrier``); a no-op for one process or without a group."""
+    dist = _several()
+    if dist:
+        dist.barrier()
+
+
+def gather_objects(obj: Any) -> list:
+    """``obj`` of every rank in rank order (``all_gather_object``: ``obj`` must pickle), or ``[obj]`` for one
+    process or without a group. The list has one entry per rank."""
+    dist = _several()
+    if not dist:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (``broadcast_object_list``; the other ranks' ``obj`` is ignored), or
+    ``obj`` itself for one process or without a group."""
+    dist = _several()
+    if not dist:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _reduce_flag(flag: bool, op: str, device) -> bool:
+    dist = _several()
+    if not dist:
+        return bool(flag)
+    import torch
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+    return bool(t.item())
+
+
+def any_rank(flag: bool, device=None) -> bool:
+    """True on every rank when ``flag`` is true on at least one (an all-reduce MAX of one int32 on ``device``:
+    default the current CUDA device under NCCL, else the CPU); ``bool(flag)`` for one process or without a group."""
+    return _reduce_flag(flag, "MAX", device)
+
+
+def all_ranks(flag: bool, device=None) -> bool:
+    """True on every rank when ``flag`` is true on all of them (an all-reduce MIN of one int32 on ``device``, as
+    :func:`any_rank`); ``bool(flag)`` for one process or without a group."""
+    return _reduce_flag(flag, "MIN", device)
