@@ -44,6 +44,7 @@ def main() -> int:
 
     from sft.app.validation import validate
     from sft.config.arguments import parse_args
+    from sft.app.settings import apply_run_shape, derive
     from sft.train.checkpoint import install as install_checkpoints
     from sft.cli import report
     from sft.distributed.process_group import setup_runtime
@@ -63,7 +64,10 @@ def main() -> int:
         setup_runtime(args[2])
         setup_logging()
         preemption = PreemptionHandler(args[2].preemption_timeout, ()).install()
-        trainer, _, _ = build_trainer(*args, callbacks=[install_checkpoints(args[2]), preemption])
+        settings = derive(args[2], sft_rotation=True)  # as sft.app.train.run: sft's checkpoint rotation
+        apply_run_shape(args[2], settings)
+        trainer, _, _ = build_trainer(*args, callbacks=[install_checkpoints(args[2], None, settings.save_total_limit),
+                                                        preemption], settings=settings)
     except SFTError as e:
         return report(e)
 

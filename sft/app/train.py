@@ -21,6 +21,7 @@ from sft.errors import ConfigError
 from sft.logs import setup_logging
 from sft.model.loading import apply_lora, generation_config_for, load_model, load_tokenizer, torch_dtype
 from sft.train.memory_plan import plan_run
+from sft.app.settings import apply_memory_plan, apply_run_shape, derive, with_memory_plan
 from sft.data.packing import PackedCollator, pack_dataset
 from sft.model.attention import check_packing_support
 from sft.train.trainer import micro_batches
@@ -183,10 +184,12 @@ def check_optimizer_and_scheduler(training_args, model) -> None:
                            f"{str(e).strip().splitlines()[0][:300]} (give them with --lr_scheduler_kwargs)"]) from None
 
 
-def build_trainer(model_args, data_args, training_args, lora_args, callbacks=None):
+def build_trainer(model_args, data_args, training_args, lora_args, callbacks=None, settings=None):
     """Everything up to a ready ``transformers.Trainer`` (the orchestrator: it unpacks the argument objects into
-    the values each step takes). Needs :func:`sft.distributed.process_group.setup_runtime` first.
-    Returns ``(trainer, tokenizer, eot_id)``."""
+    the values each step takes). Needs :func:`sft.distributed.process_group.setup_runtime` first. ``settings``: the
+    run's :class:`sft.app.settings.RunSettings` (default: derived from ``training_args``), completed here by the
+    memory plan. Returns ``(trainer, tokenizer, eot_id)``."""
+    settings = settings or derive(training_args)
     tok, eot, grew = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code,
                                     training_args.cache_dir)
     prepared = load_records(data_sources(data_args), tok, eot, preparation_spec(data_args, training_args))
@@ -226,10 +229,10 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     check_optimizer_and_scheduler(training_args, model)
     sampler, tokens = micro_batches(train_ds, data_args, training_args)
     unset_budget = sampler is not None and training_args.max_tokens_per_micro_batch is None
-    budget = plan_run(model, tokens, training_args, lora_args,
-                      budget_floor=training_args.model_max_length if unset_budget else None)
+    budget, checkpointing = plan_run(model, tokens, training_args, lora_args,
+                                     budget_floor=training_args.model_max_length if unset_budget else None)
+    apply_memory_plan(training_args, with_memory_plan(settings, budget, checkpointing))
     if budget is not None:  # the micro batches again, under the budget the plan chose
-        training_args.max_tokens_per_micro_batch = budget
         sampler, tokens = micro_batches(train_ds, data_args, training_args)
     from sft.train.trainer import Trainer  # transformers.Trainer whose --group_by_length order resumes exactly
 
@@ -281,7 +284,8 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
     from sft.distributed.process_group import elastic_start_line
     from sft.train.integrity import is_out_of_space, out_of_space_message
     from sft.train.preemption import Preempted, PreemptionHandler
-    from sft.train.world_size import ensure_universal, load_universal, plan_world_size_change, rebuild_deepspeed_config
+    from sft.compat.deepspeed import separate_zero3_universal_steps
+    from sft.train.world_size import ensure_universal, plan_world_size_change
 
     setup_logging()
     # Installed before loading (a signal then still ends in a checkpoint after the first step) and kept
@@ -302,23 +306,25 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
         configured_grad_accum = training_args.gradient_accumulation_steps  # recorded in every checkpoint's marker
         change = plan_world_size_change(resume, training_args.world_size, training_args.per_device_train_batch_size,
                                         configured_grad_accum)
-        if change:  # before the Trainer exists: its accelerator and the checkpoint marker's run shape read it
-            training_args.gradient_accumulation_steps = change.grad_accum
+        rebuild = "accumulation" if change and training_args.deepspeed else None  # DeepSpeed's "auto" values follow
         if training_args.deepspeed and resume and zero_world_size(resume) not in (None, training_args.world_size):
             # ZeRO's optimizer state partitioned at another world size: through a universal checkpoint
             universal = ensure_universal(resume, training_args.process_index, training_args.ddp_timeout)
-            load_universal(training_args)
+            separate_zero3_universal_steps()  # ZeRO-3 loads one Adam step counter shared by every parameter group
+            rebuild = "universal"
             if change:
                 change.universal = universal
             else:
                 logger.info("resuming %s: ZeRO's optimizer state re-partitioned from the universal checkpoint %s",
                             resume, universal)
-        elif change and training_args.deepspeed:  # the same world size, the checkpoint's accumulation: DeepSpeed's
-            rebuild_deepspeed_config(training_args)  # config was filled with the configured one ("auto")
         if change:
             logger.info("%s", change.line())
-        callbacks = [install(training_args, configured_grad_accum), preemption]
-        trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks)
+        # before the Trainer exists: its accelerator and the checkpoint marker's run shape read it
+        settings = derive(training_args, resume, change.grad_accum if change else None, rebuild, sft_rotation=True)
+        apply_run_shape(training_args, settings)
+        callbacks = [install(training_args, configured_grad_accum, settings.save_total_limit), preemption]
+        trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks,
+                                          settings=settings)
         if resume:
             logger.info("resuming from %s", os.path.abspath(resume))
             warn_if_different(resume, run_info(training_args, configured_grad_accum))

@@ -84,3 +84,35 @@ def separate_zero3_universal_steps() -> None:
 
     load.sft_separate_steps = True
     setattr(Stage3, name, load)
+
+
+def convert_to_universal(input_folder: str, output_folder: str) -> None:
+    """Convert one ZeRO checkpoint folder (``global_stepN``) into a universal checkpoint folder with DeepSpeed's
+    converter, one worker each (no process pool). The converter is a command line (``deepspeed.checkpoint.
+    ds_to_universal.main(args)``, deepspeed 0.19.8) whose arguments are given as its ``argparse`` namespace;
+    ``inject_missing_state``: transformers' DeepSpeed checkpoints lack the universal-checkpoint metadata it needs.
+
+    Raises:
+        Whatever the converter raises (the caller turns it into one paragraph).
+    """
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    ds_to_universal.main(argparse.Namespace(input_folder=input_folder, output_folder=output_folder,
+                                            num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                            strict=True, inject_missing_state=True))
+
+
+def trainer_deepspeed_config(config: dict, training_args):
+    """transformers' DeepSpeed config object for ``config`` (a dict: its ``"auto"`` values filled from
+    ``training_args``: micro batch, gradient accumulation, global batch, learning rate, ...) and accelerate's
+    ``DeepSpeedPlugin`` on it, as transformers 5.24's Trainer rebuilds them for hyperparameter sweeps
+    (``Trainer._hp_search_setup``). ``transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig`` is internal to
+    transformers. Returns ``(hf_deepspeed_config, deepspeed_plugin)``; ``training_args`` is read, not written."""
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    hf_config = HfTrainerDeepSpeedConfig(config)
+    hf_config.trainer_config_process(training_args)
+    return hf_config, DeepSpeedPlugin(hf_ds_config=hf_config)

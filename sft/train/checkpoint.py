@@ -162,8 +162,8 @@ def rotate(output_dir: str, limit: Optional[int], best: Optional[str], verified:
 class AtomicCheckpoints(TrainerCallback):
     """Marks each checkpoint complete once every rank has saved it, then applies ``save_total_limit``.
 
-    Construct with the user's ``--save_total_limit`` and set ``training_args.save_total_limit = None``
-    (see :func:`install`), so that the Trainer's own rotation, which runs before the marker exists,
+    Construct with the user's ``--save_total_limit``; the Trainer's own rotation, which runs before the marker
+    exists, must be off (``save_total_limit`` None on its arguments: :func:`sft.app.settings.apply`), so that it
     never deletes anything.
     """
 
@@ -208,13 +208,12 @@ def run_info(training_args, configured_grad_accum: Optional[int] = None) -> dict
             "seed": training_args.seed, "use_lora": bool(getattr(training_args, "use_lora", False))}
 
 
-def install(training_args, configured_grad_accum: Optional[int] = None) -> AtomicCheckpoints:
-    """The callback for ``transformers.Trainer(callbacks=[...])``; moves ``save_total_limit`` from the Trainer
-    to it (side effect: ``training_args.save_total_limit`` becomes None). ``configured_grad_accum``: see
-    :func:`run_info`."""
-    cb = AtomicCheckpoints(training_args.save_total_limit, run_info(training_args, configured_grad_accum))
-    training_args.save_total_limit = None
-    return cb
+def install(training_args, configured_grad_accum: Optional[int] = None,
+            save_total_limit: Optional[int] = None) -> AtomicCheckpoints:
+    """The callback for ``transformers.Trainer(callbacks=[...])``, rotating to ``save_total_limit`` checkpoints
+    (the user's ``--save_total_limit``; None: keep all). ``configured_grad_accum``: see :func:`run_info`.
+    ``training_args`` is read, not written: turn the Trainer's own rotation off (:func:`sft.app.settings.apply`)."""
+    return AtomicCheckpoints(save_total_limit, run_info(training_args, configured_grad_accum))
 
 
 def resolve_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool) -> Optional[str]:

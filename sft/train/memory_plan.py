@@ -378,9 +378,12 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
     raise SFTError(message)
 
 
-def plan_run(model, tokens: int, training_args, lora_args, budget_floor: Optional[int] = None) -> Optional[int]:
-    """Log this run's memory plan; an unset ``--gradient_checkpointing`` is turned on (non-reentrant) and an unset
-    token budget (``budget_floor`` given) lowered when needed (:func:`choose_checkpointing`, whose budget it returns).
+def plan_run(model, tokens: int, training_args, lora_args,
+             budget_floor: Optional[int] = None) -> tuple[Optional[int], bool]:
+    """Log this run's memory plan. Returns ``(budget, turn_on_checkpointing)``: the token budget per micro batch an
+    unset budget (``budget_floor`` given) is lowered to, or None (:func:`choose_checkpointing`), and whether an unset
+    ``--gradient_checkpointing`` must be turned on (non-reentrant) for the run to fit. ``training_args`` is read,
+    not written (:func:`sft.app.settings.apply` writes the outcome).
     Raises SFTError where the plan does not fit on some rank and ``--memory_check refuse`` (the default)."""
     from sft.model.loss import supports_supervised_head
 
@@ -410,8 +413,4 @@ def plan_run(model, tokens: int, training_args, lora_args, budget_floor: Optiona
                     device=t.device, local_world_size=local, held_available=held)
 
     on, _, budget = choose_checkpointing(make, requested, t.memory_check, tuple(fixes), budget_floor)
-    if on and not fsdp_own and not t.activation_checkpointing:
-        t.activation_checkpointing = t.gradient_checkpointing = True
-        if t.activation_checkpointing_kwargs is None:
-            t.activation_checkpointing_kwargs = t.gradient_checkpointing_kwargs = {"use_reentrant": False}
-    return budget
+    return budget, bool(on and not fsdp_own and not t.activation_checkpointing)

@@ -169,7 +169,6 @@ def ensure_universal(checkpoint: str, rank: int, timeout_s: float, poll_s: float
 
 
 def _convert(checkpoint: str) -> None:
-    import argparse
     import contextlib
     import glob
     import io
@@ -182,16 +181,12 @@ def _convert(checkpoint: str) -> None:
     step = os.path.basename(steps[-1])
     tmp = os.path.join(checkpoint, f".universal-tmp-{os.getpid()}")
     out = os.path.join(tmp, f"{step}_universal")
-    from deepspeed.checkpoint import ds_to_universal
+    from sft.compat.deepspeed import convert_to_universal
 
-    # ds_to_universal.main(args) is the converter's command line (deepspeed 0.19.8); one worker each: no process pool.
-    # --inject_missing_state: transformers' DeepSpeed checkpoints lack the universal-checkpoint metadata it needs.
-    args = argparse.Namespace(input_folder=steps[-1], output_folder=out, num_extract_workers=1, num_merge_workers=1,
-                              keep_temp_folder=False, strict=True, inject_missing_state=True)
     said = io.StringIO()
     try:
         with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):  # its progress bars and prints
-            ds_to_universal.main(args)
+            convert_to_universal(steps[-1], out)
         os.replace(out, os.path.join(checkpoint, f"{step}_universal"))
         latest = os.path.join(checkpoint, UNIVERSAL_LATEST)
         atomic_write(latest, f"{step}_universal", tmp=latest + ".tmp")
@@ -204,26 +199,17 @@ def _convert(checkpoint: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_universal(training_args) -> None:
-    """Rebuild ``training_args``' DeepSpeed config with ``"checkpoint": {"load_universal": true}`` and the current
-    gradient accumulation and global batch filled in (its ``"auto"`` values), as transformers 5.24's Trainer rebuilds
-    it for hyperparameter sweeps (``Trainer._hp_search_setup``: ``HfTrainerDeepSpeedConfig``, ``trainer_config_process``,
-    ``DeepSpeedPlugin``), and installs :func:`sft.compat.deepspeed.separate_zero3_universal_steps` (without it ZeRO-3 full
-    fine-tuning resumed with Adam's bias correction of a later step). Call before the Trainer is built."""
-    from sft.compat.deepspeed import separate_zero3_universal_steps
-
-    separate_zero3_universal_steps()  # ZeRO-3 loads one Adam step counter shared by every parameter group
-    rebuild_deepspeed_config(training_args, load_universal=True)
-
-
-def rebuild_deepspeed_config(training_args, load_universal: bool = False) -> None:
-    """Rebuild ``training_args``' DeepSpeed config from the user's (file or dict, left unmodified) with the current
-    gradient accumulation and global batch filled in, and ``"checkpoint": {"load_universal": true}`` when
-    ``load_universal`` (see :func:`load_universal`). Call before the Trainer is built."""
+def deepspeed_config_objects(training_args, load_universal: bool = False):
+    """transformers' DeepSpeed config and accelerate's plugin rebuilt from the user's config (file or dict, left
+    unmodified) with ``training_args``' current gradient accumulation and global batch filled in (its ``"auto"``
+    values), and ``"checkpoint": {"load_universal": true}`` when ``load_universal`` (a resume whose ZeRO state was
+    partitioned at another world size: :func:`ensure_universal`; install
+    :func:`sft.compat.deepspeed.separate_zero3_universal_steps` too, without which ZeRO-3 full fine-tuning resumed
+    with Adam's bias correction of a later step). Returns ``(hf_deepspeed_config, deepspeed_plugin)``, which
+    :func:`sft.app.settings.apply` puts on ``training_args`` before the Trainer is built."""
     import copy
 
-    from accelerate.utils import DeepSpeedPlugin
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    from sft.compat.deepspeed import trainer_deepspeed_config
 
     value = training_args.deepspeed  # the user's file path or dict: left unmodified
     if isinstance(value, dict):
@@ -233,6 +219,4 @@ def rebuild_deepspeed_config(training_args, load_universal: bool = False) -> Non
             config = json.load(f)
     if load_universal:
         config["checkpoint"] = {**(config.get("checkpoint") or {}), "load_universal": True}
-    training_args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(config)
-    training_args.hf_deepspeed_config.trainer_config_process(training_args)
-    training_args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=training_args.hf_deepspeed_config)
+    return trainer_deepspeed_config(config, training_args)

@@ -178,23 +178,26 @@ def test_zero3_universal_load_gets_one_adam_step_counter_per_parameter_group(mon
 
 
 def test_rebuilt_deepspeed_config_takes_the_recomputed_accumulation_and_leaves_the_users_file_alone(tmp_path):
-    """sft.train.world_size.rebuild_deepspeed_config: after a resume recomputed the gradient accumulation (another world
-    size, or the same world size after an earlier such resume), DeepSpeed's "auto" values follow it; the user's
-    config file is not modified; load_universal adds only the checkpoint switch."""
+    """sft.train.world_size.deepspeed_config_objects: after a resume recomputed the gradient accumulation (another
+    world size, or the same world size after an earlier such resume), DeepSpeed's "auto" values follow it; the
+    user's config file is not modified; load_universal adds only the checkpoint switch; sft.app.settings puts the
+    objects on the arguments (the one writer)."""
     from transformers import TrainingArguments
 
-    from sft.train.world_size import rebuild_deepspeed_config
+    from sft.app.settings import apply_run_shape, derive
+    from sft.train.world_size import deepspeed_config_objects
 
     path = os.path.join(FT, "ds_config_zero2.json")
     before = open(path, encoding="utf-8").read()
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=path, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, use_cpu=True, report_to="none")
     assert args.hf_deepspeed_config.config["gradient_accumulation_steps"] == 2
-    args.gradient_accumulation_steps = 3
-    rebuild_deepspeed_config(args)
+    args.max_tokens_per_micro_batch, args.activation_checkpointing = None, None  # sft's own fields
+    apply_run_shape(args, derive(args, grad_accum=3, deepspeed_rebuild="accumulation"))
     config = args.hf_deepspeed_config.config
+    assert args.gradient_accumulation_steps == 3 and args.deepspeed_plugin.hf_ds_config is args.hf_deepspeed_config
     assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (3, 6)
     assert "load_universal" not in (config.get("checkpoint") or {})
-    rebuild_deepspeed_config(args, load_universal=True)
-    assert args.hf_deepspeed_config.config["checkpoint"]["load_universal"] is True
+    hf_config, _ = deepspeed_config_objects(args, load_universal=True)
+    assert hf_config.config["checkpoint"]["load_universal"] is True
     assert open(path, encoding="utf-8").read() == before
