@@ -42,14 +42,15 @@ die() { echo "error: $*" >&2; exit 2; }
 if [[ $# -eq 0 || "$1" == "-h" || "$1" == "--help" ]]; then usage; [[ $# -gt 0 ]]; exit $?; fi
 
 cd "${PBS_O_WORKDIR:-$PWD}"
-repo_root() {
-  local c
-  for c in "${SFT_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$PWD"; do
-    if [[ -n "$c" && -f "$c/finetune/launch.sh" ]]; then echo "$c"; return 0; fi
-  done
-  die "cannot find the repository (finetune/launch.sh): submit from the repository folder or set SFT_ROOT"
-}
-ROOT="$(repo_root)"
+# PBS runs a stored copy of this job script, not this file: find the repository by content (the first of these
+# with finetune/launch.sh), then source its shell helpers from there (scripts/lib/common.sh says why there).
+ROOT=""
+for c in "${SFT_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$PWD"; do
+  if [[ -n "$c" && -f "$c/finetune/launch.sh" ]]; then ROOT="$c"; break; fi
+done
+[[ -n "$ROOT" ]] || die "cannot find the repository (finetune/launch.sh): submit from the repository folder or set SFT_ROOT"
+# shellcheck source=lib/common.sh
+source "$ROOT/scripts/lib/common.sh"  # sft_python
 
 PRESET="$1"; shift
 if [[ "$PRESET" != */* && -f "$ROOT/finetune/$PRESET" ]]; then PRESET="$ROOT/finetune/$PRESET"; fi
@@ -64,8 +65,7 @@ ALLOCATED="${#HOSTS[@]}"
 # NNODES: the job's host count; MIN:count for an elastic job (validated in sft/distributed/contract.py).
 ELASTIC=""
 if [[ -n "${MIN_NODES:-}" || "${NNODES:-}" == *:* ]]; then
-  PY="${PYTHON:-}"
-  if [[ -z "$PY" ]]; then if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi; fi
+  PY="$(sft_python "$ROOT")"
   NNODES="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m sft.distributed nodes --allocated "$ALLOCATED" \
             --source "$ALLOCATED unique host(s) in PBS_NODEFILE $PBS_NODEFILE")" || exit $?
   ELASTIC=1
