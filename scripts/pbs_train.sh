@@ -50,11 +50,9 @@ for c in "${SFT_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$PW
 done
 [[ -n "$ROOT" ]] || die "cannot find the repository (finetune/launch.sh): submit from the repository folder or set SFT_ROOT"
 # shellcheck source=lib/common.sh
-source "$ROOT/scripts/lib/common.sh"  # sft_python
+source "$ROOT/scripts/lib/common.sh"  # find_preset, job_nnodes
 
-PRESET="$1"; shift
-if [[ "$PRESET" != */* && -f "$ROOT/finetune/$PRESET" ]]; then PRESET="$ROOT/finetune/$PRESET"; fi
-[[ -f "$PRESET" ]] || die "preset $PRESET: no such file; give one of: $(cd "$ROOT/finetune" && ls ./*.sh | tr '\n' ' ')"
+find_preset "$1"; shift
 PRESET="$(cd "$(dirname "$PRESET")" && pwd)/$(basename "$PRESET")"
 
 [[ -n "${PBS_NODEFILE:-}" && -r "${PBS_NODEFILE:-}" ]] || die "PBS_NODEFILE is not set or not readable: submit this script with qsub"
@@ -63,15 +61,7 @@ mapfile -t HOSTS < <(awk 'NF && !seen[$1]++ {print $1}' "$PBS_NODEFILE")
 ALLOCATED="${#HOSTS[@]}"
 (( ALLOCATED > 0 )) || die "$PBS_NODEFILE lists no host"
 # NNODES: the job's host count; MIN:count for an elastic job (validated in sft/distributed/contract.py).
-ELASTIC=""
-if [[ -n "${MIN_NODES:-}" || "${NNODES:-}" == *:* ]]; then
-  PY="$(sft_python "$ROOT")"
-  NNODES="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m sft.distributed nodes --allocated "$ALLOCATED" \
-            --source "$ALLOCATED unique host(s) in PBS_NODEFILE $PBS_NODEFILE")" || exit $?
-  ELASTIC=1
-else
-  NNODES="$ALLOCATED"
-fi
+job_nnodes "$ALLOCATED" "$ALLOCATED unique host(s) in PBS_NODEFILE $PBS_NODEFILE"
 MASTER_ADDR="${HOSTS[0]}"
 JOBNUM="${PBS_JOBID:-0}"; JOBNUM="${JOBNUM%%[!0-9]*}"; JOBNUM="${JOBNUM:-0}"
 MASTER_PORT="${MASTER_PORT:-$((10000 + 10#$JOBNUM % 20000))}"

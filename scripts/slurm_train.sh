@@ -60,11 +60,9 @@ for c in "${SFT_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "${S
 done
 [[ -n "$ROOT" ]] || die "cannot find the repository (finetune/launch.sh): submit from the repository folder or set SFT_ROOT"
 # shellcheck source=lib/common.sh
-source "$ROOT/scripts/lib/common.sh"  # sft_python, wait_child
+source "$ROOT/scripts/lib/common.sh"  # find_preset, job_nnodes, wait_child
 
-PRESET="$1"; shift
-if [[ "$PRESET" != */* && -f "$ROOT/finetune/$PRESET" ]]; then PRESET="$ROOT/finetune/$PRESET"; fi
-[[ -f "$PRESET" ]] || die "preset $PRESET: no such file; give one of: $(cd "$ROOT/finetune" && ls ./*.sh | tr '\n' ' ')"
+find_preset "$1"; shift
 
 [[ -n "${SLURM_JOB_ID:-}" ]] || die "SLURM_JOB_ID is not set: submit this script with sbatch"
 [[ -n "${SLURM_JOB_NODELIST:-}" ]] || die "SLURM_JOB_NODELIST is not set: submit this script with sbatch"
@@ -74,15 +72,7 @@ MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 [[ -n "$MASTER_ADDR" ]] || die "scontrol show hostnames $SLURM_JOB_NODELIST printed no host"
 MASTER_PORT="${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}"
 # NNODES: the job's node count; MIN:count for an elastic job (validated in sft/distributed/contract.py).
-ELASTIC=""
-if [[ -n "${MIN_NODES:-}" || "${NNODES:-}" == *:* ]]; then
-  PY="$(sft_python "$ROOT")"
-  NNODES="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m sft.distributed nodes --allocated "$ALLOCATED" \
-            --source "SLURM_NNODES=$ALLOCATED")" || exit $?
-  ELASTIC=1
-else
-  NNODES="$ALLOCATED"
-fi
+job_nnodes "$ALLOCATED" "SLURM_NNODES=$ALLOCATED"
 export NNODES MASTER_ADDR MASTER_PORT
 echo "slurm: job $SLURM_JOB_ID, $ALLOCATED node(s) ($SLURM_JOB_NODELIST), master $MASTER_ADDR:$MASTER_PORT, preset $PRESET" >&2
 if [[ -n "$ELASTIC" ]]; then

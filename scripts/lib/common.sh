@@ -1,7 +1,7 @@
 # Shell helpers shared by the launch scripts (sourced; it only defines functions): sft_python (the interpreter
 # choice of finetune/launch.sh, finetune/finetune_ray.sh and, for an elastic job, scripts/slurm_train.sh and
 # scripts/pbs_train.sh), wait_child (the wait after a trapped signal: launch.sh, slurm_train.sh and its task on
-# every node).
+# every node), find_preset and job_nnodes (the two scheduler scripts).
 #
 # Why this place: every script that sources it knows the repository root first and finds this file from the
 # root, never as a sibling of its own path. finetune/launch.sh and finetune/finetune_ray.sh run in place (the
@@ -33,4 +33,27 @@ wait_child() {
     if (( rc > 128 )) && [[ -n "$TRAPPED" ]]; then continue; fi
     return "$rc"
   done
+}
+
+# find_preset NAME_OR_PATH: set PRESET to the preset's file: a name of ROOT/finetune/ (e.g.
+# finetune_lora_single_gpu.sh) or a path; the caller's die (exit 2) names the presets when there is none.
+find_preset() {
+  PRESET="$1"
+  if [[ "$PRESET" != */* && -f "$ROOT/finetune/$PRESET" ]]; then PRESET="$ROOT/finetune/$PRESET"; fi
+  [[ -f "$PRESET" ]] || die "preset $PRESET: no such file; give one of: $(cd "$ROOT/finetune" && ls ./*.sh | tr '\n' ' ')"
+}
+
+# job_nnodes ALLOCATED SOURCE: set NNODES and ELASTIC for a scheduler's job of ALLOCATED nodes: NNODES the
+# node count and ELASTIC empty, or, for an elastic job (MIN_NODES set, or NNODES=MIN:count), NNODES=MIN:count
+# as sft.distributed validates it (SOURCE: where ALLOCATED came from, for its messages; its exit code ends
+# the script on a problem) and ELASTIC=1.
+job_nnodes() {
+  ELASTIC=""
+  if [[ -n "${MIN_NODES:-}" || "${NNODES:-}" == *:* ]]; then
+    NNODES="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$(sft_python "$ROOT")" -m sft.distributed nodes \
+              --allocated "$1" --source "$2")" || exit $?
+    ELASTIC=1
+  else
+    NNODES="$1"
+  fi
 }
