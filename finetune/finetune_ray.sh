@@ -21,6 +21,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(dirname "$HERE")"
 # shellcheck source=presets.sh
 source "$HERE/presets.sh"
+# shellcheck source=../scripts/lib/common.sh
+source "$ROOT/scripts/lib/common.sh"  # sft_python
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "error: $*" >&2; exit 2; }
@@ -40,9 +42,7 @@ done
 [[ -n "$DATA" ]] || { usage >&2; die "-d/--data DATA_FILE is required"; }
 preset_flags "$NAME" 2>/dev/null || die "--preset $NAME: not a preset; choose full_ds, lora_ds, qlora_ds, lora_single_gpu or qlora_single_gpu"
 
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
+PYTHON="$(sft_python "$ROOT")"
 # No cd: relative paths in the flags are relative to the caller's working directory (the same path must
 # exist on every node; the workers start in it).
 exec "$PYTHON" "$ROOT/scripts/ray_train.py" --model_name_or_path "$MODEL" --data_path "$DATA" "${PRESET[@]}" "${PASS[@]}"

@@ -33,6 +33,8 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(dirname "$HERE")"
+# shellcheck source=../scripts/lib/common.sh
+source "$ROOT/scripts/lib/common.sh"  # sft_python, wait_child
 
 usage() {
   sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -53,9 +55,7 @@ done
 [[ -n "$MODEL" ]] || { usage >&2; die "-m/--model MODEL_DIR is required"; }
 [[ -n "$DATA" ]] || { usage >&2; die "-d/--data DATA_FILE is required"; }
 
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
+PYTHON="$(sft_python "$ROOT")"
 command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON=$PYTHON: no such program; give the interpreter with the sft package installed (bash $ROOT/scripts/setup_env.sh makes $ROOT/.venv/bin/python), or unset PYTHON"
 "$PYTHON" -c 'import sft' 2>/dev/null || die "PYTHON=$PYTHON cannot import the sft package; run bash $ROOT/scripts/setup_env.sh (it installs it into $ROOT/.venv) or: $PYTHON -m pip install -e $ROOT"
 
@@ -122,13 +122,8 @@ SIGNALLED="" TRAPPED=""
 forward() { TRAPPED=1; if [[ -z "$SIGNALLED" ]]; then SIGNALLED="$1"; kill -s "$1" "$CHILD" 2>/dev/null || true; fi; }
 trap 'forward TERM' TERM
 trap 'forward INT' INT
-while :; do
-  TRAPPED=""; rc=0; wait "$CHILD" || rc=$?
-  # a trapped signal interrupts wait (rc > 128): wait again for torchrun's real exit code (also when it had
-  # already exited: bash keeps it until it is waited for)
-  if (( rc > 128 )) && [[ -n "$TRAPPED" ]]; then continue; fi
-  break
-done
+# torchrun's real exit code, also when a trapped signal interrupted the wait (scripts/lib/common.sh)
+rc=0; wait_child "$CHILD" || rc=$?
 # torchrun's own record of its code (sft.distributed.torchrun writes it): bash's wait can lose a child's code
 # when a trapped signal arrives as the child exits (it then returns 143, or -1)
 if reported="$(grep -x 'torchrun [0-9]*' "$SFT_EXIT_CODE_FILE" | tail -n 1)" && [[ -n "$reported" ]]; then

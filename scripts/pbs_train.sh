@@ -42,18 +42,17 @@ die() { echo "error: $*" >&2; exit 2; }
 if [[ $# -eq 0 || "$1" == "-h" || "$1" == "--help" ]]; then usage; [[ $# -gt 0 ]]; exit $?; fi
 
 cd "${PBS_O_WORKDIR:-$PWD}"
-repo_root() {
-  local c
-  for c in "${SFT_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$PWD"; do
-    if [[ -n "$c" && -f "$c/finetune/launch.sh" ]]; then echo "$c"; return 0; fi
-  done
-  die "cannot find the repository (finetune/launch.sh): submit from the repository folder or set SFT_ROOT"
-}
-ROOT="$(repo_root)"
+# PBS runs a stored copy of this job script, not this file: find the repository by content (the first of these
+# with finetune/launch.sh), then source its shell helpers from there (scripts/lib/common.sh says why there).
+ROOT=""
+for c in "${SFT_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "$PWD"; do
+  if [[ -n "$c" && -f "$c/finetune/launch.sh" ]]; then ROOT="$c"; break; fi
+done
+[[ -n "$ROOT" ]] || die "cannot find the repository (finetune/launch.sh): submit from the repository folder or set SFT_ROOT"
+# shellcheck source=lib/common.sh
+source "$ROOT/scripts/lib/common.sh"  # find_preset, job_nnodes
 
-PRESET="$1"; shift
-if [[ "$PRESET" != */* && -f "$ROOT/finetune/$PRESET" ]]; then PRESET="$ROOT/finetune/$PRESET"; fi
-[[ -f "$PRESET" ]] || die "preset $PRESET: no such file; give one of: $(cd "$ROOT/finetune" && ls ./*.sh | tr '\n' ' ')"
+find_preset "$1"; shift
 PRESET="$(cd "$(dirname "$PRESET")" && pwd)/$(basename "$PRESET")"
 
 [[ -n "${PBS_NODEFILE:-}" && -r "${PBS_NODEFILE:-}" ]] || die "PBS_NODEFILE is not set or not readable: submit this script with qsub"
@@ -62,16 +61,7 @@ mapfile -t HOSTS < <(awk 'NF && !seen[$1]++ {print $1}' "$PBS_NODEFILE")
 ALLOCATED="${#HOSTS[@]}"
 (( ALLOCATED > 0 )) || die "$PBS_NODEFILE lists no host"
 # NNODES: the job's host count; MIN:count for an elastic job (validated in sft/distributed/contract.py).
-ELASTIC=""
-if [[ -n "${MIN_NODES:-}" || "${NNODES:-}" == *:* ]]; then
-  PY="${PYTHON:-}"
-  if [[ -z "$PY" ]]; then if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi; fi
-  NNODES="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m sft.distributed nodes --allocated "$ALLOCATED" \
-            --source "$ALLOCATED unique host(s) in PBS_NODEFILE $PBS_NODEFILE")" || exit $?
-  ELASTIC=1
-else
-  NNODES="$ALLOCATED"
-fi
+job_nnodes "$ALLOCATED" "$ALLOCATED unique host(s) in PBS_NODEFILE $PBS_NODEFILE"
 MASTER_ADDR="${HOSTS[0]}"
 JOBNUM="${PBS_JOBID:-0}"; JOBNUM="${JOBNUM%%[!0-9]*}"; JOBNUM="${JOBNUM:-0}"
 MASTER_PORT="${MASTER_PORT:-$((10000 + 10#$JOBNUM % 20000))}"

@@ -52,19 +52,17 @@ usage() { sed -n '2,/^#SBATCH/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,
 die() { echo "error: $*" >&2; exit 2; }
 if [[ $# -eq 0 || "$1" == "-h" || "$1" == "--help" ]]; then usage; [[ $# -gt 0 ]]; exit $?; fi
 
-# sbatch runs a copy of this file from its spool folder: find the repository by content.
-repo_root() {
-  local c
-  for c in "${SFT_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "${SLURM_SUBMIT_DIR:-}" "$PWD"; do
-    if [[ -n "$c" && -f "$c/finetune/launch.sh" ]]; then echo "$c"; return 0; fi
-  done
-  die "cannot find the repository (finetune/launch.sh): submit from the repository folder or set SFT_ROOT"
-}
-ROOT="$(repo_root)"
+# sbatch runs a copy of this file from its spool folder: find the repository by content (the first of these
+# with finetune/launch.sh), then source its shell helpers from there (scripts/lib/common.sh says why there).
+ROOT=""
+for c in "${SFT_ROOT:-}" "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "${SLURM_SUBMIT_DIR:-}" "$PWD"; do
+  if [[ -n "$c" && -f "$c/finetune/launch.sh" ]]; then ROOT="$c"; break; fi
+done
+[[ -n "$ROOT" ]] || die "cannot find the repository (finetune/launch.sh): submit from the repository folder or set SFT_ROOT"
+# shellcheck source=lib/common.sh
+source "$ROOT/scripts/lib/common.sh"  # find_preset, job_nnodes, wait_child
 
-PRESET="$1"; shift
-if [[ "$PRESET" != */* && -f "$ROOT/finetune/$PRESET" ]]; then PRESET="$ROOT/finetune/$PRESET"; fi
-[[ -f "$PRESET" ]] || die "preset $PRESET: no such file; give one of: $(cd "$ROOT/finetune" && ls ./*.sh | tr '\n' ' ')"
+find_preset "$1"; shift
 
 [[ -n "${SLURM_JOB_ID:-}" ]] || die "SLURM_JOB_ID is not set: submit this script with sbatch"
 [[ -n "${SLURM_JOB_NODELIST:-}" ]] || die "SLURM_JOB_NODELIST is not set: submit this script with sbatch"
@@ -74,16 +72,7 @@ MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 [[ -n "$MASTER_ADDR" ]] || die "scontrol show hostnames $SLURM_JOB_NODELIST printed no host"
 MASTER_PORT="${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}"
 # NNODES: the job's node count; MIN:count for an elastic job (validated in sft/distributed/contract.py).
-ELASTIC=""
-if [[ -n "${MIN_NODES:-}" || "${NNODES:-}" == *:* ]]; then
-  PY="${PYTHON:-}"
-  if [[ -z "$PY" ]]; then if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi; fi
-  NNODES="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m sft.distributed nodes --allocated "$ALLOCATED" \
-            --source "SLURM_NNODES=$ALLOCATED")" || exit $?
-  ELASTIC=1
-else
-  NNODES="$ALLOCATED"
-fi
+job_nnodes "$ALLOCATED" "SLURM_NNODES=$ALLOCATED"
 export NNODES MASTER_ADDR MASTER_PORT
 echo "slurm: job $SLURM_JOB_ID, $ALLOCATED node(s) ($SLURM_JOB_NODELIST), master $MASTER_ADDR:$MASTER_PORT, preset $PRESET" >&2
 if [[ -n "$ELASTIC" ]]; then
@@ -95,15 +84,17 @@ fi
 # not end the step when a node fails, and --kill-on-bad-exit=0: a lost node's launcher ends alone; the first
 # node's task writes its code to SFT_SLURM_RC_DIR, on this host, for the verdict). The task runs the preset with SIGUSR1 ignored (so a
 # SIGUSR1 sent to every step process does not kill the launcher, torchrun and the workers) and sends the
-# launcher one SIGTERM on the first SIGUSR1 or SIGTERM it gets itself; it exits with the launcher's code.
+# launcher one SIGTERM on the first SIGUSR1 or SIGTERM it gets itself; it exits with the launcher's code
+# (wait_child: its text goes with the task, so the node needs no file but the preset).
 # shellcheck disable=SC2016  # expanded by the task's bash
-TASK='export NODE_RANK="$SLURM_NODEID"
-stopped="" trapped=""
-stop() { trapped=1; if [[ -z "$stopped" ]]; then stopped=1; kill -TERM "$child" 2>/dev/null || true; fi; }
+TASK="$(declare -f wait_child)"'
+export NODE_RANK="$SLURM_NODEID"
+stopped="" TRAPPED=""
+stop() { TRAPPED=1; if [[ -z "$stopped" ]]; then stopped=1; kill -TERM "$child" 2>/dev/null || true; fi; }
 trap stop TERM USR1
 (trap "" USR1; exec bash "$0" "$@") &
 child=$!
-while :; do trapped=""; rc=0; wait "$child" || rc=$?; if (( rc > 128 )) && [[ -n "$trapped" ]]; then continue; fi; break; done
+rc=0; wait_child "$child" || rc=$?
 if [[ -n "${SFT_SLURM_RC_DIR:-}" && "$SLURM_NODEID" == 0 ]]; then echo "$rc" > "$SFT_SLURM_RC_DIR/node0" || true; fi
 exit "$rc"'
 # A signal to this shell: SIGUSR1 to srun, which passes it on to every process of the step (SIGUSR1 is
@@ -176,11 +167,7 @@ fi
 srun --nodes="$ALLOCATED" --ntasks="$ALLOCATED" --ntasks-per-node=1 "${KILL[@]}" --export=ALL \
   bash -c "$TASK" "$PRESET" "$@" &
 SRUN=$!
-while :; do  # a trapped signal interrupts wait (rc > 128): wait again for srun's own exit code
-  TRAPPED=""; rc=0; wait "$SRUN" || rc=$?
-  if (( rc > 128 )) && [[ -n "$TRAPPED" ]]; then continue; fi
-  break
-done
+rc=0; wait_child "$SRUN" || rc=$?  # srun's own exit code, also when a trapped signal interrupted the wait
 # An elastic job's verdict is the first node's launcher's (the rendezvous store host takes part in every round
 # and, after the final save's barrier, exits 0 only when the job finished); srun's is the highest code of any
 # task, also of a node that dropped out while its host stayed up (a lost host's task counts for nothing).

@@ -9,7 +9,7 @@ import pytest
 from tests.helpers.paths import ROOT
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "finetune", "*.sh")) + glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
-                 + [os.path.join(ROOT, ".ci", "run")])
+                 + glob.glob(os.path.join(ROOT, "scripts", "lib", "*.sh")) + [os.path.join(ROOT, ".ci", "run")])
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
