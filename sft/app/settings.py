@@ -8,12 +8,14 @@ checkpoint, the checkpoint rotation moved from the Trainer to sft's (:class:`sft
 and, once the model is loaded, the memory plan's token budget per micro batch and activation checkpointing
 (:func:`sft.train.memory_plan.plan_run`). The wings get these values as arguments; ``TrainingArguments`` carries
 them only because the Trainer reads its arguments itself. Nothing else writes ``training_args`` after validation
-(``--bf16 auto`` and the CPU/gloo choice are resolved while parsing, before validation: see
-:mod:`sft.config.precision` and :func:`sft.distributed.process_group.prepare_training_args`).
+(while parsing, before validation, ``--bf16 auto`` is resolved for this process and the CPU/gloo choice made: see
+:mod:`sft.config.precision` and :func:`sft.distributed.process_group.prepare_training_args`; every rank agrees on
+the precision in :func:`derive`).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 
@@ -38,6 +40,9 @@ class RunSettings:
         max_tokens_per_micro_batch: the token budget per micro batch (None: no token-budget sampler); set or
             lowered by the memory plan.
         activation_checkpointing: on (set, or turned on by the memory plan because the run does not fit otherwise).
+        bf16: the resolved precision: ``--bf16`` True / False, or what ``--bf16 auto`` chose, agreed by every rank
+            (:func:`sft.config.precision.agree_across_ranks`: fp32 everywhere when one rank lacks fast bf16).
+        bf16_reason: why ``--bf16 auto`` chose (None when ``--bf16`` was True or False).
     """
 
     world_size: int
@@ -50,6 +55,8 @@ class RunSettings:
     deepspeed_rebuild: Optional[str] = None
     max_tokens_per_micro_batch: Optional[int] = None
     activation_checkpointing: bool = False
+    bf16: bool = False
+    bf16_reason: Optional[str] = None
 
     @property
     def global_batch(self) -> int:
@@ -61,14 +68,23 @@ class RunSettings:
 def derive(training_args, resume: Optional[str] = None, grad_accum: Optional[int] = None,
            deepspeed_rebuild: Optional[str] = None, sft_rotation: bool = False) -> RunSettings:
     """The settings known before the model is loaded, from validated ``training_args`` (read only), the checkpoint
-    chosen (``resume``) and, on a resume at another world size, the recomputed ``grad_accum``."""
+    chosen (``resume``) and, on a resume at another world size, the recomputed ``grad_accum``. Under ``--bf16 auto``
+    every rank agrees on the precision here (a collective under gloo: every rank calls this at the same point)."""
+    from sft.config.precision import agree_across_ranks
+
+    bf16, reason = bool(training_args.bf16), getattr(training_args, "bf16_reason", None)
+    if getattr(training_args, "bf16_requested", None) == "auto" and reason != "--fp16 True given":
+        agreed = agree_across_ranks(bf16)
+        if bf16 and not agreed:
+            bf16, reason = False, f"{reason}; another rank chose fp32"
     return RunSettings(world_size=training_args.world_size, micro_batch=training_args.per_device_train_batch_size,
                        configured_grad_accum=training_args.gradient_accumulation_steps,
                        grad_accum=grad_accum or training_args.gradient_accumulation_steps, resume=resume,
                        save_total_limit=training_args.save_total_limit, sft_rotation=sft_rotation,
                        deepspeed_rebuild=deepspeed_rebuild,
                        max_tokens_per_micro_batch=training_args.max_tokens_per_micro_batch,
-                       activation_checkpointing=bool(training_args.activation_checkpointing))
+                       activation_checkpointing=bool(training_args.activation_checkpointing),
+                       bf16=bf16, bf16_reason=reason)
 
 
 def with_memory_plan(settings: RunSettings, budget: Optional[int], turn_on_checkpointing: bool) -> RunSettings:
@@ -82,15 +98,22 @@ def with_memory_plan(settings: RunSettings, budget: Optional[int], turn_on_check
 def apply_run_shape(training_args, settings: RunSettings) -> None:
     """Write the run's shape onto ``training_args`` for the Trainer (with :func:`apply_memory_plan`, the one place
     that writes it after validation): gradient accumulation, the Trainer's rotation off under ``sft_rotation``,
-    DeepSpeed's rebuilt config. Call once, before the model is loaded."""
+    the agreed precision (with transformers' ``mixed_precision`` derived from it as its ``__post_init__`` does),
+    DeepSpeed's rebuilt config. Call before the model is loaded."""
     from sft.train.world_size import deepspeed_config_objects
 
     training_args.gradient_accumulation_steps = settings.grad_accum
     if settings.sft_rotation:
         training_args.save_total_limit = None
-    if settings.deepspeed_rebuild and training_args.deepspeed:
+    rebuild = settings.deepspeed_rebuild
+    if settings.bf16 != bool(training_args.bf16):  # --bf16 auto: another rank chose fp32
+        training_args.bf16, training_args.bf16_reason = settings.bf16, settings.bf16_reason
+        training_args.mixed_precision = ("fp16" if training_args.fp16 else "bf16" if settings.bf16 else
+                                         os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+        rebuild = rebuild or "accumulation"  # DeepSpeed's "auto" bf16.enabled follows
+    if rebuild and training_args.deepspeed:
         training_args.hf_deepspeed_config, training_args.deepspeed_plugin = deepspeed_config_objects(
-            training_args, load_universal=settings.deepspeed_rebuild == "universal")
+            training_args, load_universal=rebuild == "universal")
 
 
 def apply_memory_plan(training_args, settings: RunSettings) -> None:

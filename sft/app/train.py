@@ -189,7 +189,12 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     the values each step takes). Needs :func:`sft.distributed.process_group.setup_runtime` first. ``settings``: the
     run's :class:`sft.app.settings.RunSettings` (default: derived from ``training_args``), completed here by the
     memory plan. Returns ``(trainer, tokenizer, eot_id)``."""
-    settings = settings or derive(training_args)
+    from sft.distributed.process_group import setup_runtime
+
+    setup_runtime(training_args)  # idempotent: the process group before data preparation's collectives
+    if settings is None:  # called on its own (tests, benchmarks): the run's shape as given
+        settings = derive(training_args)
+        apply_run_shape(training_args, settings)
     tok, eot, grew = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code,
                                     training_args.cache_dir)
     prepared = load_records(data_sources(data_args), tok, eot, preparation_spec(data_args, training_args))
@@ -241,8 +246,8 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
         data_collator=collator, processing_class=tok, callbacks=callbacks,
         supervised_head=training_args.lm_head_supervised_only, train_batch_sampler=sampler,
     )
-    if training_args.bf16_reason:
-        logger.info("--bf16 auto: %s (%s)", "bf16" if training_args.bf16 else "fp32", training_args.bf16_reason)
+    if settings.bf16_reason:
+        logger.info("--bf16 auto: %s (%s)", "bf16" if settings.bf16 else "fp32", settings.bf16_reason)
     if training_args.lm_head_supervised_only:
         logger.info("LM head and loss: %s", "at supervised positions only (--lm_head_supervised_only)"
                     if trainer.supervised_head else "every position (FSDP)" if trainer.is_fsdp_enabled else
@@ -287,6 +292,9 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
     from sft.compat.deepspeed import separate_zero3_universal_steps
     from sft.train.world_size import ensure_universal, plan_world_size_change
 
+    from sft.distributed.process_group import setup_runtime
+
+    setup_runtime(training_args)  # idempotent (train() ran it): the process group before the collectives below
     setup_logging()
     # Installed before loading (a signal then still ends in a checkpoint after the first step) and kept
     # through the final save (a signal there only starts the watchdog that bounds the time to exit).

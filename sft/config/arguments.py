@@ -15,8 +15,6 @@ under torchrun it starts the bounded process group (see ``TrainingArguments.__po
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -25,7 +23,9 @@ import transformers
 
 from sft.compat.transformers import parser_actions
 from sft.errors import ConfigError
+from sft.config.deferred import DeferredRuntime
 from sft.config.precision import parse_bf16, resolve_bf16_flag
+from sft.config.yaml_file import read_yaml, split_config, suggest, yaml_to_argv
 
 
 @dataclass
@@ -152,12 +152,14 @@ class LoraArguments:
 
 
 @dataclass
-class TrainingArguments(transformers.TrainingArguments):
+class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
     """``transformers.TrainingArguments`` plus Qwen's training flags.
 
     On a machine without CUDA, ``use_cpu`` is switched on and ``ddp_backend`` defaults to ``gloo``
     (:func:`sft.distributed.process_group.prepare_training_args`): otherwise ``torchrun --nproc_per_node 2``
     would start two independent trainings on CPU.
+
+    Parsing starts nothing (:class:`sft.config.deferred.DeferredRuntime`).
     """
 
     model_max_length: int = field(default=8192, metadata={"help": "Maximum sequence length in tokens; longer samples "
@@ -243,14 +245,18 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.activation_checkpointing and self.activation_checkpointing_kwargs is None:
             # Non-reentrant checkpointing works with frozen inputs (LoRA).
             self.activation_checkpointing_kwargs = {"use_reentrant": False}
-        # transformers 5.24's __post_init__ evaluates self.device (step "8. Device Init"), which starts the process
-        # group under torchrun, on CPU without --ddp_timeout: the device/backend choice and a bounded process group
-        # must come first. The one call into the owner of the runtime (a single process starts nothing).
+        # The device/backend choice (pure), then --bf16 auto -> True / False for this process, before transformers
+        # reads it (every rank agrees on it once the runtime has started: sft.app.settings.derive). transformers'
+        # __post_init__ then runs with the runtime deferred (see the class docstring): parsing starts nothing.
         from sft.distributed.process_group import prepare_training_args
 
         prepare_training_args(self)
-        resolve_bf16_flag(self)  # --bf16 auto -> True / False, agreed by every rank, before transformers reads it
-        super().__post_init__()
+        resolve_bf16_flag(self)
+        self.runtime_started, self.parsing = False, True
+        try:
+            super().__post_init__()
+        finally:
+            self.parsing = False
 
 
 ALL_DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments)
@@ -261,124 +267,6 @@ def _flag_names(extra: tuple = ()) -> set[str]:
     for dc in (*ALL_DATACLASSES, *extra):
         names.update(f.name for f in dataclasses.fields(dc) if f.init)
     return names
-
-
-def _split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
-    """Remove ``--config PATH`` / ``--config=PATH`` from argv; return (path, remaining argv)."""
-    rest, path, i = [], None, 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--config":
-            if i + 1 >= len(argv):
-                raise ConfigError(["--config needs a file path: --config train.yaml"])
-            path = argv[i + 1]
-            i += 2
-            continue
-        if a.startswith("--config="):
-            path = a.split("=", 1)[1]
-            if not path:
-                raise ConfigError(["--config= has no file path: --config train.yaml"])
-        else:
-            rest.append(a)
-        i += 1
-    return path, rest
-
-
-def _read_yaml(path: str, extra: tuple = ()) -> dict:
-    import yaml
-
-    if not path or not os.path.exists(path):
-        raise ConfigError([f"--config {path}: no such file; give the path of a YAML file of flag: value pairs"])
-    if not os.path.isfile(path):
-        raise ConfigError([f"--config {path}: not a file (a directory?); give the path of a YAML file of flag: value pairs"])
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError([f"--config {path}:{where}: not valid YAML ({getattr(e, 'problem', e)}); "
-                           "fix the syntax (flag: value, one per line)"]) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError([f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8"]) from None
-    except OSError as e:  # unreadable: permissions, an I/O error
-        raise ConfigError([f"--config {path}: cannot be read ({e.strerror or e}); check the path and permissions"]) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError([f"--config {path}: top level is a {type(data).__name__}; it must be a mapping "
-                           "of flag: value pairs"])
-    known = _flag_names(extra)
-    unknown = sorted(str(k) for k in data if not (isinstance(k, str) and k in known))
-    if unknown:
-        raise ConfigError([f"--config {path}: unknown key '{k}'"
-                           + _suggest(k, known) + "; remove it or use a finetune.py flag name" for k in unknown])
-    return data
-
-
-def _suggest(name: str, known: set[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, known, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _yaml_to_argv(path: str, defaults: dict, parser) -> list[str]:
-    """Turn YAML defaults into command-line tokens, so argparse converts and checks them exactly like typed flags
-    (placed before the user's flags: the last occurrence of a flag wins)."""
-    actions = {a.dest: a for a in parser_actions(parser)}
-    argv, problems = [], []
-    defaults = _data_sources(path, defaults)
-    for key, value in defaults.items():
-        if value is None:
-            continue  # null = keep the default
-        many = actions[key].nargs in ("+", "*")
-        if isinstance(value, dict):
-            if not key.endswith(("_kwargs", "_config")) and key != "deepspeed":
-                problems.append(f"--config {path}: '{key}' is a mapping; give a single value")
-                continue
-            value = json.dumps(value)  # transformers reads dict-valued flags as JSON text
-        if isinstance(value, bool) and actions[key].type is str:
-            problems.append(f"--config {path}: '{key}' is the YAML boolean {value}; quote it if you mean the text "
-                            f"('{key}: \"{str(value).lower()}\"')")
-            continue
-        if isinstance(value, list):
-            if not many:
-                problems.append(f"--config {path}: '{key}' is a list; give a single value")
-                continue
-            if any(isinstance(v, (list, dict)) for v in value):
-                problems.append(f"--config {path}: '{key}' must be a list of plain values")
-                continue
-            argv += [f"--{key}", *map(_yaml_scalar, value)]
-        else:
-            argv += [f"--{key}", _yaml_scalar(value)]
-    if problems:
-        raise ConfigError(problems)
-    return argv
-
-
-def _data_sources(path: str, defaults: dict) -> dict:
-    """YAML ``data_path`` as a list of ``{path: ..., weight: ...}`` mappings -> ``data_path`` + ``data_weights``."""
-    sources = defaults.get("data_path")
-    if not (isinstance(sources, list) and any(isinstance(x, dict) for x in sources)):
-        return defaults
-    bad = [x for x in sources if not (isinstance(x, dict) and set(x) <= {"path", "weight"} and "path" in x)]
-    if bad:
-        raise ConfigError([f"--config {path}: 'data_path' entries must all be mappings with 'path' and optionally "
-                           f"'weight' (found {json.dumps(bad[0], default=str)[:80]})"])
-    if defaults.get("data_weights") is not None:
-        raise ConfigError([f"--config {path}: weights given both in 'data_path' and in 'data_weights'; keep one"])
-    weighted = [x for x in sources if "weight" in x]
-    if weighted and len(weighted) != len(sources):
-        raise ConfigError([f"--config {path}: 'data_path': give every source a 'weight', or none"])
-    out = dict(defaults, data_path=[x["path"] for x in sources])
-    if weighted:
-        out["data_weights"] = [x["weight"] for x in sources]
-    return out
-
-
-def _yaml_scalar(v) -> str:
-    return str(v) if not isinstance(v, bool) else ("True" if v else "False")
 
 
 def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
@@ -392,7 +280,7 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
         SystemExit: ``-h`` (exit 0).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    config_path, argv = _split_config(argv)
+    config_path, argv = split_config(argv)
     parser = transformers.HfArgumentParser((*ALL_DATACLASSES, *extra))
     parser.add_argument("--config", help="YAML file of flag: value defaults; the command line wins.")
 
@@ -402,7 +290,7 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
     parser.error = error
     next(a for a in parser_actions(parser) if a.dest == "bf16").type = parse_bf16  # True / False / auto (sft.config.precision)
     if config_path is not None:
-        argv = _yaml_to_argv(config_path, _read_yaml(config_path, extra), parser) + argv
+        argv = yaml_to_argv(config_path, read_yaml(config_path, _flag_names(extra)), parser) + argv
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=False)
     except ValueError as e:  # raised by TrainingArguments.__post_init__, or for flags no dataclass has
@@ -410,7 +298,7 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
             known = _flag_names(extra) | {"config"}
             names = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
             unknown = [u for u in names if u[2:] not in known and not (u.startswith("--no_") and u[5:] in known)]
-            raise ConfigError([f"unknown flag {u}" + _suggest(u[2:], known).replace("'", "'--", 1)
+            raise ConfigError([f"unknown flag {u}" + suggest(u[2:], known).replace("'", "'--", 1)
                                + "; see finetune.py -h (sft-train -h) for the flags" for u in unknown] or [str(e).strip()]) from None
         raise ConfigError([str(e).strip()]) from None
     return tuple(parsed[:len(ALL_DATACLASSES)]) + tuple(parsed[len(ALL_DATACLASSES):len(ALL_DATACLASSES) + len(extra)])

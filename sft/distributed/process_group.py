@@ -2,11 +2,12 @@
 
 Order in a run (:func:`sft.app.train.train`): parse -> validate -> :func:`setup_runtime` -> train.
 
-* :func:`prepare_training_args` -- the CPU/gloo choice and a process group with ``--ddp_timeout``. It has
-  to run inside ``TrainingArguments.__post_init__``: transformers 5.24's ``__post_init__`` evaluates
-  ``self.device`` (its step "8. Device Init"), which starts the process group through accelerate 1.15's
-  ``PartialState``, and on CPU it does so without a timeout (torch's default: 30 minutes). A single
-  process (no ``WORLD_SIZE`` > 1) starts nothing, so parsing in a test or a notebook has no side effect.
+* :func:`prepare_training_args` -- while parsing: the CPU/gloo choice (pure).
+* :func:`start_runtime` -- after validation (or at the first use of ``training_args.device``): a process group
+  with ``--ddp_timeout``, then transformers' device setup on it. transformers 5.24's ``__post_init__`` evaluates
+  ``self.device`` (its step "8. Device Init"), which would start the process group through accelerate 1.15's
+  ``PartialState`` -- on CPU without a timeout (torch's default: 30 minutes) -- so
+  :class:`sft.config.arguments.TrainingArguments` defers it: parsing starts nothing, under torchrun too.
 * :func:`setup_runtime` -- under ``--deepspeed``: ``deepspeed.comm`` on that process group, before the
   model is built (ZeRO-3 partitions parameters as they are created), with DeepSpeed's CPU shm-op build
   skipped (:func:`sft.compat.deepspeed.skip_shm_comm_op_build`).
@@ -113,7 +114,7 @@ def finish_process_group() -> None:
 
 
 def prepare_training_args(args) -> None:
-    """Device and backend choice, then the bounded process group (see the module docstring for why here).
+    """The device and backend choice while parsing (pure: nothing starts; see :func:`start_runtime`).
 
     On a machine without CUDA: ``use_cpu = True`` and ``ddp_backend`` defaults to ``gloo`` when several
     processes run (otherwise ``torchrun --nproc_per_node 2`` would start two independent trainings);
@@ -122,7 +123,6 @@ def prepare_training_args(args) -> None:
     """
     import torch
 
-    die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
     args.fp16_requested_without_cuda = False
     if not torch.cuda.is_available():
         args.use_cpu = True
@@ -130,7 +130,20 @@ def prepare_training_args(args) -> None:
             args.ddp_backend = "gloo"
         if args.fp16:
             args.fp16, args.fp16_requested_without_cuda = False, True
-    init_process_group(args.ddp_backend, args.ddp_timeout)
+
+
+def start_runtime(training_args) -> None:
+    """Start this process's runtime, once (a no-op afterwards, and for arguments not parsed by sft): workers that
+    die with their torchrun agent (:func:`die_with_agent`), the process group under torchrun with ``--ddp_timeout``
+    (:func:`init_process_group`), then transformers' device setup on it (accelerate's ``PartialState`` reuses the
+    group). Called by :func:`setup_runtime`, or at the first use of ``training_args.device``
+    (:class:`sft.config.arguments.TrainingArguments` defers it while parsing)."""
+    if training_args.__dict__.get("runtime_started", True):
+        return
+    die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
+    init_process_group(training_args.ddp_backend, training_args.ddp_timeout)
+    training_args.runtime_started = True
+    _ = training_args.device  # transformers' _setup_devices, now on our process group
 
 
 def deepspeed_cpu_default() -> None:
@@ -190,9 +203,8 @@ def enable_fsdp(trainer) -> None:
 
 
 def setup_runtime(training_args) -> None:
-    """The explicit runtime-setup step between validation and training (idempotent).
-
-    The process group already exists when several processes run (see :func:`prepare_training_args`); this
-    adds what a run needs beyond it: DeepSpeed's communication under ``--deepspeed``.
-    """
+    """The explicit runtime-setup step between validation and training (idempotent): :func:`start_runtime` (the
+    process group when several processes run), then what a run needs beyond it: DeepSpeed's communication under
+    ``--deepspeed``."""
+    start_runtime(training_args)
     init_deepspeed_comm(training_args)

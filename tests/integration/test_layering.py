@@ -48,3 +48,31 @@ print("ok")
 """
     p = _run(code, WORLD_SIZE="1")
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
+
+
+def test_parse_starts_nothing_under_torchrun_either(tmp_path):
+    """Rank 0 of a two-process torchrun job whose peer never comes: parsing (with --deepspeed, whose config is filled
+    with the job's world size) returns at once with no process group; validation reads the rank from the env; the
+    runtime (sft.distributed.process_group.start_runtime) is what would join the group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = f"""
+import time
+t0 = time.monotonic()
+from sft.config.arguments import parse_args
+args = parse_args(["--output_dir", {str(tmp_path / 'o')!r}, "--deepspeed", "finetune/ds_config_zero2.json",
+                   "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2", "--report_to", "none"])
+t = args[2]
+import torch.distributed as dist
+assert not dist.is_initialized(), "a process group was started while parsing"
+assert (t.world_size, t.process_index, t.local_process_index, t.should_save) == (2, 0, 0, True)
+assert t.hf_deepspeed_config.config["train_batch_size"] == 2 * 3 * 2  # the job's world size, not 1
+assert t.runtime_started is False and time.monotonic() - t0 < 60
+print("ok")
+"""
+    p = _run(code, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+             MASTER_PORT=str(port))
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
