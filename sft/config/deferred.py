@@ -34,20 +34,19 @@ class DeferredRuntime:
             start_runtime(self)
         return super().device
 
+    def _from_env_until_started(self, name: str, env_key: str, default: str) -> int:
+        if self._runtime_pending():
+            return int(os.environ.get(env_key, default))
+        return getattr(super(DeferredRuntime, self), name)  # transformers' property
+
     @property
     def world_size(self):
-        if self._runtime_pending():
-            return int(os.environ.get("WORLD_SIZE", "1"))
-        return super().world_size
+        return self._from_env_until_started("world_size", "WORLD_SIZE", "1")
 
     @property
     def process_index(self):
-        if self._runtime_pending():
-            return int(os.environ.get("RANK", "0"))
-        return super().process_index
+        return self._from_env_until_started("process_index", "RANK", "0")
 
     @property
     def local_process_index(self):
-        if self._runtime_pending():
-            return int(os.environ.get("LOCAL_RANK", "0"))
-        return super().local_process_index
+        return self._from_env_until_started("local_process_index", "LOCAL_RANK", "0")
