@@ -36,7 +36,14 @@ class DeferredRuntime:
 
     def _from_env_until_started(self, name: str, env_key: str, default: str) -> int:
         if self._runtime_pending():
-            return int(os.environ.get(env_key, default))
+            value = os.environ.get(env_key, default)
+            try:
+                return int(value)
+            except ValueError:
+                from sft.errors import ConfigError
+
+                raise ConfigError([f"environment variable {env_key}={value!r}: not an integer; torchrun sets it for "
+                                   "each process (unset it to run one process)"]) from None
         return getattr(super(DeferredRuntime, self), name)  # transformers' property
 
     @property

@@ -137,13 +137,24 @@ def start_runtime(training_args) -> None:
     die with their torchrun agent (:func:`die_with_agent`), the process group under torchrun with ``--ddp_timeout``
     (:func:`init_process_group`), then transformers' device setup on it (accelerate's ``PartialState`` reuses the
     group). Called by :func:`setup_runtime`, or at the first use of ``training_args.device``
-    (:class:`sft.config.arguments.TrainingArguments` defers it while parsing)."""
+    (:class:`sft.config.arguments.TrainingArguments` defers it while parsing).
+
+    Raises:
+        ConfigError: torchrun's variables are incomplete or garbled (e.g. ``LOCAL_RANK`` set without
+            ``MASTER_ADDR``): the library's own sentence, exit code 2, as when parsing started the group.
+    """
     if training_args.__dict__.get("runtime_started", True):
         return
+    from sft.errors import ConfigError
+
     die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
-    init_process_group(training_args.ddp_backend, training_args.ddp_timeout)
-    training_args.runtime_started = True
-    _ = training_args.device  # transformers' _setup_devices, now on our process group
+    try:
+        init_process_group(training_args.ddp_backend, training_args.ddp_timeout)
+        training_args.runtime_started = True
+        _ = training_args.device  # transformers' _setup_devices, now on our process group
+    except ValueError as e:  # torchrun's variables incomplete or garbled (torch's / accelerate's text), as parsing did
+        training_args.runtime_started = False
+        raise ConfigError([str(e).strip()]) from None
 
 
 def deepspeed_cpu_default() -> None:

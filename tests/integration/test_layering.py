@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.paths import ROOT
 
 
@@ -76,3 +78,17 @@ print("ok")
     p = _run(code, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
              MASTER_PORT=str(port))
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2"}, {"WORLD_SIZE": "1", "RANK": "abc"}], ids=["no-master", "bad-rank"])
+def test_incomplete_torchrun_env_is_one_message_and_exit_2(tmp_path, tiny_model_dir, toy_data, env):
+    """torchrun's variables incomplete or garbled: the runtime step (no longer parsing) still ends in one
+    paragraph and exit 2, with the library's own sentence or ours, and no traceback."""
+    p = subprocess.run([sys.executable, "-m", "sft", "train", "--model_name_or_path", str(tiny_model_dir),
+                        "--data_path", str(toy_data), "--output_dir", str(tmp_path / "o"), "--use_lora", "True",
+                        "--model_max_length", "64", "--max_steps", "1", "--report_to", "none"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={k: v for k, v in {**os.environ, **env}.items()
+                            if k not in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") or k in env})
+    assert p.returncode == 2 and "error: invalid configuration" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and ("MASTER_ADDR" in p.stderr or "RANK='abc'" in p.stderr), p.stderr[-2000:]
