@@ -41,7 +41,7 @@ class RunSettings:
             lowered by the memory plan.
         activation_checkpointing: on (set, or turned on by the memory plan because the run does not fit otherwise).
         bf16: the resolved precision: ``--bf16`` True / False, or what ``--bf16 auto`` chose, agreed by every rank
-            (:func:`sft.config.precision.agree_across_ranks`: fp32 everywhere when one rank lacks fast bf16).
+            (:func:`sft.config.precision.agreed_bf16`: fp32 everywhere when one rank lacks fast bf16).
         bf16_reason: why ``--bf16 auto`` chose (None when ``--bf16`` was True or False).
     """
 
@@ -70,13 +70,9 @@ def derive(training_args, resume: Optional[str] = None, grad_accum: Optional[int
     """The settings known before the model is loaded, from validated ``training_args`` (read only), the checkpoint
     chosen (``resume``) and, on a resume at another world size, the recomputed ``grad_accum``. Under ``--bf16 auto``
     every rank agrees on the precision here (a collective under gloo: every rank calls this at the same point)."""
-    from sft.config.precision import agree_across_ranks
+    from sft.config.precision import agreed_bf16
 
-    bf16, reason = bool(training_args.bf16), getattr(training_args, "bf16_reason", None)
-    if getattr(training_args, "bf16_requested", None) == "auto" and reason != "--fp16 True given":
-        agreed = agree_across_ranks(bf16)
-        if bf16 and not agreed:
-            bf16, reason = False, f"{reason}; another rank chose fp32"
+    bf16, reason = agreed_bf16(training_args)
     return RunSettings(world_size=training_args.world_size, micro_batch=training_args.per_device_train_batch_size,
                        configured_grad_accum=training_args.gradient_accumulation_steps,
                        grad_accum=grad_accum or training_args.gradient_accumulation_steps, resume=resume,

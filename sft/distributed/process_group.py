@@ -23,7 +23,6 @@ import socket
 import sys
 from typing import Mapping, Optional
 
-from sft.distributed.collectives import gather_objects  # noqa: F401 (moved to sft.distributed.collectives; re-exported)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
