@@ -43,7 +43,7 @@ def _rank_main(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        from sft.config.precision import agree_across_ranks
+        from sft.config.precision import agree_across_ranks, agreed_bf16
         from sft.data.shards import JobView, agree
         from sft.train.preemption import PreemptionHandler
 
@@ -52,6 +52,8 @@ def _rank_main(rank: int, tmp: str) -> None:
                 "any": [c.any_rank(rank == 1), c.any_rank(False)], "all": [c.all_ranks(rank == 1), c.all_ranks(True)]}
         c.barrier()
         seen["bf16"] = agree_across_ranks(rank == 0)  # one rank without fast bf16: neither uses it
+        auto = types.SimpleNamespace(bf16=rank == 0, bf16_requested="auto", bf16_reason="r")  # --bf16 auto, as parsed
+        seen["agreed"] = list(agreed_bf16(auto))
         handler = PreemptionHandler()
         handler.signum = 15 if rank == 1 else None  # SIGTERM reached rank 1 only
         seen["stop"] = handler._agreed(types.SimpleNamespace(device=torch.device("cpu")))
@@ -82,5 +84,6 @@ def test_two_gloo_ranks(tmp_path):
         assert s["gather"] == [{"rank": 0}, {"rank": 1}] and s["broadcast"] == "from 1"
         assert s["any"] == [True, False] and s["all"] == [False, True]
         assert s["bf16"] is False and s["stop"] is True and s["view"] == [r, 2]
+        assert s["agreed"] == ([False, "r; another rank chose fp32"] if r == 0 else [False, "r"])
     assert seen[0]["plan"] == seen[1]["plan"] and seen[0]["plan"][1:] == [True, [0, 0]]
     assert len(seen[0]["plan"][0]) == 12 and os.listdir(tmp_path / "cache") == []  # rank 0's run id; probe removed
