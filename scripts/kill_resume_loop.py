@@ -115,6 +115,20 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def tail(log_path: str, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log (what a failed run said, for CI's report)."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def port_taken(log_path: str) -> bool:
+    """Whether the last start of the run in ``log_path`` failed because its rendezvous port was taken (torchrun's
+    TCPStore: ``EADDRINUSE``): free_port() releases the port before torchrun binds it, and another process of the
+    machine (a parallel test's connection) may get it in between."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        return "EADDRINUSE" in f.read()[-20000:]
+
+
 def run_to_end(cmd, log_path) -> int:
     with open(log_path, "ab") as log:
         return start(cmd, log).wait()
@@ -219,8 +233,11 @@ def main(argv=None) -> int:
     ref = os.path.join(work, "reference")
     t0 = time.monotonic()
     rc = run_to_end(command(a, ref), os.path.join(work, "reference.log"))
+    if rc != 0 and port_taken(os.path.join(work, "reference.log")):
+        rc = run_to_end(command(a, ref), os.path.join(work, "reference.log"))
     if rc != 0:
-        print(f"reference run failed (rc {rc}); see {work}/reference.log")
+        print(f"reference run failed (rc {rc}); see {work}/reference.log; its last lines:\n"
+              f"{tail(os.path.join(work, 'reference.log'))}")
         return 1
     print(f"reference: {time.monotonic() - t0:.0f} s", flush=True)
     expected = weights(ref)
@@ -233,8 +250,13 @@ def main(argv=None) -> int:
             print(f"[{i + 1}/{a.iterations}] {what}: expected exit {PREEMPTED}", flush=True)
             continue
         rc = run_to_end(command(a, out), log)
+        if rc != 0 and port_taken(log):  # another process took the free port before torchrun bound it: not ours
+            print(f"[{i + 1}/{a.iterations}] the resumed run's port was taken (EADDRINUSE); starting it again on "
+                  "another port", flush=True)
+            rc = run_to_end(command(a, out), log)
         if rc != 0:
-            print(f"[{i + 1}/{a.iterations}] {what}; resume FAILED (rc {rc}; see {log})", flush=True)
+            print(f"[{i + 1}/{a.iterations}] {what}; resume FAILED (rc {rc}; see {log}); its last lines:\n"
+                  f"{tail(log)}", flush=True)
             continue
         diff = differences(expected, weights(out))
         with open(os.path.join(out, "trainer_state.json"), encoding="utf-8") as f:
