@@ -19,7 +19,7 @@ import logging
 import weakref
 from typing import Optional, Sequence
 
-from sft.data.chat_template import CHATML_TEMPLATE, content_is_opaque  # noqa: F401 (re-exported)
+from sft.data.chat_template import CHATML_TEMPLATE, compile_template, content_is_opaque  # noqa: F401 (re-exported)
 from sft.errors import TemplateError
 
 logger = logging.getLogger(__name__)
@@ -44,33 +44,42 @@ def ensure_chat_template(tokenizer) -> bool:
     missing = [t for t in (IM_START, IM_END) if t not in vocab]
     if missing:
         logger.warning("adding ChatML tokens %s to the vocabulary; their embeddings will be trained", missing)
-        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_additional_special_tokens=False)
+        tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     return bool(missing)
 
 
 def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-    """Render ``messages`` to text with the tokenizer's chat template."""
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    """Render ``messages`` to text with the tokenizer's chat template; its own refusal or failure (jinja2's
+    ``raise_exception``, a template that needs a variable it is not given) as :class:`TemplateError`."""
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:
+        raise TemplateError(f"the chat template cannot render this conversation: {' '.join(str(e).split())}") from None
 
 
 def end_of_turn_id(tokenizer) -> int:
     """The special token that closes an assistant turn in this chat template (e.g. ``<|im_end|>``).
 
-    Found by rendering a probe conversation and taking the token right after the reply.
+    Found by rendering a probe conversation and taking the first token after the reply (whitespace before it, as in
+    ``reply\n<|end|>``, is allowed: it is trained as part of the reply, :mod:`sft.data.turns`).
 
     Raises:
-        TemplateError: the template puts something other than a special token after the reply.
+        TemplateError: the template writes nothing, or something other than a special token, after the last reply.
     """
     text, spans = render_with_spans(tokenizer, _PROBE)
     end = spans[0][1]
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    for tid, (s, _e) in zip(enc["input_ids"], enc["offset_mapping"]):
+    special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
+    for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):
         if s >= end:
-            if tid in set(tokenizer.all_special_ids) or tokenizer.convert_ids_to_tokens(tid) in tokenizer.get_added_vocab():
+            if tid in special or tokenizer.convert_ids_to_tokens(tid) in added:
                 return tid
-            break
-    raise TemplateError("the chat template does not close an assistant reply with a special token "
-                        f"(rendered: {text!r}); use a template whose assistant turns end with one, e.g. ChatML")
+            if text[s:e].strip():
+                break
+    after = f"writes {text[end:end + 40]!r} after the last reply" if text[end:].strip() else \
+        "writes nothing after the last reply (the model would not learn to stop)"
+    raise TemplateError(f"the chat template {after}, not a special end-of-turn token; use a template whose "
+                        "assistant turns end with one, e.g. ChatML")
 
 
 def chat_token_ids(tokenizer) -> list[int]:
@@ -260,42 +269,6 @@ _RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokeniz
 # it stays picklable)
 
 
-def _compile_template(template: str):
-    """``template`` compiled as ``apply_chat_template`` compiles it, with the sandbox's attribute check memoized.
-
-    Adapter over private APIs, checked against transformers 5.24 (``_compile_jinja_template``: a jinja2
-    ``ImmutableSandboxedEnvironment`` with transformers' filters, globals and extensions) and jinja2 3.1.6. Why:
-    the sandbox checks every attribute a template reads (``loop.first`` once per message in ChatML-style
-    templates) with ``is_safe_attribute(obj, attr, value)``, which in jinja2 3.1 depends on ``type(obj)`` and
-    ``attr`` only (``isinstance`` tests against the unsafe types and the mutable containers, and the attribute's
-    name; ``value`` is not read): about half of a ChatML rendering's time (measured: 3,000 chitchat
-    conversations, 0.23 s -> 0.13 s). The template is compiled again in an overlay of transformers' environment
-    (the same class, options, filters, globals and extensions) whose check answers from a memo keyed on
-    ``(type(obj), attr)`` and asks the sandbox's own check on a miss: the same answers, so the same text and the
-    same refusals. Any other environment class or jinja2 version gets transformers' compiled template unchanged.
-    """
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from sft.compat.transformers import compile_jinja_template
-
-    compiled = compile_jinja_template(template)
-    base = compiled.environment
-    if type(base) is not ImmutableSandboxedEnvironment or not jinja2.__version__.startswith("3.1."):
-        return compiled
-    env = base.overlay()
-    check, memo = env.is_safe_attribute, {}
-
-    def is_safe_attribute(obj, attr, value):
-        key = (type(obj), attr)
-        ok = memo.get(key)
-        if ok is None:
-            ok = memo[key] = check(obj, attr, value)
-        return ok
-
-    env.is_safe_attribute = is_safe_attribute  # an instance attribute: the sandbox calls self.is_safe_attribute
-    return env.from_string(template)
-
-
 class _Renderer:
     """One render per conversation, spans found in the same render (what :func:`render_with_spans` finds with two
     renders and more).
@@ -316,7 +289,7 @@ class _Renderer:
         from sft.compat.transformers import plain_template_data
 
         self.tokenizer, self.template = tokenizer, tokenizer.chat_template
-        self.compiled = _compile_template(self.template)
+        self.compiled = compile_template(self.template)
         self.opaque = content_is_opaque(self.template, self.compiled.environment)
         self.variables = plain_template_data(dict(tokenizer.special_tokens_map))
         self.skeletons: dict = {}
@@ -357,31 +330,35 @@ class _Renderer:
             self.skeletons[key] = pieces is not None and not any("\ue000" in p or "\ue001" in p for p in pieces)
         return self.skeletons[key]
 
-    def render(self, messages: Sequence[dict]) -> str:
+    def render(self, messages: Sequence[dict], tools=None, add_generation_prompt: bool = False) -> str:
         """Exactly ``render(tokenizer, messages)`` for validated messages, without apply_chat_template's overhead."""
-        return self.compiled.render(messages=list(messages), tools=None, documents=None, add_generation_prompt=False,
-                                    **self.variables)
+        return self.compiled.render(messages=list(messages), tools=tools, documents=None,
+                                    add_generation_prompt=add_generation_prompt, **self.variables)
+
+    def fill(self, messages: Sequence[dict]) -> Optional[tuple[str, list[tuple[int, int]]]]:
+        """``(text, reply content spans)`` of plain ``{"role", "content"}`` messages from their roles' skeleton when
+        that is provably (opaque template) or checkably (the filled skeleton equals the rendering) the rendering;
+        else None."""
+        if not all(type(m) is dict and len(m) == 2 and type(m.get("content")) is str for m in messages):
+            return None
+        roles = tuple(m["role"] for m in messages)
+        pieces = self.skeleton(roles)
+        if pieces is None:
+            return None
+        parts, spans, pos = [pieces[0]], [], len(pieces[0])
+        for m, lit in zip(messages, pieces[1:]):
+            c = m["content"]
+            if m["role"] == "assistant":
+                spans.append((pos, pos + len(c)))
+            parts += (c, lit)
+            pos += len(c) + len(lit)
+        filled = "".join(parts)
+        if (self.opaque and self.exact_skeleton(roles)) or filled == self.render(messages):
+            return filled, spans
+        return None
 
     def render_all(self, conversations: Sequence[Sequence[dict]]) -> list[tuple[str, list[tuple[int, int]]]]:
-        out = []
-        for messages in conversations:
-            if all(type(m) is dict and len(m) == 2 and type(m.get("content")) is str for m in messages):
-                roles = tuple(m["role"] for m in messages)
-                pieces = self.skeleton(roles)
-                if pieces is not None:
-                    parts, spans, pos = [pieces[0]], [], len(pieces[0])
-                    for m, lit in zip(messages, pieces[1:]):
-                        c = m["content"]
-                        if m["role"] == "assistant":
-                            spans.append((pos, pos + len(c)))
-                        parts += (c, lit)
-                        pos += len(c) + len(lit)
-                    filled = "".join(parts)
-                    if (self.opaque and self.exact_skeleton(roles)) or filled == self.render(messages):
-                        out.append((filled, spans))
-                        continue
-            out.append(render_with_spans(self.tokenizer, messages))
-        return out
+        return [self.fill(m) or render_with_spans(self.tokenizer, m) for m in conversations]
 
 
 def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tuple[list[int], list[int]]:
@@ -390,10 +367,12 @@ def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tup
 
 
 def _close_turn(ids, labels, last, eot_id, j):
+    """Label the end-of-turn token right after reply ``j``'s last token ``last``; ``eot_id``: an id, or a frozenset of
+    the ids that may close a reply (e.g. ``<|im_end|>`` and a tool call's ``<|call|>``, :mod:`sft.data.turns`)."""
     nxt = last + 1
-    if last < 0 or nxt >= len(ids) or ids[nxt] != eot_id:
+    if last < 0 or nxt >= len(ids) or not (ids[nxt] in eot_id if isinstance(eot_id, frozenset) else ids[nxt] == eot_id):
         raise TemplateError(f"assistant reply {j} is not followed by the end-of-turn token id {eot_id}")
-    labels[nxt] = eot_id
+    labels[nxt] = ids[nxt]
 
 
 def visualize(tokenizer, input_ids: Sequence[int], labels: Sequence[int], color: bool = False) -> str:

@@ -1,6 +1,7 @@
-"""Chat templates: ChatML (the fallback for a tokenizer without one), and whether a template writes message contents
+"""Chat templates: ChatML (the fallback for a tokenizer without one), whether a template writes message contents
 verbatim and reads nothing else of them (:func:`content_is_opaque`), so that :class:`sft.data.chat._Renderer` may fill a
-per-roles skeleton instead of rendering every conversation."""
+per-roles skeleton instead of rendering every conversation, and the template compiled for fast rendering
+(:func:`compile_template`)."""
 from __future__ import annotations
 
 # ChatML, as Qwen renders it (Qwen2 tokenizer_config.json, without tools), used when a tokenizer
@@ -102,3 +103,39 @@ def content_is_opaque(template: str, env=None) -> bool:
         if not (isinstance(parent, nodes.Output) and any(n is child for n in parent.nodes)):
             return False
     return True
+
+
+def compile_template(template: str):
+    """``template`` compiled as ``apply_chat_template`` compiles it, with the sandbox's attribute check memoized.
+
+    Adapter over private APIs, checked against transformers 5.24 (``_compile_jinja_template``: a jinja2
+    ``ImmutableSandboxedEnvironment`` with transformers' filters, globals and extensions) and jinja2 3.1.6. Why:
+    the sandbox checks every attribute a template reads (``loop.first`` once per message in ChatML-style
+    templates) with ``is_safe_attribute(obj, attr, value)``, which in jinja2 3.1 depends on ``type(obj)`` and
+    ``attr`` only (``isinstance`` tests against the unsafe types and the mutable containers, and the attribute's
+    name; ``value`` is not read): about half of a ChatML rendering's time (measured: 3,000 chitchat
+    conversations, 0.23 s -> 0.13 s). The template is compiled again in an overlay of transformers' environment
+    (the same class, options, filters, globals and extensions) whose check answers from a memo keyed on
+    ``(type(obj), attr)`` and asks the sandbox's own check on a miss: the same answers, so the same text and the
+    same refusals. Any other environment class or jinja2 version gets transformers' compiled template unchanged.
+    """
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from sft.compat.transformers import compile_jinja_template
+
+    compiled = compile_jinja_template(template)
+    base = compiled.environment
+    if type(base) is not ImmutableSandboxedEnvironment or not jinja2.__version__.startswith("3.1."):
+        return compiled
+    env = base.overlay()
+    check, memo = env.is_safe_attribute, {}
+
+    def is_safe_attribute(obj, attr, value):
+        key = (type(obj), attr)
+        ok = memo.get(key)
+        if ok is None:
+            ok = memo[key] = check(obj, attr, value)
+        return ok
+
+    env.is_safe_attribute = is_safe_attribute  # an instance attribute: the sandbox calls self.is_safe_attribute
+    return env.from_string(template)

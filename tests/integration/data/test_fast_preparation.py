@@ -126,20 +126,20 @@ def test_tokenizer_threads_leave_the_users_choice(monkeypatch):
 
 
 def test_memoized_sandbox_renders_and_refuses_as_transformers(smol_tok, qwen_tok, chitchat_messages):
-    """The chat template compiled with the memoized attribute check (sft.data.chat._compile_template) renders what
+    """The chat template compiled with the memoized attribute check (sft.data.chat_template.compile_template) renders what
     apply_chat_template renders, and still refuses what the sandbox refuses, also when the answer comes from the memo
     (the second time)."""
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    from sft.data.chat import _compile_template
+    from sft.data.chat_template import compile_template
 
     for tok, _eot in (smol_tok, qwen_tok):
         renderer = chat._Renderer.of(tok)
         assert renderer.compiled is not _compile_jinja_template(tok.chat_template)  # the memoized one is in use
         for m in chitchat_messages[:20]:
             assert renderer.render(m) == tok.apply_chat_template(m, tokenize=False)
-    safe = _compile_template("{% for m in messages %}{{ loop.index }}{{ m.role.upper() }}{% endfor %}")
+    safe = compile_template("{% for m in messages %}{{ loop.index }}{{ m.role.upper() }}{% endfor %}")
     assert safe.render(messages=[{"role": "user"}, {"role": "assistant"}]) == "1USER2ASSISTANT"
     # (template, refused): the sandbox raises for list mutation and dunder chains; an unsafe attribute printed on its
     # own is an empty undefined
@@ -155,7 +155,7 @@ def test_memoized_sandbox_renders_and_refuses_as_transformers(smol_tok, qwen_tok
     for source, refused in cases:
         expected = outcome(_compile_jinja_template(source))
         assert expected[0] == ("refused" if refused else "ok") and (refused or expected[1] == ""), (source, expected)
-        unsafe = _compile_template(source)
+        unsafe = compile_template(source)
         assert [outcome(unsafe), outcome(unsafe)] == [expected, expected], source  # the second time the memo answers
 
 

@@ -93,8 +93,15 @@ def test_template_without_special_end_token_is_refused(qwen_tok):
     tok = copy.deepcopy(qwen_tok[0])
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
                         "{% if add_generation_prompt %}assistant: {% endif %}"
-    with pytest.raises(TemplateError, match="special token"):
+    with pytest.raises(TemplateError, match="writes nothing after the last reply .* not a special end-of-turn token"):
         end_of_turn_id(tok)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} END\n{% endfor %}"
+    with pytest.raises(TemplateError, match="writes ' END.n' after the last reply, not a special end-of-turn token"):
+        end_of_turn_id(tok)
+    # whitespace before the special token is part of the reply (trained), as Nemotron-Nano-v2 and Reka write it
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n<|im_end|>\n" \
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    assert end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|im_end|>")
 
 
 def _with_template(qwen_tok, template):
@@ -141,3 +148,21 @@ def test_prefix_method_matches_fast_path(qwen_tok, monkeypatch):
 
     monkeypatch.setattr(chat, "render", no_sentinels)
     assert encode_conversation(tok, CONVS["multi"], eot) == fast
+
+
+def test_a_tokenizer_without_template_or_chatml_tokens_gets_both():
+    """ensure_chat_template on a vocabulary without <|im_start|> / <|im_end|> (transformers 5's add_special_tokens
+    takes extra_special_tokens: the older additional_special_tokens keyword raised TypeError here until issue 32)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sft.data.chat import ensure_chat_template
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "there": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    assert ensure_chat_template(tok) is True
+    ids = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids == [3, 4] and set(ids) <= set(tok.all_special_ids)
+    assert end_of_turn_id(tok) == 4
+    assert ensure_chat_template(tok) is False  # has a template now: nothing added
