@@ -98,8 +98,9 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
     """``sft-show-sample MODEL_DIR DATA_FILE [--index 0] [--model_max_length N] [--system_message S]
-    [--long_conversations split|truncate]``: print the rendered training sample(s) of one record with the supervised
-    tokens marked «like this» (several when a long conversation is split)."""
+    [--long_conversations split|truncate] [--mask_history] [--allow_dropped_content]``: print the rendered training
+    sample(s) of one record with the supervised tokens marked «like this» (several when a long conversation is split
+    or the chat template renders earlier turns differently once later turns exist)."""
     ap = argparse.ArgumentParser(prog="sft-show-sample", description=show_sample_main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("model_dir")
     ap.add_argument("data_file")
@@ -107,13 +108,17 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--model_max_length", type=int, default=8192)
     ap.add_argument("--system_message", default=None)
     ap.add_argument("--long_conversations", choices=["split", "truncate"], default="split")
+    ap.add_argument("--mask_history", action="store_true", help="train only the last reply (as sft-train's flag)")
+    ap.add_argument("--allow_dropped_content", action="store_true",
+                    help="show a record whose text the chat template partly drops (as sft-train's flag)")
     a = ap.parse_args(argv)
 
     def body():
         from sft.app.show import show_sample
 
         for line in show_sample(a.model_dir, a.data_file, a.index, a.model_max_length, a.system_message,
-                                a.long_conversations, color=sys.stdout.isatty()):
+                                a.long_conversations, color=sys.stdout.isatty(), mask_history=a.mask_history,
+                                allow_dropped_content=a.allow_dropped_content):
             print(line)
     return run_cli(body)
 

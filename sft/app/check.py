@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from sft.app.train import control_tokens_for, data_sources
+from sft.app.train import control_tokens_for, data_sources, preparation_spec
 from sft.model.loading import load_tokenizer
 
 
@@ -19,26 +19,57 @@ def check_data(model_args, data_args, training_args) -> list[str]:
     """
     from sft.data.records import RecordCheck, iter_conversations
 
-    tok, _, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir)
+    tok, eot, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir)
     control = control_tokens_for(tok, data_args.system_message)
     from sft.data.eval_split import empty_side_error, in_eval, record_key
 
     lines, ratio = [], data_args.eval_split_ratio
     split = ratio is not None and not data_args.eval_data_path
     sources = data_sources(data_args)
+    spec = preparation_spec(data_args, training_args)
+    limit = None if data_args.check_all_records else CHECK_ENCODED
     for path in sources["train"] + ([] if split else sources["eval"]):
-        check, held = RecordCheck(path), 0
+        check, held, batch, encoded = RecordCheck(path), 0, [], 0
         for conv in iter_conversations(path, check, control):
             held += split and in_eval(record_key(conv), ratio, data_args.eval_split_seed)
+            if limit is None or encoded < limit:
+                batch.append(conv)
+                encoded += 1
+                if len(batch) == 256:
+                    _encode(tok, eot, spec, path, check, batch)
+        _encode(tok, eot, spec, path, check, batch)
         check.finish(data_args.on_bad_record)
+        how = (f"; all {encoded} encoded with the chat template" if limit is None or encoded < limit else
+               f"; the first {encoded} encoded with the chat template (--check_all_records True for all)")
         if not split:
-            lines.append(f"{path}: {check.valid} valid conversations")
+            lines.append(f"{path}: {check.valid} valid conversations{how}")
             continue
         if held in (0, check.valid):
             raise empty_side_error(path, ratio, check.valid, held_all=held > 0)
         lines.append(f"{path}: {check.valid} valid conversations ({check.valid - held} for training, {held} held out "
-                     f"for evaluation by --eval_split_ratio {ratio})")
+                     f"for evaluation by --eval_split_ratio {ratio}){how}")
     return lines
+
+
+CHECK_ENCODED = 1000  # records per source that sft-check encodes unless --check_all_records True
+
+
+def _encode(tok, eot: int, spec, path: str, check, batch: list) -> None:
+    """Encode ``batch`` (conversations) as training does; the chat template's refusals become record problems in
+    ``check``. Empties ``batch``."""
+    from sft.data.records import template_problem
+    from sft.data.samples import encode_samples
+
+    if not batch:
+        return
+    out = encode_samples(tok, [c.messages for c in batch], eot, spec.max_len, spec.system_message,
+                         spec.long_conversations, [c.tools for c in batch], spec.last_reply_only,
+                         spec.allow_dropped_content)
+    for c, samples in zip(batch, out):
+        if isinstance(samples, Exception):
+            check.valid -= 1
+            check.add([template_problem(path, c, samples)])
+    batch.clear()
 
 
 def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:

@@ -6,24 +6,27 @@ import os
 from typing import Iterator, Optional
 
 from sft.data.chat import visualize
-from sft.data.records import RecordCheck, iter_conversations
+from sft.data.records import RecordCheck, iter_conversations, template_problem
 from sft.data.samples import encode_samples
-from sft.errors import SFTError
+from sft.errors import DataError, SFTError
 from sft.model.loading import load_tokenizer
 
 
 def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length: int = 8192,
                 system_message: Optional[str] = None, long_conversations: str = "split",
-                color: bool = False) -> Iterator[str]:
+                color: bool = False, mask_history: bool = False, allow_dropped_content: bool = False) -> Iterator[str]:
     """Yield, per training sample of the ``index``-th valid record (0-based) of ``data_file``: a header line (record
     index and id, tokens, supervised tokens, truncation) and the rendered text with supervised tokens marked «like
-    this» (ANSI colour instead when ``color``). Several samples when a long conversation is split.
+    this» (ANSI colour instead when ``color``). Several samples when a long conversation is split, or when the chat
+    template renders earlier turns differently once later turns exist (:mod:`sft.data.turns`). ``mask_history`` /
+    ``allow_dropped_content``: as ``--mask_history`` / ``--allow_dropped_content``.
 
     The file is streamed up to the record asked for: a huge file is not loaded.
 
     Raises:
         SFTError: ``model_dir`` is not a model folder, ``model_max_length`` < 8, ``index`` < 0 or past the last valid
-            record; and as :func:`sft.model.loading.load_tokenizer` / :class:`sft.data.records.RecordCheck`.
+            record; DataError: the chat template refuses the record (its problem: file, record, turn, fix); and as
+            :func:`sft.model.loading.load_tokenizer` / :class:`sft.data.records.RecordCheck`.
     """
     if not os.path.isfile(os.path.join(model_dir, "config.json")) and not os.path.isfile(
             os.path.join(model_dir, "tokenizer.json")):
@@ -37,7 +40,10 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length
     if c is None:
         raise SFTError(f"--index {index}: the file has {check.valid} valid records")
     tok, eot, _ = load_tokenizer(model_dir)
-    samples = encode_samples(tok, [c.messages], eot, model_max_length, system_message, long_conversations)[0]
+    samples = encode_samples(tok, [c.messages], eot, model_max_length, system_message, long_conversations, [c.tools],
+                             mask_history, allow_dropped_content)[0]
+    if isinstance(samples, Exception):
+        raise DataError(str(template_problem(data_file, c, samples)))
     for k, ex in enumerate(samples):
         part = f" sample {k + 1} of {len(samples)}:" if len(samples) > 1 else ""
         yield (f"record {c.index} id={c.id}:{part} {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"

@@ -85,7 +85,8 @@ def preparation_spec(data_args, training_args) -> PreparationSpec:
         num_proc=data_args.preprocessing_num_workers, weights=tuple(weights) if weights is not None else None,
         seed=training_args.data_seed if training_args.data_seed is not None else training_args.seed,
         data_timeout=data_args.data_timeout, eval_split_ratio=data_args.eval_split_ratio,
-        eval_split_seed=data_args.eval_split_seed)
+        eval_split_seed=data_args.eval_split_seed, last_reply_only=data_args.mask_history,
+        allow_dropped_content=data_args.allow_dropped_content)
 
 
 def load_records(sources: dict[str, list[str]], tok, eot: int, spec: PreparationSpec) -> dict:

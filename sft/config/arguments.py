@@ -105,6 +105,16 @@ class DataArguments:
                   "--lazy_preprocess True (which cannot know a conversation's sample count before reading it).",
                   "choices": ["split", "truncate"]},
     )
+    mask_history: bool = field(default=False, metadata={
+        "help": "Train only the last assistant reply of each conversation; earlier replies are context (LLaMA-Factory's "
+                "mask_history). Default: every reply not marked \"train\": false / \"weight\": 0."})
+    allow_dropped_content: bool = field(default=False, metadata={
+        "help": "Train a conversation even when the chat template drops part of it (e.g. reasoning it strips, or the "
+                "record's tools under a template that ignores tools); what it drops is counted in the log. Default: "
+                "such a record is refused, naming the turn and what is dropped."})
+    check_all_records: bool = field(default=False, metadata={
+        "help": "sft-check: encode every record with the chat template, as training does (default: validate every "
+                "record, encode the first 1000 of each source)."})
     eval_split_ratio: Optional[float] = field(
         default=None,
         metadata={"help": "Without --eval_data_path: hold out this fraction (0 < R < 1) of --data_path's records "

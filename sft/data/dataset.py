@@ -31,8 +31,8 @@ from transformers import DataCollatorForSeq2Seq
 
 from sft import __version__
 from sft.data.chat import IGNORE_INDEX
-from sft.data.records import RecordCheck, iter_conversations, log_duplicate_ids
-from sft.errors import DataError
+from sft.data.records import RecordCheck, iter_conversations, log_duplicate_ids, template_problem
+from sft.errors import DataError, TemplateError
 from sft.fsio import file_sha256
 from sft.data.eval_split import empty_side_error, in_eval, record_key
 from sft.data.samples import TruncationReport, encode_samples, encode_truncated, truncate  # noqa: F401 (re-exported)
@@ -77,8 +77,7 @@ def _features(lazy: bool):
 
     if lazy:
         return datasets.Features({"id": datasets.Value("string"), "record": datasets.Value("int64"),
-                                  "messages": datasets.List(
-            {"role": datasets.Value("string"), "content": datasets.Value("string")})})
+                                  "messages": datasets.Value("string")})  # JSON: {"messages": [...], "tools": ...}
     return datasets.Features({"id": datasets.Value("string"), "record": datasets.Value("int64"),
                               "input_ids": datasets.List(datasets.Value("int32")),
                               "labels": datasets.List(datasets.Value("int32")), "n_supervised": datasets.Value("int32")})
@@ -126,10 +125,16 @@ def _write_part(p: int, job: Optional[_Job] = None) -> dict:
             for c in batch:
                 rows["id"].append(c.id)
                 rows["record"].append(c.index)
-                rows["messages"].append(c.messages)
+                rows["messages"].append(json.dumps({"messages": c.messages, "tools": c.tools}, ensure_ascii=False))
         elif batch:
             for c, samples in zip(batch, encode_samples(job.tokenizer, [c.messages for c in batch], job.eot_id,
-                                                        spec.max_len, spec.system_message, spec.long_conversations)):
+                                                        spec.max_len, spec.system_message, spec.long_conversations,
+                                                        [c.tools for c in batch], spec.last_reply_only,
+                                                        spec.allow_dropped_content)):
+                if isinstance(samples, TemplateError):  # the template refuses this record: a record problem
+                    check.valid -= 1
+                    check.add([template_problem(job.path, c, samples)])
+                    continue
                 report.count_conversation(samples, c.id)
                 for ex in samples:
                     if ex["n_supervised"] > 0:
@@ -191,7 +196,8 @@ def prepare_source(job: _Job, cache_root: str, plan: Plan):
     spec, holdout, parts = job.spec, job.holdout, job.spec.num_proc or 1
     settings = {"max_len": spec.max_len, "system_message": spec.system_message, "on_bad_record": spec.on_bad_record,
                 "control_tokens": list(job.control_tokens), "lazy": spec.lazy,
-                "long_conversations": spec.long_conversations,
+                "long_conversations": spec.long_conversations, "last_reply_only": spec.last_reply_only,
+                "allow_dropped_content": spec.allow_dropped_content,
                 "holdout": list(holdout) if holdout else None}
     key_dir = os.path.join(cache_root, cache_key(job.path, job.tokenizer, settings))
     os.makedirs(key_dir, exist_ok=True)
@@ -334,7 +340,8 @@ def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, spec: Preparatio
         reports.append(report.__dict__)
     ds = mix(out, spec.weights, spec.seed, paths)
     if spec.lazy:
-        return LazySupervisedDataset(ds, tokenizer, eot_id, spec.max_len, spec.system_message, ", ".join(paths)), None
+        return LazySupervisedDataset(ds, tokenizer, eot_id, spec.max_len, spec.system_message, ", ".join(paths),
+                                     spec), None
     return ds, TruncationReport.merge(reports)
 
 class LazySupervisedDataset(torch.utils.data.Dataset):
@@ -347,8 +354,9 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, records, tokenizer, eot_id: int, max_len: int, system_message: Optional[str],
-                 data_path: str = "data"):
+                 data_path: str = "data", spec: Optional[PreparationSpec] = None):
         self.records, self.tokenizer, self.eot_id, self.data_path = records, tokenizer, eot_id, data_path
+        self.spec = spec or PreparationSpec(max_len=max_len, system_message=system_message)
         self.max_len, self.system_message = max_len, system_message
         self.report = TruncationReport()
         self._seen: set[int] = set()
@@ -363,7 +371,7 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
         for step in range(n):
             j = (i + step) % n
             rec = self.records[j]
-            ex = encode_truncated(self.tokenizer, rec["messages"], self.eot_id, self.max_len, self.system_message)
+            ex = self._encode(rec)
             if j not in self._seen:
                 self._seen.add(j)
                 self.report.count(ex, rec["id"])
@@ -374,6 +382,18 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
                 return {"input_ids": ex["input_ids"], "labels": ex["labels"]}
         raise DataError(f"{self.data_path}: no sample has a supervised token within --model_max_length "
                         f"{self.max_len}; raise --model_max_length")
+
+    def _encode(self, rec) -> dict:
+        """The one sample of a record (a chat template that makes several samples of it is refused: lazy mode keeps
+        one sample per record)."""
+        conv = json.loads(rec["messages"]) if isinstance(rec["messages"], str) else {"messages": rec["messages"]}
+        samples = encode_truncated(self.tokenizer, conv["messages"], self.eot_id, self.max_len, self.system_message,
+                                   conv.get("tools"), self.spec.last_reply_only, self.spec.allow_dropped_content)
+        if len(samples) > 1:
+            raise DataError(f"{self.data_path}: record id={rec['id']}: the chat template renders earlier turns "
+                            f"differently once later turns exist, so it is {len(samples)} samples; --lazy_preprocess "
+                            "keeps one sample per record: drop --lazy_preprocess")
+        return samples[0]
 
 
 def make_collator(tokenizer, pad_to_multiple_of: int = 8) -> DataCollatorForSeq2Seq:

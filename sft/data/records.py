@@ -6,18 +6,20 @@ folders) are read by :mod:`sft.data.sources`.
 
 Record forms (both may be mixed in one file):
 
-* Qwen: ``{"id": ..., "conversations": [{"from": "user"|"assistant"|"system", "value": str}, ...]}``
-  with the aliases ``human`` -> user and ``gpt`` -> assistant.
-* OpenAI: ``{"id": ... (optional), "messages": [{"role": ..., "content": str}, ...]}``.
+* Qwen: ``{"id": ..., "conversations": [{"from": "user"|"assistant"|"system"|"tool", "value": ...}, ...]}``
+  with the aliases ``human`` -> user, ``gpt`` -> assistant, and LLaMA-Factory's ``function_call`` /
+  ``observation``.
+* OpenAI: ``{"id": ... (optional), "messages": [{"role": ..., "content": ...}, ...], "tools": [...] (optional)}``.
 * Alpaca: ``{"instruction": str, "input": str (optional, may be empty), "output": str, "system": str (optional)}``:
   one user turn (the instruction, then a blank line and the input when there is one) and one assistant turn.
 
-Rules: an optional leading system turn, then turns alternating user, assistant, ... starting with
-user and ending with assistant (at least one assistant turn). Every value is a non-empty string.
+What a turn may hold (content parts, reasoning, tool calls and results, ``train`` / ``weight``) and the order of
+turns (an optional leading system turn, then user, assistant, ...; tool results right after the assistant turn
+whose calls they answer; the last turn from the assistant): :mod:`sft.data.messages`.
 
 The output of this module is a stream of :class:`Conversation` with roles normalised to
-``system``/``user``/``assistant`` (:func:`iter_conversations`, memory bounded by the capped list of problems);
-nothing downstream looks at the raw records again.
+``system``/``user``/``assistant``/``tool`` (:func:`iter_conversations`, memory bounded by the capped list of
+problems); nothing downstream looks at the raw records again.
 """
 from __future__ import annotations
 
@@ -27,23 +29,26 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
+from sft.data.messages import ROLE_ALIASES, ROLES_HELP, TurnProblem, normalize_tools, normalize_turn, structure_problem
 from sft.data.sources import Problem, iter_raw  # noqa: F401  (Problem re-exported: a record's problem)
 from sft.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
 FORMS = {"conversations": ("from", "value"), "messages": ("role", "content")}
 MAX_PROBLEMS_SHOWN = 20
 
 
 @dataclass
 class Conversation:
-    """One validated record. ``messages`` is a list of ``{"role", "content"}`` dicts (roles normalised)."""
+    """One validated record. ``messages`` is a list of message dicts (``{"role", "content"}`` plus, where the record
+    has them, ``reasoning_content``, ``tool_calls``, ``tool_call_id``, ``name`` and ``"train": False``; roles
+    normalised: :mod:`sft.data.messages`); ``tools`` the record's tool schemas in OpenAI's form, or None."""
 
     id: str
     index: int
-    messages: list[dict[str, str]]
+    messages: list[dict]
+    tools: Optional[list[dict]] = None
 
 
 def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Problem]:
@@ -74,38 +79,65 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
         return [Problem(path, index, rid, f"'{form}' is empty", "add at least a user turn and an assistant turn",
                         kind="empty conversation")]
     problems: list[Problem] = []
-    messages: list[dict[str, str]] = []
+    messages: list[dict] = []
+    tools = None
+    if rec.get("tools") is not None:
+        try:
+            tools = normalize_tools(rec["tools"]) or None
+        except TurnProblem as e:
+            problems.append(Problem(path, index, rid, e.what, e.fix, kind=e.kind))
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict):
             problems.append(Problem(path, index, rid, f"the turn is a {type(turn).__name__}, not an object",
                                     f'write it as {{"{role_key}": ..., "{text_key}": ...}}', t, kind="bad type"))
             continue
         role, text = turn.get(role_key), turn.get(text_key)
-        for key, val in ((role_key, role), (text_key, text)):
-            if key not in turn:
-                other = f" (found keys: {', '.join(sorted(turn))})" if turn else ""
-                problems.append(Problem(path, index, rid, f"missing key '{key}'{other}",
-                                        f"'{form}' turns need '{role_key}' and '{text_key}'", t, kind="missing key"))
-            elif not isinstance(val, str):
-                problems.append(Problem(path, index, rid, f"'{key}' is {json.dumps(val)[:40]}, not a string",
-                                        f"give '{key}' a string value", t, kind="not a string"))
-        if not isinstance(role, str) or not isinstance(text, str):
+        if role_key not in turn:
+            other = f" (found keys: {', '.join(sorted(turn))})" if turn else ""
+            problems.append(Problem(path, index, rid, f"missing key '{role_key}'{other}",
+                                    f"'{form}' turns need '{role_key}' and '{text_key}'", t, kind="missing key"))
             continue
-        norm = ROLE_ALIASES.get(role.strip().lower())
-        if norm is None:
-            problems.append(Problem(path, index, rid, f"unknown role '{role}' in '{role_key}'",
-                                    "use user, assistant or system (aliases: human, gpt)", t, kind="unknown role"))
+        if not isinstance(role, str):
+            problems.append(Problem(path, index, rid, f"'{role_key}' is {json.dumps(role)[:40]}, not a string",
+                                    f"give '{role_key}' a string value", t, kind="not a string"))
             continue
-        if not text.strip():
-            problems.append(Problem(path, index, rid, f"empty '{text_key}' for role {norm}",
-                                    "give the turn some text or remove it", t, kind="empty value"))
-        elif not _encodable(text):
+        alias = role.strip().lower()
+        if alias not in ROLE_ALIASES:
+            problems.append(Problem(path, index, rid, f"unknown role '{role}' in '{role_key}'", ROLES_HELP, t,
+                                    kind="unknown role"))
+            continue
+        if text_key not in turn and not (ROLE_ALIASES[alias] == "assistant" and turn.get("tool_calls")):
+            other = f" (found keys: {', '.join(sorted(turn))})" if turn else ""
+            problems.append(Problem(path, index, rid, f"missing key '{text_key}'{other}",
+                                    f"'{form}' turns need '{role_key}' and '{text_key}'", t, kind="missing key"))
+            continue
+        try:
+            msg = normalize_turn(alias, text, turn, text_key)
+        except TurnProblem as e:
+            problems.append(Problem(path, index, rid, e.what, e.fix, t, kind=e.kind))
+            continue
+        if not all(_encodable(x) for x in _texts(msg)):
             problems.append(Problem(path, index, rid, f"'{text_key}' holds an unpaired UTF-16 surrogate (a \\ud800-"
                                     "\\udfff escape)", "fix the text's encoding", t, kind="invalid unicode"))
-        messages.append({"role": norm, "content": text, "_turn": t})
+        messages.append(dict(msg, _turn=t))
     if problems:
         return problems
-    return _check_order(path, index, rid, messages)
+    bad = structure_problem(messages, tools)
+    if bad is not None:
+        what, fix, t, kind = bad
+        return [Problem(path, index, rid, what, fix, None if t < 0 else t, kind=kind)]
+    clean = [{k: v for k, v in m.items() if k != "_turn"} for m in messages]
+    return Conversation(id=rid if rid is not None else f"#{index}", index=index, messages=clean, tools=tools)
+
+
+def _texts(msg: dict) -> list[str]:
+    """Every text of a message: content, reasoning, tool call names and arguments (as JSON), tool result ids."""
+    out = [msg["content"]]
+    if "reasoning_content" in msg:
+        out.append(msg["reasoning_content"])
+    for c in msg.get("tool_calls", ()):
+        out += [c["function"]["name"], json.dumps(c["function"]["arguments"], ensure_ascii=False)]
+    return out
 
 
 def _encodable(text: str) -> bool:
@@ -114,28 +146,6 @@ def _encodable(text: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
-
-
-def _check_order(path, index, rid, messages) -> Conversation | list[Problem]:
-    body = messages[1:] if messages[0]["role"] == "system" else messages
-    for pos, m in enumerate(body):
-        expected = "user" if pos % 2 == 0 else "assistant"
-        if m["role"] != expected:
-            what = ("a system turn after the first turn" if m["role"] == "system"
-                    else f"role {m['role']} where {expected} was expected (roles out of order)")
-            return [Problem(path, index, rid, what, "turns must go [system,] user, assistant, user, assistant, ...; "
-                            "merge consecutive turns of one speaker", m["_turn"], kind="roles out of order")]
-    if not any(m["role"] == "assistant" for m in body):
-        return [Problem(path, index, rid, "no assistant turn", "add the assistant's reply: only replies are trained",
-                        kind="no assistant turn")]
-    if body[-1]["role"] != "assistant":
-        return [Problem(path, index, rid, "the last turn is from the user, so nothing after it is trained",
-                        "remove the trailing user turn or add the assistant's reply", body[-1]["_turn"],
-                        kind="roles out of order")]
-    clean = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return Conversation(id=rid if rid is not None else f"#{index}", index=index, messages=clean)
-
-
 
 
 def _alpaca(path: str, index: int, rid: Optional[str], rec: dict) -> Conversation | list[Problem]:
@@ -164,12 +174,23 @@ def _alpaca(path: str, index: int, rid: Optional[str], rec: dict) -> Conversatio
 
 def _control_problem(path: str, conv: Conversation, control_tokens: Sequence[str]) -> Optional[Problem]:
     for t, m in enumerate(conv.messages):
-        found = [tok for tok in control_tokens if tok in m["content"]]
+        found = [tok for tok in control_tokens if any(tok in x for x in _texts(m))]
         if found:
             return Problem(path, conv.index, conv.id, f"the {m['role']} text contains the control token(s) "
                            f"{', '.join(found)}", "remove them or write them differently (they would become real "
                            "chat-template tokens)", t, kind="control token in text")
+    if conv.tools:
+        found = [tok for tok in control_tokens if tok in json.dumps(conv.tools, ensure_ascii=False)]
+        if found:
+            return Problem(path, conv.index, conv.id, f"'tools' contains the control token(s) {', '.join(found)}",
+                           "remove them from the tool schemas", kind="control token in text")
     return None
+
+
+def template_problem(path: str, conv: Conversation, err: Exception) -> Problem:
+    """The chat template's refusal of one conversation (:func:`sft.data.samples.encode_samples`) as its problem."""
+    what, fix = getattr(err, "what", str(err)), getattr(err, "fix", "use another chat template")
+    return Problem(path, conv.index, conv.id, what, fix, getattr(err, "turn", None), kind="refused by the template")
 
 
 @dataclass

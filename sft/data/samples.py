@@ -7,8 +7,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from sft.data.chat import IGNORE_INDEX, encode_conversations, with_system
+from sft.data.chat import IGNORE_INDEX, with_system
 from sft.data.long_conversations import split_conversation
+from sft.errors import TemplateError
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,11 @@ class TruncationReport:
     split: int = 0
     user_turns_cut: int = 0
     mode: str = "truncate"
+    rewritten: int = 0  # conversations the chat template made several samples of (sft.data.turns)
+    extra_samples: int = 0
+    extra_tokens: int = 0
+    dropped_chars: int = 0  # characters the template dropped (--allow_dropped_content True)
+    dropped_conversations: int = 0
 
     @property
     def kept(self) -> int:
@@ -46,8 +52,14 @@ class TruncationReport:
     def count_conversation(self, samples: Sequence[dict], sample_id: str) -> None:
         """Add the samples of one conversation (:func:`encode_samples`) to the counts."""
         self.conversations += 1
-        self.split += int(len(samples) > 1)
+        extra = samples[0].get("extra_samples", 0)
+        self.split += int(len(samples) - extra > 1)
         self.user_turns_cut += samples[0].get("user_cut", 0)
+        self.rewritten += int(extra > 0)
+        self.extra_samples += extra
+        self.extra_tokens += samples[0].get("extra_tokens", 0)
+        self.dropped_chars += samples[0].get("dropped", 0)
+        self.dropped_conversations += int(samples[0].get("dropped", 0) > 0)
         for ex in samples:
             self.count(ex, sample_id)
 
@@ -56,7 +68,8 @@ class TruncationReport:
         out = cls()
         for d in parts:
             for k in ("samples", "truncated", "supervised_tokens", "supervised_tokens_lost", "n_dropped",
-                      "conversations", "split", "user_turns_cut"):
+                      "conversations", "split", "user_turns_cut", "rewritten", "extra_samples", "extra_tokens",
+                      "dropped_chars", "dropped_conversations"):
                 setattr(out, k, getattr(out, k) + d[k])
             out.mode = d["mode"]
             out.dropped_ids += d["dropped_ids"][:50 - len(out.dropped_ids)]
@@ -65,8 +78,15 @@ class TruncationReport:
     def lines(self, name: str, max_len: int) -> list[str]:
         source = f" from {self.conversations} conversations" if self.conversations else ""
         out = [f"{name}: {self.kept} of {self.samples} samples kept{source}, {self.supervised_tokens} supervised tokens"]
+        if self.rewritten:
+            out.append(f"{name}: the chat template renders earlier turns differently once later turns exist: "
+                       f"{self.rewritten} conversations became {self.rewritten + self.extra_samples} samples (each "
+                       f"reply trained once, in the context it has at inference), {self.extra_tokens} extra tokens")
+        if self.dropped_chars:
+            out.append(f"{name}: the chat template dropped {self.dropped_chars} characters of "
+                       f"{self.dropped_conversations} conversations (--allow_dropped_content True)")
         if self.split:
-            pieces = self.samples - (self.conversations - self.split)
+            pieces = self.samples - self.extra_samples - (self.conversations - self.split)
             out.append(f"{name}: {self.split} of {self.conversations} conversations longer than --model_max_length "
                        f"{max_len} were split at turn boundaries into {pieces} samples (earlier turns as unsupervised "
                        "context)")
@@ -102,28 +122,108 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
 
 
 def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, max_len: int,
-                   system_message: Optional[str], long_conversations: str = "split") -> list[list[dict]]:
+                   system_message: Optional[str], long_conversations: str = "split",
+                   tools: Optional[Sequence[Optional[list]]] = None, last_reply_only: bool = False,
+                   allow_dropped_content: bool = False) -> list:
     """The training samples of each conversation (default system prompt applied), one batched tokenizer call.
 
-    ``long_conversations``: ``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries
-    (:func:`sft.data.long_conversations.split_conversation`; only a reply too long by itself is then truncated);
-    ``"truncate"`` keeps its first ``max_len`` tokens. Returns one list of samples per conversation, in order;
-    each sample is a :func:`truncate` dict, and the first sample's ``user_cut`` counts the conversation's user
-    turns cut from the start (0 in the others). This is the one place where a conversation becomes samples.
+    Labels follow the definition of :mod:`sft.data.turns` (what the model generates at inference after each reply's
+    generation prompt, up to its end-of-turn token). Plain conversations (``{"role", "content"}`` turns, no tools)
+    under a template whose replies' trained text is exactly their content (:func:`sft.data.turns.
+    one_sample_of_contents`, e.g. ChatML, SmolLM2, Qwen2.5) take the fast path (:func:`sft.data.chat.
+    encode_conversations`); every other conversation is planned reply by reply (:func:`sft.data.turns.plan`),
+    possibly into several samples.
+
+    Args:
+        tools: per conversation, the record's tool schemas or None (default: none).
+        last_reply_only: train only each conversation's last reply (``--mask_history``).
+        allow_dropped_content: train a conversation even when the template drops some of its text (counted in the
+            ``dropped`` of its first sample); default: refuse it.
+        long_conversations: ``"split"`` cuts a conversation longer than ``max_len`` that is one sample at turn
+            boundaries (:func:`sft.data.long_conversations.split_conversation`; only a reply too long by itself is then
+            truncated); ``"truncate"`` keeps its first ``max_len`` tokens, as does every sample of a conversation the
+            template makes several samples of, or that holds tool calls.
+
+    Returns:
+        Per conversation, in order: its list of samples (:func:`truncate` dicts; the first also has ``user_cut``, the
+        user turns cut from the start, ``extra_samples`` and ``extra_tokens``, what several samples cost, and
+        ``dropped``, the characters the template dropped), or the :class:`~sft.errors.TemplateError` that refuses it
+        (its message names the turn). This is the one place where a conversation becomes samples.
     """
+    from sft.data.chat import Encoded, _Renderer, labels_from_spans
+    from sft.data.turns import describe_dropped, one_sample_of_contents, plan, refusal, stop_tokens
+
+    given = conversations
     conversations = [with_system(m, system_message) for m in conversations]
-    out = []
-    for messages, full in zip(conversations, encode_conversations(tokenizer, conversations, eot_id)):
-        pieces, cut = (([full], 0) if long_conversations != "split" or len(full[0]) <= max_len
-                       else split_conversation(tokenizer, messages, eot_id, max_len, full))
-        out.append([dict(truncate(ids, labels, max_len), user_cut=cut if k == 0 else 0)
-                    for k, (ids, labels) in enumerate(pieces)])
+    tools = list(tools) if tools is not None else [None] * len(conversations)
+    renderer, stops = _Renderer.of(tokenizer), stop_tokens(tokenizer, eot_id)
+    closing = frozenset(tokenizer.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot_id
+    out: list = [None] * len(conversations)
+    texts, owners = [], []  # texts to tokenize; per text (conversation, spans, splittable)
+    for i, (messages, tl) in enumerate(zip(conversations, tools)):
+        plain = tl is None and not last_reply_only and all(len(m) == 2 for m in messages)
+        got = renderer.fill(messages) if plain and one_sample_of_contents(
+            tokenizer, tuple(m["role"] for m in messages), stops) else None
+        if got is not None:
+            texts.append(got[0])
+            owners.append((i, got[1], True, 0))
+            continue
+        try:
+            p = plan(tokenizer, messages, tl, stops, last_reply_only)
+        except TemplateError as e:
+            out[i] = e
+            continue
+        if p.dropped and not allow_dropped_content:
+            out[i] = refusal(None, f"the chat template drops {describe_dropped(p.dropped)}, so the model would never "
+                             "see it", "use a template that renders it, remove it, or pass --allow_dropped_content "
+                             "True to train without it")
+            continue
+        whole = plain and len(p.samples) == 1 and [p.samples[0][0][a:b] for a, b in p.samples[0][1]] == [
+            m["content"] for m in messages if m["role"] == "assistant"]
+        for text, spans, _last in p.samples:
+            texts.append(text)
+            owners.append((i, spans, whole, sum(n for _t, _w, n in p.dropped)))
+    enc = (tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False) if texts
+           else {"input_ids": [], "offset_mapping": []})
+    lengths: dict = {}
+    for text, ids, offs, (i, spans, whole, dropped) in zip(texts, enc["input_ids"], enc["offset_mapping"], owners):
+        if isinstance(out[i], Exception):
+            continue
+        try:
+            full = Encoded(ids, labels_from_spans(ids, offs, spans, closing), text, offs, spans)
+            pieces, cut = (([full], 0) if not whole or long_conversations != "split" or len(ids) <= max_len
+                           else split_conversation(tokenizer, conversations[i], eot_id, max_len, full))
+        except TemplateError as e:
+            out[i] = e
+            continue
+        first = out[i] is None
+        out[i] = (out[i] or []) + [dict(truncate(a, b, max_len), user_cut=cut if first and k == 0 else 0)
+                                   for k, (a, b) in enumerate(pieces)]
+        lengths.setdefault(i, []).append(len(ids))
+        if first:
+            out[i][0]["dropped"] = dropped
+    for i, e in enumerate(out):  # name turns as the record numbers them (not counting a default system prompt)
+        if isinstance(e, TemplateError) and getattr(e, "turn", None) is not None:
+            e.turn -= len(conversations[i]) - len(given[i])
+    for i, n in lengths.items():
+        if isinstance(out[i], list):  # what the template's rewriting cost: samples and tokens beyond the last one
+            out[i][0]["extra_samples"], out[i][0]["extra_tokens"] = len(n) - 1, sum(n) - n[-1]
     return out
 
 
-def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str]) -> dict:
-    """The first sample of one conversation (see :func:`encode_samples`)."""
-    return encode_samples(tokenizer, [conv_messages], eot_id, max_len, system_message, "truncate")[0][0]
+def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str],
+                     tools: Optional[list] = None, last_reply_only: bool = False,
+                     allow_dropped_content: bool = False) -> list[dict]:
+    """The samples of one conversation, each truncated to ``max_len`` (see :func:`encode_samples`).
+
+    Raises:
+        TemplateError: the chat template refuses the conversation.
+    """
+    out = encode_samples(tokenizer, [conv_messages], eot_id, max_len, system_message, "truncate", [tools],
+                         last_reply_only, allow_dropped_content)[0]
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 def limit_tokenizer_threads(processes_per_node: int) -> None:

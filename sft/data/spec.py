@@ -37,6 +37,9 @@ class PreparationSpec:
         eval_split_ratio: the fraction (0 < R < 1) of the train sources' records held out for evaluation
             (``--eval_split_ratio``); None (default): no split.
         eval_split_seed: the seed of that choice (``--eval_split_seed``; default 0).
+        last_reply_only: train only each conversation's last reply (``--mask_history``; default False).
+        allow_dropped_content: train a conversation whose text the chat template partly drops, counting what it
+            drops (``--allow_dropped_content``; default False: such a record is refused).
     """
 
     max_len: int
@@ -51,3 +54,5 @@ class PreparationSpec:
     data_timeout: float = 14400.0
     eval_split_ratio: Optional[float] = None
     eval_split_seed: int = 0
+    last_reply_only: bool = False
+    allow_dropped_content: bool = False

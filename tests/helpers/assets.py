@@ -160,3 +160,68 @@ def with_quantization_config(src: str, out: str, quantization_config: dict | Non
         with open(os.path.join(out, "quantize_config.json"), "w") as f:
             json.dump(legacy_quantize_config, f)
     return out
+
+
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
+
+
+def chat_template_corpus_dir() -> str:
+    """llama.cpp's collection of real chat templates (``vendor/llama.cpp/models/templates/*.jinja``, 70 of them), from
+    PyPI's ``llama-cpp-python==0.3.36`` source distribution (``pip download --no-deps --no-binary :all:``, about 77 MB,
+    once); only the templates are kept."""
+    import glob
+    import subprocess
+    import sys
+    import tarfile
+
+    def build(out):
+        dl = out + "-download"
+        shutil.rmtree(dl, ignore_errors=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d",
+                            dl, LLAMA_CPP_SDIST], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"pip download {LLAMA_CPP_SDIST} failed (the template corpus comes from PyPI):\n"
+                               f"{r.stderr[-2000:]}")
+        (archive,) = glob.glob(os.path.join(dl, "*.tar.gz"))
+        os.makedirs(out)
+        with tarfile.open(archive) as tar:
+            for m in tar.getmembers():
+                if m.isfile() and "/vendor/llama.cpp/models/templates/" in m.name and m.name.endswith(".jinja"):
+                    with tar.extractfile(m) as src, open(os.path.join(out, os.path.basename(m.name)), "wb") as dst:
+                        dst.write(src.read())
+        shutil.rmtree(dl)
+
+    return _atomic_build(os.path.join(CACHE, "chat-templates-" + LLAMA_CPP_SDIST.replace("==", "-")), build)
+
+
+QWEN3_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_chat_template.jinja")
+QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def tiny_qwen3_chat_dir() -> str:
+    """The tiny random model of :func:`tiny_qwen2_dir` with Qwen3's published chat template
+    (``tests/helpers/qwen3_chat_template.jinja``: Qwen/Qwen3-0.6B's, as llama.cpp's collection ships it) and Qwen3's
+    added tokens ``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>``, ``<think>``,
+    ``</think>`` (added, not special, as in Qwen3's tokenizer; ids 151646-151651), eos ``<|im_end|>`` as Qwen3's."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok_dir = qwen_tokenizer_dir()
+    template = open(QWEN3_TEMPLATE, encoding="utf-8").read()
+
+    def build(out):
+        torch.manual_seed(0)
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in QWEN3_ADDED])
+        assert tok.convert_tokens_to_ids(QWEN3_ADDED) == list(range(151646, 151652))
+        tok.eos_token, tok.chat_template = "<|im_end|>", template
+        cfg = Qwen2Config(vocab_size=151652, hidden_size=64, intermediate_size=128, initializer_range=0.1,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None,
+                          eos_token_id=151645, pad_token_id=None)
+        Qwen2ForCausalLM(cfg).save_pretrained(out)
+        tok.save_pretrained(out)
+
+    key = hashlib.sha256(template.encode()).hexdigest()[:8]
+    return _atomic_build(os.path.join(CACHE, f"tiny-qwen3-chat-{key}-{os.path.basename(tok_dir)}"), build)

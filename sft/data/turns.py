@@ -1,0 +1,283 @@
+"""Labels by the definition, reply by reply: what the model must generate at inference, on any chat template.
+
+For an assistant turn ``k`` of ``turns`` the trained text is
+
+    render(turns[:k+1])  minus  render(turns[:k], add_generation_prompt=True)
+
+up to and including the end-of-turn token that closes it (the template's, :func:`sft.data.chat.end_of_turn_id`):
+reasoning, text and tool calls alike, exactly the tokens the model samples after the generation prompt. Nothing else
+is trained (tool results, tool definitions, system and user text, whatever follows the end-of-turn token).
+``render`` is ``tokenizer.apply_chat_template`` with the record's ``tools``.
+
+Templates that render earlier turns differently once later turns exist (Qwen3 drops earlier turns' reasoning and
+writes an empty ``<think></think>`` only in the last turn; others move the system prompt or the tool list): reply
+``j`` can share the sample of a later reply ``k`` only when ``render(turns[:k+1])`` begins with
+``render(turns[:j+1])`` up to ``j``'s end-of-turn token (then both its context and its text are those of inference).
+The replies are grouped greedily from the last: the last trained reply's rendering is a sample, holding every earlier
+reply it begins with; the latest reply left over starts the next sample, and so on. Every trained reply is in exactly
+one sample; for a template that never rewrites history that is one sample per conversation.
+
+Content the template drops is counted, never silent (:class:`Plan` ``dropped``): a reply's content, reasoning or
+tool call (its function name) missing from its trained text; a system, user or tool text missing from a sample;
+the record's tools missing from a sample.
+
+How reasoning is handed over: as ``reasoning_content`` (Qwen3, GLM, DeepSeek-V3.1, ... read it; transformers also
+copies it to ``thinking``, gpt-oss's name) when the template writes that field, else inside the content as
+``<think>\\n...\\n</think>\\n\\n`` when the template writes that, else as ``reasoning_content`` (and then counted as
+dropped). Decided once per template by rendering a probe (:func:`reasoning_form`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from sft.errors import TemplateError
+
+_PROBE_REASONING = "\ue010probe reasoning\ue011"
+
+
+@dataclass
+class Plan:
+    """The samples of one conversation: ``samples`` = ``[(text, spans, last_turn), ...]`` in conversation order, each
+    ``text`` a rendering of ``turns[:last_turn + 1]`` and ``spans`` its trained replies' ``(start, end)`` characters
+    (end = where the end-of-turn token starts); ``dropped`` = ``[(turn, what, characters), ...]`` the template left
+    out (see the module docstring)."""
+
+    samples: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)
+
+
+def render(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool = False) -> str:
+    """``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)``
+    for validated messages (:mod:`sft.data.messages`), through the compiled template directly (what it calls after
+    converting its inputs: the identity on plain dicts, plus its copy of ``reasoning_content`` to ``thinking``, done
+    here too); the template's own refusals (jinja2's ``raise_exception``, a template bug) as :class:`TemplateError`.
+    """
+    from sft.data.chat import _Renderer
+
+    shown = [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
+    try:
+        return _Renderer.of(tokenizer).render(shown, tools, generation_prompt)
+    except Exception as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise TemplateError(f"the chat template cannot render this conversation: {reason}") from None
+
+
+def reasoning_form(tokenizer) -> str:
+    """``"field"`` (the template writes ``reasoning_content``), ``"inline"`` (it writes ``<think>...</think>`` from the
+    content) or ``"none"`` (neither: reasoning would be dropped); probed once per template and cached."""
+    cache = _cache(tokenizer)
+    if "reasoning" not in cache:
+        form = "none"
+        for candidate in ("field", "inline"):
+            msg = _with_reasoning({"role": "assistant", "content": "Hello"}, _PROBE_REASONING, candidate)
+            try:
+                text = render(tokenizer, [{"role": "user", "content": "Hi"}, msg], None)
+            except TemplateError:
+                continue
+            if _PROBE_REASONING in text:
+                form = candidate
+                break
+        cache["reasoning"] = form
+    return cache["reasoning"]
+
+
+def _cache(tokenizer) -> dict:
+    from sft.data.chat import _Renderer
+
+    memo = _Renderer.of(tokenizer).memo
+    return memo.setdefault("turns", {})
+
+
+def _with_reasoning(msg: dict, reasoning: str, form: str) -> dict:
+    if form == "inline":
+        return {**msg, "content": f"<think>\n{reasoning}\n</think>\n\n{msg['content']}"}
+    return {**msg, "reasoning_content": reasoning}
+
+
+def template_messages(tokenizer, messages: Sequence[dict]) -> list[dict]:
+    """``messages`` as the template takes them: the private ``train`` flag removed, reasoning in the template's form."""
+    form = None
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if k != "train"}
+        if "reasoning_content" in m:
+            form = form or reasoning_form(tokenizer)
+            m = _with_reasoning({k: v for k, v in m.items() if k != "reasoning_content"}, m["reasoning_content"],
+                                form)
+        out.append(m)
+    return out
+
+
+def trained_turns(messages: Sequence[dict], last_reply_only: bool = False) -> list[int]:
+    """Indices of the assistant turns to train: all not marked ``"train": False``; with ``last_reply_only`` (the
+    peers' ``mask_history``) only the last assistant turn, if it is not so marked."""
+    replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if last_reply_only:
+        replies = replies[-1:]
+    return [k for k in replies if messages[k].get("train") is not False]
+
+
+def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequence[str],
+         last_reply_only: bool = False) -> Plan:
+    """The samples of one conversation by the definition (module docstring).
+
+    Args:
+        messages: validated message dicts (:mod:`sft.data.messages`), the default system prompt applied.
+        tools: the record's tool schemas, or None.
+        stops: the texts of the tokens that close a reply (:func:`stop_tokens`); a reply ends at the first of them.
+
+    Raises:
+        TemplateError: the template cannot render the conversation (its own message), renders a reply's context
+            differently from its generation prompt, writes nothing for a reply or does not close it with one of
+            ``stops``; the message names the turn.
+    """
+    shown = template_messages(tokenizer, messages)
+    info = {}
+    for k in trained_turns(messages, last_reply_only):
+        try:
+            prompt = render(tokenizer, shown[:k], tools, generation_prompt=True)
+            full = render(tokenizer, shown[:k + 1], tools)
+        except TemplateError as e:
+            raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
+                          "another template") from None
+        if not full.startswith(prompt):
+            c = len(os.path.commonprefix([prompt, full]))
+            raise refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
+                          f"its rendering of the reply has {full[c:c + 40]!r} there, so what the model generates "
+                          "after the prompt is not defined", "use a template whose replies continue its generation "
+                          "prompt")
+        ends = [(at, t) for t in stops if (at := full.find(t, len(prompt))) >= 0]
+        if not ends:
+            raise refusal(k, f"the chat template does not close this reply with its end-of-turn token "
+                          f"({' or '.join(stops)})", "use a template whose replies end with one")
+        end, stop = min(ends)
+        if not full[len(prompt):end].strip():
+            what = " (it ignores tool_calls)" if messages[k].get("tool_calls") else ""
+            raise refusal(k, f"the chat template writes nothing for this reply{what}", "use a template that renders "
+                          "it, or remove the reply")
+        info[k] = (full, len(prompt), end, end + len(stop))
+    out, todo = Plan(), sorted(info, reverse=True)
+    while todo:
+        text = info[todo[0]][0]
+        group = [j for j in todo if text.startswith(info[j][0][:info[j][3]])]
+        out.samples.append((text, [info[j][1:3] for j in sorted(group)], todo[0]))
+        todo = [j for j in todo if j not in group]
+    out.samples.reverse()
+    out.dropped = _dropped(messages, tools, info, out.samples)
+    return out
+
+
+def refusal(turn: Optional[int], what: str, fix: str) -> TemplateError:
+    """A :class:`TemplateError` about one conversation: ``what`` happened at message ``turn`` (None: the whole
+    conversation) and the ``fix``; these three are attributes too (a record problem, :func:`sft.data.records.
+    template_problem`)."""
+    e = TemplateError(f"turn {turn}: {what}; {fix}" if turn is not None else f"{what}; {fix}")
+    e.turn, e.what, e.fix = turn, what, fix
+    return e
+
+
+def _found(text: str, part: str) -> bool:
+    part = part.strip()
+    return not part or part in text or json.dumps(part, ensure_ascii=False)[1:-1] in text
+
+
+def _dropped(messages, tools, info, samples) -> list:
+    """What the template left out (see the module docstring): ``[(turn, what, characters), ...]``."""
+    out = []
+    for k, (full, start, end, _close) in info.items():
+        reply, m = full[start:end], messages[k]
+        if not _found(reply, m["content"]):
+            out.append((k, "content", len(m["content"])))
+        head, _c, tail = reply.rpartition(m["content"].strip()) if m["content"].strip() else (reply, "", "")
+        rest = head + tail if _c else reply  # the reasoning must be found outside the content (usually before it)
+        if m.get("reasoning_content") and not _found(rest, m["reasoning_content"]):
+            out.append((k, "reasoning", len(m["reasoning_content"])))
+        for c in m.get("tool_calls", ()):
+            name = c["function"]["name"]
+            if name not in reply:
+                out.append((k, f"tool call {name}", len(name) + len(json.dumps(c["function"]["arguments"]))))
+            else:
+                missing = [a for a in c["function"]["arguments"] if a not in reply]
+                if missing:
+                    out.append((k, f"tool call {name}'s argument(s) {', '.join(missing)}", sum(map(len, missing))))
+    seen = set()
+    for text, _spans, last in samples:
+        for j, m in enumerate(messages[:last + 1]):
+            if m["role"] != "assistant" and (j, m["role"]) not in seen and not _found(text, m["content"]):
+                seen.add((j, m["role"]))
+                out.append((j, f"{m['role']} text", len(m["content"])))
+        for t in tools or ():
+            name = t["function"]["name"]
+            if ("tools", name) not in seen and name not in text:
+                seen.add(("tools", name))
+                out.append((-1, f"tool definition {name}", len(json.dumps(t))))
+    return sorted(out, key=lambda x: x[0])
+
+
+def describe_dropped(dropped: Sequence[tuple]) -> str:
+    """One phrase for :attr:`Plan.dropped`: ``"the reasoning of turn 3 (120 characters), ..."``."""
+    parts = [f"{what} of turn {t} ({n} characters)" if t >= 0 else f"{what} ({n} characters)"
+             for t, what, n in dropped[:4]]
+    return ", ".join(parts) + (f" and {len(dropped) - 4} more" if len(dropped) > 4 else "")
+
+
+def one_sample_of_contents(tokenizer, roles: tuple, stops: Sequence[str]) -> bool:
+    """Whether, for conversations with these roles and plain contents, the definition's trained text of every reply is
+    exactly its content, all in one sample: then the content spans of :class:`sft.data.chat._Renderer` (one rendering
+    per conversation, or none for an opaque template) are the definition's labels. Decided once per sequence of roles
+    on a rendering with sentinel contents (for an opaque template that is a proof, since it writes any content as it
+    writes the sentinel; for any other the conversation's own rendering is also compared with its filled skeleton)."""
+    cache = _cache(tokenizer)
+    key = ("contents", roles, tuple(stops))
+    if key not in cache:
+        msgs = [{"role": r, "content": f"\ue000{k}\ue001"} for k, r in enumerate(roles)]
+        try:
+            p = plan(tokenizer, msgs, None, stops)
+        except TemplateError:
+            cache[key] = False
+        else:
+            ok = len(p.samples) == 1 and not p.dropped
+            if ok:
+                text, spans, _last = p.samples[0]
+                ok = [text[a:b] for a, b in spans] == [m["content"] for m in msgs if m["role"] == "assistant"]
+            cache[key] = ok
+    return cache[key]
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+
+
+def stop_tokens(tokenizer, eot_id: int) -> list[str]:
+    """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.chat.end_of_turn_id`), and
+    the token that closes a reply holding a tool call when the template closes those with another one (gpt-oss's
+    ``<|call|>``, Llama 3.1's ``<|eom_id|>``): the last special token of such a reply rendered alone (only whitespace
+    after it). Probed once per template and cached."""
+    cache = _cache(tokenizer)
+    key = ("stops", eot_id)
+    if key not in cache:
+        stops = [tokenizer.convert_ids_to_tokens(eot_id)]
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "123456789", "function": {"name": "probe_tool", "arguments": {}}}]}
+        try:
+            user = [{"role": "user", "content": "Hi"}]
+            prompt = render(tokenizer, user, [_PROBE_TOOL], True)
+            full = render(tokenizer, user + [call], [_PROBE_TOOL])
+        except TemplateError:
+            full = prompt = ""
+        if full.startswith(prompt) and "probe_tool" in full[len(prompt):]:
+            enc = tokenizer(full[len(prompt):], add_special_tokens=False, return_offsets_mapping=True)
+            special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
+            for tid, (a, b) in reversed(list(zip(enc["input_ids"], enc["offset_mapping"]))):
+                token = tokenizer.convert_ids_to_tokens(tid)
+                if tid in special or token in added:
+                    if token not in stops:
+                        stops.append(token)
+                    break
+                if full[len(prompt):][a:b].strip():
+                    break
+        cache[key] = stops
+    return cache[key]

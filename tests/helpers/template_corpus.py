@@ -1,0 +1,152 @@
+"""Real chat templates (llama.cpp's collection, :func:`tests.helpers.assets.chat_template_corpus_dir`) against three
+kinds of conversation, with labels checked against the definition computed independently here through
+``tokenizer.apply_chat_template`` (the public API). Used by tests/integration/data/test_template_corpus.py and by
+scripts/chat_template_table.py (the table in docs/data-format.md).
+
+The tokenizer of every template is the real Qwen vocabulary with the template's own control tokens (``<|...|>``,
+``<｜...｜>``, ``<tag>``, ``[TAG]`` literals) added as special tokens, ``<s>`` / ``</s>`` as its bos / eos.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from tests.helpers import assets
+
+CONTROL = re.compile(r"<\|[^|\s'\"<>]{1,60}?\|>|<\|[a-z_]{1,30}>|<[a-z_]{1,30}\|>|<｜[^｜'\"]{1,60}?｜>|〈\|[A-Z]+\|〉"
+                     r"|</?[A-Za-z_][A-Za-z0-9_\-.:]{0,40}>|\[/?[A-Z][A-Z_]{1,30}\]|\]~!?b\[|\]~b\]|\[e~\[")
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+KINDS = {
+    "multi-turn with a system prompt": {"messages": [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a prime number."}, {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": "And an even one?"}, {"role": "assistant", "content": "Two is the only one."}]},
+    "multi-turn reasoning": {"messages": [
+        {"role": "user", "content": "What is 12 times 3?"},
+        {"role": "assistant", "reasoning_content": "12 x 3: ten threes are 30, two more are 6, so 36.",
+         "content": "36."},
+        {"role": "user", "content": "Halve it."},
+        {"role": "assistant", "reasoning_content": "36 / 2 = 18.", "content": "18."}]},
+    "tool round trip": {"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Is it raining in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "a1b2c3d4e", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "a1b2c3d4e", "name": "get_weather",
+         "content": "{\"rain\": true, \"temp\": 11}"},
+        {"role": "assistant", "content": "Yes, it is raining in Paris (11 degrees)."}]},
+}
+
+
+def templates() -> dict[str, str]:
+    """``{name: template text}`` of the corpus, by file name without ``.jinja``."""
+    folder = assets.chat_template_corpus_dir()
+    return {f[:-len(".jinja")]: open(os.path.join(folder, f), encoding="utf-8").read()
+            for f in sorted(os.listdir(folder)) if f.endswith(".jinja")}
+
+
+def shared_tokenizer(all_templates: dict[str, str]):
+    """One Qwen-vocabulary tokenizer holding every template's control tokens as special tokens (set a template with
+    :func:`use`)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets.qwen_tokenizer_dir())
+    found = sorted({t for text in all_templates.values() for t in CONTROL.findall(text)} | {"<s>", "</s>"})
+    tok.add_special_tokens({"extra_special_tokens": found}, replace_extra_special_tokens=False)
+    tok.bos_token, tok.eos_token = "<s>", "</s>"
+    return tok
+
+
+def use(tok, template: str):
+    tok.chat_template = template
+    return tok
+
+
+def reference(tok, messages, tools, stop_ids):
+    """Per trained reply (every assistant turn): ``(ids, labels)`` of ``render(turns[:k+1])`` up to and including the
+    first of ``stop_ids`` (the tokens that close a reply, :func:`sft.data.turns.stop_tokens`) after
+    ``render(turns[:k], add_generation_prompt=True)``, labels on the tokens from that prompt's end (a token overlapping
+    it counts) through the closing token: the definition, through the public API."""
+    out = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tok.apply_chat_template(messages[:k], tools=tools, tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(messages[:k + 1], tools=tools, tokenize=False)
+        assert full.startswith(prompt)
+        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offs = enc["input_ids"], enc["offset_mapping"]
+        first = next(i for i, (_s, e) in enumerate(offs) if e > len(prompt))
+        end = next(i for i in range(first, len(ids)) if ids[i] in stop_ids)
+        out.append((ids[:end + 1], [-100] * first + ids[first:end + 1]))
+    return out
+
+
+def outcome(tok, kind: str) -> str:
+    """``"trains"`` (every reply's labels equal :func:`reference`, each reply in exactly one sample; ``"trains (N
+    samples)"`` when the template makes several) or ``"refused: <the one-line reason>"``. Raises AssertionError on
+    labels that differ from the definition, and any other exception on a crash."""
+    from sft.data.chat import end_of_turn_id
+    from sft.data.records import normalize_record
+    from sft.data.samples import encode_samples
+    from sft.errors import SFTError
+
+    conv = normalize_record("corpus", 0, KINDS[kind])
+    assert not isinstance(conv, list), conv
+    try:
+        eot = end_of_turn_id(tok)
+    except SFTError as e:
+        return f"refused: {e}"
+    samples = encode_samples(tok, [conv.messages], eot, 100_000, None, "truncate", [conv.tools])[0]
+    if isinstance(samples, Exception):
+        assert isinstance(samples, SFTError) and "\n" not in str(samples), repr(samples)
+        return f"refused: {samples}"
+    check_definition(tok, conv, samples, eot)
+    return "trains" + (f" ({len(samples)} samples)" if len(samples) > 1 else "")
+
+
+def check_definition(tok, conv, samples, eot: int, trained=None) -> None:
+    """Assert that ``samples`` (:func:`sft.data.samples.encode_samples`'s list for ``conv``) train every reply of
+    ``trained`` (indices of ``conv.messages``; default: every assistant turn) exactly once, with labels equal to
+    :func:`reference`, and nothing else."""
+    from sft.data.turns import stop_tokens, template_messages
+
+    stops = set(tok.convert_tokens_to_ids(stop_tokens(tok, eot)))
+    shown = template_messages(tok, conv.messages)
+    replies = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]
+    refs = reference(tok, shown, conv.tools, stops)
+    keep = [j for j, k in enumerate(replies) if trained is None or k in trained]
+    refs = [refs[j] for j in keep]
+    used = [0] * len(refs)
+    for ex in samples:
+        ids, labels = ex["input_ids"], ex["labels"]
+        expected = [-100] * len(ids)
+        for j, (rids, rlabels) in enumerate(refs):
+            n = len(rids)
+            if ids[:n] == rids and all(labels[i] == rlabels[i] for i in range(n) if rlabels[i] != -100):
+                used[j] += 1
+                expected[:n] = [r if r != -100 else e for r, e in zip(rlabels, expected[:n])]
+        assert labels == expected, "labels differ from the definition"
+    assert used == [1] * len(refs), f"replies trained {used} times (each must be trained once)"
+
+
+def outcomes() -> dict[str, list[str]]:
+    """``{template name: [outcome per kind of KINDS]}`` over the whole corpus."""
+    found = templates()
+    tok = shared_tokenizer(found)
+    return {name: [outcome(use(tok, text), kind) for kind in KINDS] for name, text in found.items()}
+
+
+def markdown_table(table: dict[str, list[str]]) -> str:
+    """The outcome table as docs/data-format.md shows it: a refusal's reason without its fix."""
+    def cell(text: str) -> str:
+        if text.startswith("refused: "):
+            text = "refused: " + text[len("refused: "):].split("; ")[0].replace("the chat template ", "")
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| template | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(map(cell, row)) + " |" for name, row in table.items()]
+    return "\n".join(lines)

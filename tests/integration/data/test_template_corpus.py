@@ -1,0 +1,26 @@
+"""The 70 real chat templates of llama.cpp's collection (PyPI's llama-cpp-python==0.3.36 source distribution,
+downloaded once) x {multi-turn with a system prompt, multi-turn reasoning, a tool round trip}: each either trains with
+labels equal to the definition (checked against apply_chat_template, tests/helpers/template_corpus.py) or is refused
+in one line with the template's reason; never a crash or a silent loss. The outcome table is docs/data-format.md's."""
+import os
+
+from tests.helpers.paths import ROOT
+from tests.helpers.template_corpus import KINDS, markdown_table, outcomes
+
+
+def test_every_real_template_trains_each_kind_by_the_definition_or_refuses_it_in_one_line():
+    table = outcomes()  # AssertionError on labels that differ from the definition, any other error on a crash
+    assert len(table) == 70
+    for name, row in table.items():
+        for kind, out in zip(KINDS, row):
+            assert out.startswith(("trains", "refused: ")) and "\n" not in out, (name, kind, out)
+    # the templates people fine-tune for reasoning and agents
+    assert table["Qwen-Qwen3-0.6B"] == ["trains (2 samples)"] * 3
+    assert table["Qwen-Qwen2.5-7B-Instruct"] == ["trains"] * 3
+    assert table["meta-llama-Llama-3.1-8B-Instruct"] == ["trains"] * 3
+    assert table["openai-gpt-oss-120b"][2] == "trains"  # a tool call closed by <|call|>, not <|end|>
+    assert table["deepseek-ai-DeepSeek-V3.1"][1].startswith("refused: the chat template drops reasoning of turn 1")
+    trained = [sum(row[k].startswith("trains") for row in table.values()) for k in range(len(KINDS))]
+    assert trained == [45, 46, 36], trained
+    docs = open(os.path.join(ROOT, "docs", "data-format.md"), encoding="utf-8").read()
+    assert markdown_table(table) in docs, "docs/data-format.md: regenerate its table: scripts/chat_template_table.py"

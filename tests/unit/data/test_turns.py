@@ -1,0 +1,142 @@
+"""Labels by the definition (sft.data.turns through sft.data.samples.encode_samples) on Qwen3's published chat template:
+reasoning, tool calls, per-reply flags, several samples where the template rewrites history; templates that drop part
+of a conversation are refused by name, or trained with what they drop counted. The whole corpus of real templates:
+tests/integration/data/test_template_corpus.py."""
+import pytest
+
+from sft.data.chat import IGNORE_INDEX
+from sft.data.records import normalize_record
+from sft.data.samples import TruncationReport, encode_samples
+from sft.errors import TemplateError
+from tests.helpers import assets
+from tests.helpers.data import AGENT
+from tests.helpers.labels import supervised_spans
+from tests.helpers.template_corpus import check_definition
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    from sft.model.loading import load_tokenizer
+
+    tok, eot, _ = load_tokenizer(assets.tiny_qwen3_chat_dir())
+    return tok, eot
+
+
+def encode(tok, eot, rec, **kw):
+    conv = normalize_record("agent.jsonl", 0, rec)
+    assert not isinstance(conv, list), [str(p) for p in conv]
+    return conv, encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools], **kw)[0]
+
+
+@pytest.mark.parametrize("rec", AGENT, ids=[r["id"] for r in AGENT])
+def test_every_agent_form_trains_exactly_the_definition_on_qwen3(qwen3, rec):
+    tok, eot = qwen3
+    conv, samples = encode(tok, eot, rec)
+    assert isinstance(samples, list), samples
+    trained = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant" and m.get("train") is not False]
+    check_definition(tok, conv, samples, eot, trained)
+
+
+def test_multi_turn_reasoning_is_one_sample_per_user_query_with_earlier_reasoning_dropped_from_context(qwen3):
+    tok, eot = qwen3
+    _conv, samples = encode(tok, eot, AGENT[0])
+    assert len(samples) == 2 and samples[0]["extra_samples"] == 1
+    first, second = ([supervised_spans(tok, s["input_ids"], s["labels"]) for s in samples])
+    assert first == ["<think>\nTen threes are 30, two more are 6.\n</think>\n\n36.<|im_end|>"]
+    assert second == ["<think>\n36 / 2 = 18.\n</think>\n\n18.<|im_end|>"]
+    context = tok.decode(samples[1]["input_ids"])
+    assert "Ten threes" not in context and "<|im_start|>assistant\n36.<|im_end|>" in context  # as at inference
+    report = TruncationReport()
+    report.count_conversation(samples, "think-inline")
+    assert any("1 conversations became 2 samples" in line for line in report.lines("train", 4096))
+
+
+def test_tool_calls_are_trained_and_tool_results_and_definitions_are_not(qwen3):
+    tok, eot = qwen3
+    _conv, samples = encode(tok, eot, AGENT[2])
+    spans = [supervised_spans(tok, s["input_ids"], s["labels"]) for s in samples]
+    assert spans == [['<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                      '</tool_call><|im_end|>'],
+                     ["<think>\n\n</think>\n\nYes, it is raining in Paris (11 degrees).<|im_end|>"]]
+    text = tok.decode(samples[1]["input_ids"])
+    assert "<tools>" in text and "<tool_response>\n{\"rain\": true, \"temp\": 11}\n</tool_response>" in text
+
+
+def test_train_false_and_mask_history(qwen3):
+    tok, eot = qwen3
+    _conv, samples = encode(tok, eot, AGENT[5])
+    assert [supervised_spans(tok, s["input_ids"], s["labels"]) for s in samples] == [
+        ["<think>\n\n</think>\n\nYou are doing great.<|im_end|>"]]
+    _conv, samples = encode(tok, eot, AGENT[0], last_reply_only=True)
+    assert [supervised_spans(tok, s["input_ids"], s["labels"]) for s in samples] == [
+        ["<think>\n36 / 2 = 18.\n</think>\n\n18.<|im_end|>"]]
+
+
+# A template that strips reasoning even from the last reply, as DeepSeek-R1's does (content.split('</think>')[-1]),
+# and reads no reasoning_content
+STRIPS_REASONING = ("{% for m in messages %}{% set c = m.content.split('</think>')[-1] %}<|im_start|>{{ m.role }}\n"
+                    "{{ c }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_drops_reasoning_or_tools_refuses_by_name_or_trains_counting_it(qwen_tok):
+    import copy
+
+    tok, eot = qwen_tok
+    tok = copy.deepcopy(tok)
+    tok.chat_template = STRIPS_REASONING
+    conv = normalize_record("agent.jsonl", 3, AGENT[1])
+    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+    assert isinstance(out, TemplateError)
+    assert str(out) == ("the chat template drops reasoning of turn 1 (12 characters), so the model would never see "
+                        "it; use a template that renders it, remove it, or pass --allow_dropped_content True to train "
+                        "without it")
+    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None], allow_dropped_content=True)[0]
+    assert supervised_spans(tok, out[0]["input_ids"], out[0]["labels"]) == ["No, 91 = 7 x 13.<|im_end|>"]
+    assert out[0]["dropped"] == 12
+    report = TruncationReport()
+    report.count_conversation(out, "reasoning-field")
+    assert "train: the chat template dropped 12 characters of 1 conversations (--allow_dropped_content True)" in \
+        report.lines("train", 4096)
+    # ChatML writes content verbatim, reasoning too (inside it, as <think>...</think>), but neither tools nor calls
+    tok, eot = qwen_tok
+    conv = normalize_record("agent.jsonl", 4, AGENT[2])
+    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools])[0]
+    assert isinstance(out, TemplateError) and out.turn == 2
+    assert str(out) == ("turn 2: the chat template writes nothing for this reply (it ignores tool_calls); use a "
+                        "template that renders it, or remove the reply")
+    conv = normalize_record("agent.jsonl", 5, {"tools": [AGENT[2]["tools"][0]], **AGENT[3]})
+    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools])[0]
+    assert isinstance(out, TemplateError) and "drops tool definition get_weather" in str(out)
+    conv = normalize_record("agent.jsonl", 1, AGENT[1])
+    (inline,) = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+    assert supervised_spans(tok, inline["input_ids"], inline["labels"]) == [
+        "<think>\n91 = 7 x 13.\n</think>\n\nNo, 91 = 7 x 13.<|im_end|>"]
+
+
+def test_a_template_that_cannot_render_a_conversation_is_one_line_naming_the_turn(qwen3):
+    tok, eot = qwen3
+    conv = normalize_record("agent.jsonl", 0, {"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    import copy
+
+    tok = copy.deepcopy(tok)
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'assistant' and loop.index0 > 0 %}"
+                         "{{ raise_exception('Assistant turns are not supported by this model') }}{% endif %}"
+                         "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+    assert isinstance(out, TemplateError) and out.turn == 1 and "\n" not in str(out)
+    assert "the chat template cannot render this conversation: Assistant turns are not supported" in str(out)
+
+
+def test_fast_path_labels_are_unchanged_for_plain_chatml_conversations(qwen_tok):
+    """A template whose replies' trained text is exactly their content (ChatML) keeps one sample per conversation
+    and the content-plus-end-of-turn labels it always had."""
+    tok, eot = qwen_tok
+    conv = normalize_record("toy", 0, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant",
+                                       "content": "b"}, {"role": "user", "content": "c"},
+                                       {"role": "assistant", "content": "d"}]})
+    (sample,) = encode_samples(tok, [conv.messages], eot, 4096, None)[0]
+    assert supervised_spans(tok, sample["input_ids"], sample["labels"]) == ["b<|im_end|>", "d<|im_end|>"]
+    assert sample["labels"].count(IGNORE_INDEX) == len(sample["labels"]) - 4
+    check_definition(tok, conv, [sample], eot)
