@@ -85,7 +85,11 @@ try:
     peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 2**20
 except (OSError, StopIteration):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-print(json.dumps({"rank": rank, "samples": len(ds), "startup_s": t1 - t0, "prepare_s": t2 - t1,
+try:  # outside the timed part: the tokens of the samples prepared
+    tokens = sum(map(len, ds["input_ids"]))
+except Exception:
+    tokens = 0
+print(json.dumps({"rank": rank, "samples": len(ds), "tokens": tokens, "startup_s": t1 - t0, "prepare_s": t2 - t1,
                   "peak_rss_gib": peak}))
 """
 
@@ -145,13 +149,21 @@ peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith
 print(json.dumps({"k": k, "texts": len(texts), "start": t0, "end": t1, "peak_rss_gib": peak}), flush=True)
 """
 
-def write_data(src: str, n: int, out: str) -> None:
+def write_data(src: str, n: int, out: str, reasoning: bool = False) -> None:
+    """``n`` records of ``src`` repeated, each with its own id; ``reasoning``: every assistant turn also gets a
+    ``reasoning_content`` (a sentence and the reply's first words), as a reasoning model's data has."""
     with open(src, encoding="utf-8") as f:
         base = [json.loads(line) for line in f if line.strip()]
     with open(out, "w", encoding="utf-8") as f:
         for i in range(n):
             rec = dict(base[i % len(base)])
             rec["id"] = f"{rec.get('id', 'c')}-{i}"
+            if reasoning:
+                form = "conversations" if "conversations" in rec else "messages"
+                text = "value" if form == "conversations" else "content"
+                rec[form] = [dict(t, reasoning_content=f"The user wrote something; I answer starting with "
+                                  f"'{t[text][:40]}'.") if t.get("from", t.get("role")) in ("gpt", "assistant") else t
+                             for t in rec[form]]
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
@@ -265,6 +277,8 @@ def main() -> int:
     ap.add_argument("--long_conversations", choices=["split", "truncate"], default="split",
                     help="as the training flag (the 'before' checkout always truncates)")
     ap.add_argument("--plain_sample", type=int, default=20000, help="conversations for the plain tokenizer() figure")
+    ap.add_argument("--reasoning", action="store_true",
+                    help="give every reply a reasoning_content (the per-turn path; pair with a Qwen3-template --model)")
     ap.add_argument("--before", default=None, help="a checkout whose sft is measured too (1 process)")
     ap.add_argument("--runs", nargs="+", default=["plain", "one", "many", "before"],
                     choices=["plain", "one", "many", "hosts", "before"],
@@ -294,7 +308,7 @@ def main() -> int:
         print(f"load before: {uptime()}", flush=True)
         data = os.path.join(work, "data.jsonl")
         t0 = time.perf_counter()
-        write_data(a.data, a.conversations, data)
+        write_data(a.data, a.conversations, data, a.reasoning)
         print(f"wrote {a.conversations} conversations ({os.path.getsize(data) / 2**20:.0f} MiB) in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
         plain: dict[int, float] = {}
@@ -338,7 +352,8 @@ def main() -> int:
                 ranks = "; ".join(f"rank {x['rank']}: preparing {x['prepare_s']:.0f} s, peak RSS "
                                   f"{x['peak_rss_gib']:.2f} GiB" for x in r["ranks"])
             print(f"{what}: {prep:.1f} s preparing ({r['wall_s']:.0f} s with start-up), {rate:.0f} conversations/s"
-                  f"{extra}; samples {r['ranks'][0]['samples']}; {ranks}", flush=True)
+                  f"{extra}; samples {r['ranks'][0]['samples']}, {r['ranks'][0].get('tokens', 0)} tokens "
+                  f"({r['ranks'][0].get('tokens', 0) / max(prep, 1e-9):.0f} tokens/s); {ranks}", flush=True)
             shutil.rmtree(cache, ignore_errors=True)
         mine = {k: v for k, v in samples.items() if k[0] != "before"}
         if len(set(mine.values())) > 1:

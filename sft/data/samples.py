@@ -139,10 +139,11 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         last_reply_only: train only each conversation's last reply (``--mask_history``).
         allow_dropped_content: train a conversation even when the template drops some of its text (counted in the
             ``dropped`` of its first sample); default: refuse it.
-        long_conversations: ``"split"`` cuts a conversation longer than ``max_len`` that is one sample at turn
-            boundaries (:func:`sft.data.long_conversations.split_conversation`; only a reply too long by itself is then
-            truncated); ``"truncate"`` keeps its first ``max_len`` tokens, as does every sample of a conversation the
-            template makes several samples of, or that holds tool calls.
+        long_conversations: ``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries (plain
+            conversations on the fast path: :func:`sft.data.long_conversations.split_conversation`, only a reply too
+            long by itself is then truncated; every other: :func:`sft.data.split_turns.split_turns`, only a reply with
+            its tool results too long by themselves is truncated); ``"truncate"`` keeps the first ``max_len`` tokens of
+            each sample.
 
     Returns:
         Per conversation, in order: its list of samples (:func:`truncate` dicts; the first also has ``user_cut``, the
@@ -151,7 +152,9 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         (its message names the turn). This is the one place where a conversation becomes samples.
     """
     from sft.data.chat import Encoded, _Renderer, labels_from_spans
-    from sft.data.turns import describe_dropped, one_sample_of_contents, plan, refusal, stop_tokens
+    from sft.data.split_turns import split_turns
+    from sft.data.turns import (describe_dropped, one_sample_of_contents, plan, refusal, stop_tokens,
+                                template_messages, trained_turns)
 
     given = conversations
     conversations = [with_system(m, system_message) for m in conversations]
@@ -159,14 +162,23 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     renderer, stops = _Renderer.of(tokenizer), stop_tokens(tokenizer, eot_id)
     closing = frozenset(tokenizer.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot_id
     out: list = [None] * len(conversations)
+    general = set()  # conversations planned reply by reply (split for length by sft.data.split_turns)
     texts, owners = [], []  # texts to tokenize; per text (conversation, spans, splittable)
     for i, (messages, tl) in enumerate(zip(conversations, tools)):
-        plain = tl is None and not last_reply_only and all(len(m) == 2 for m in messages)
-        got = renderer.fill(messages) if plain and one_sample_of_contents(
-            tokenizer, tuple(m["role"] for m in messages), stops) else None
+        # plain once the template's form of reasoning is in place (inside the content, for ChatML, SmolLM2, ...)
+        shown = template_messages(tokenizer, messages)
+        plain = tl is None and all(len(m) == 2 for m in shown)
+        replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        keep = trained_turns(messages, last_reply_only)
+        got = renderer.fill(shown) if plain and one_sample_of_contents(
+            tokenizer, tuple(m["role"] for m in shown), stops) else None
         if got is not None:
             texts.append(got[0])
-            owners.append((i, got[1], True, 0))
+            owners.append((i, [s for s, k in zip(got[1], replies) if k in keep], len(keep) == len(replies), 0))
+            if len(keep) == len(replies):
+                conversations[i] = shown  # what split_conversation cuts
+            else:
+                general.add(i)
             continue
         try:
             p = plan(tokenizer, messages, tl, stops, last_reply_only)
@@ -178,15 +190,17 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
                              "see it", "use a template that renders it, remove it, or pass --allow_dropped_content "
                              "True to train without it")
             continue
-        whole = plain and len(p.samples) == 1 and [p.samples[0][0][a:b] for a, b in p.samples[0][1]] == [
-            m["content"] for m in messages if m["role"] == "assistant"]
+        whole = plain and len(keep) == len(replies) and len(p.samples) == 1 and [
+            p.samples[0][0][a:b] for a, b in p.samples[0][1]] == [shown[k]["content"] for k in replies]
+        if whole:
+            conversations[i] = shown
+        else:
+            general.add(i)
         for text, spans, _last in p.samples:
             texts.append(text)
             owners.append((i, spans, whole, sum(n for _t, _w, n in p.dropped)))
-    enc = (tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False) if texts
-           else {"input_ids": [], "offset_mapping": []})
     lengths: dict = {}
-    for text, ids, offs, (i, spans, whole, dropped) in zip(texts, enc["input_ids"], enc["offset_mapping"], owners):
+    for text, ids, offs, (i, spans, whole, dropped) in _tokenized(tokenizer, texts, owners):
         if isinstance(out[i], Exception):
             continue
         try:
@@ -208,7 +222,35 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     for i, n in lengths.items():
         if isinstance(out[i], list):  # what the template's rewriting cost: samples and tokens beyond the last one
             out[i][0]["extra_samples"], out[i][0]["extra_tokens"] = len(n) - 1, sum(n) - n[-1]
+        if i in general and long_conversations == "split" and isinstance(out[i], list) and max(n) > max_len:
+            try:
+                pieces = split_turns(tokenizer, conversations[i], tools[i], stops, closing, max_len,
+                                     trained_turns(conversations[i], last_reply_only))
+            except TemplateError as e:
+                out[i] = e
+                continue
+            dropped = out[i][0]["dropped"]
+            out[i] = [dict(truncate(a, b, max_len), user_cut=0) for a, b in pieces]
+            out[i][0]["dropped"] = dropped
     return out
+
+
+TOKENIZE_CHARS = 4_000_000  # characters per tokenizer call: its offsets cost about 100 bytes a token
+
+
+def _tokenized(tokenizer, texts: list, owners: list):
+    """``(text, ids, offsets, owner)`` of every text, tokenized in calls of at most :data:`TOKENIZE_CHARS` characters
+    (one text at least): a batch of conversations that a history-rewriting template makes many long samples of
+    keeps only one call's offsets in memory at a time."""
+    start = 0
+    while start < len(texts):
+        end, size = start + 1, len(texts[start])
+        while end < len(texts) and size + len(texts[end]) <= TOKENIZE_CHARS:
+            size, end = size + len(texts[end]), end + 1
+        enc = tokenizer(texts[start:end], add_special_tokens=False, return_offsets_mapping=True,
+                        return_attention_mask=False)  # not used: building its lists costs time
+        yield from zip(texts[start:end], enc["input_ids"], enc["offset_mapping"], owners[start:end])
+        start = end
 
 
 def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str],

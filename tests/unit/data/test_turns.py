@@ -140,3 +140,60 @@ def test_fast_path_labels_are_unchanged_for_plain_chatml_conversations(qwen_tok)
     assert supervised_spans(tok, sample["input_ids"], sample["labels"]) == ["b<|im_end|>", "d<|im_end|>"]
     assert sample["labels"].count(IGNORE_INDEX) == len(sample["labels"]) - 4
     check_definition(tok, conv, [sample], eot)
+
+
+def long_agent_record(rounds: int = 6, calls: int = 3) -> dict:
+    """A system prompt, then ``rounds`` user queries, each answered after ``calls`` tool round trips (with reasoning
+    on the final answers): an agent trajectory far longer than a small --model_max_length."""
+    msgs = [{"role": "system", "content": "You are a weather agent."}]
+    for r in range(rounds):
+        msgs.append({"role": "user", "content": f"Question {r}: compare the weather of {calls} cities, please."})
+        for c in range(calls):
+            msgs.append({"role": "assistant", "content": "", "tool_calls": [{"id": f"c{r}{c}", "type": "function",
+                         "function": {"name": "get_weather", "arguments": {"city": f"City {r}-{c}"}}}]})
+            msgs.append({"role": "tool", "tool_call_id": f"c{r}{c}", "content": f"{{\"temp\": {r * 10 + c}}}"})
+        msgs.append({"role": "assistant", "reasoning_content": f"Comparing the {calls} temperatures of round {r}.",
+                     "content": f"Round {r}: City {r}-{calls - 1} is the warmest."})
+    return {"id": "long-agent", "tools": [AGENT[2]["tools"][0]], "messages": msgs}
+
+
+def runs(tok, samples):
+    return sorted(s for ex in samples for s in supervised_spans(tok, ex["input_ids"], ex["labels"]))
+
+
+def test_split_of_a_long_agent_conversation_trains_every_reply_once_in_pieces_that_fit(qwen3):
+    tok, eot = qwen3
+    conv = normalize_record("agent.jsonl", 0, long_agent_record())
+    whole = encode_samples(tok, [conv.messages], eot, 100_000, None, "split", [conv.tools])[0]
+    assert max(len(ex["input_ids"]) for ex in whole) > 600
+    pieces = encode_samples(tok, [conv.messages], eot, 300, None, "split", [conv.tools])[0]
+    assert isinstance(pieces, list) and len(pieces) >= len(whole)
+    assert all(len(ex["input_ids"]) <= 300 and not ex["truncated"] for ex in pieces)
+    assert runs(tok, pieces) == runs(tok, whole)  # every reply once, with the same trained tokens
+    for ex in pieces:
+        text = tok.decode(ex["input_ids"])
+        assert text.startswith("<|im_start|>system\nYou are a weather agent.") and "<|im_start|>user\nQuestion" in text
+        # a tool result never without the call it answers
+        assert text.count("<tool_response>") <= text.count("<tool_call>\n{\"name\"")
+    truncated = encode_samples(tok, [conv.messages], eot, 300, None, "truncate", [conv.tools])[0]
+    assert sum(ex["n_supervised"] for ex in truncated) < sum(ex["n_supervised"] for ex in pieces)
+
+
+def test_split_of_a_long_reasoning_conversation_on_a_template_that_keeps_history(qwen_tok):
+    """ChatML writes reasoning inside the content (<think>...</think>) and never rewrites history: one sample,
+    split for length into pieces with earlier turns as context; a reply marked "train": false stays context."""
+    tok, eot = qwen_tok
+    msgs = [{"role": "system", "content": "Think first."}]
+    for r in range(12):
+        msgs += [{"role": "user", "content": f"Problem {r}: what is {r} squared plus one?"},
+                 {"role": "assistant", "reasoning_content": f"{r} squared is {r * r}; plus one is {r * r + 1}.",
+                  "content": f"{r * r + 1}.", **({"train": False} if r == 4 else {})}]
+    conv = normalize_record("agent.jsonl", 0, {"id": "long-reasoning", "messages": msgs})
+    (whole,) = encode_samples(tok, [conv.messages], eot, 100_000, None, "split", [None])[0]
+    assert len(whole["input_ids"]) > 400
+    pieces = encode_samples(tok, [conv.messages], eot, 160, None, "split", [None])[0]
+    assert len(pieces) > 2 and all(len(ex["input_ids"]) <= 160 for ex in pieces)
+    assert runs(tok, pieces) == runs(tok, [whole]) and len(runs(tok, pieces)) == 11
+    assert all(tok.decode(ex["input_ids"]).startswith("<|im_start|>system\nThink first.<|im_end|>") for ex in pieces)
+    later = tok.decode(pieces[-1]["input_ids"])  # context before its replies: earlier turns, unsupervised
+    assert later.index("<|im_start|>user") < later.index("<|im_start|>assistant\n<think>")

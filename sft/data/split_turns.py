@@ -1,0 +1,137 @@
+"""``--long_conversations split`` for conversations planned reply by reply (:mod:`sft.data.turns`: tool calls and
+results, reasoning, per-reply flags, templates that rewrite history): a conversation whose samples are longer than
+``--model_max_length`` is cut at turn boundaries into pieces that each fit, every trained reply trained in exactly one.
+
+A conversation is ``[system,] body``; the body is cut into *units* before each user turn and before each assistant
+turn that follows a tool result, so a unit is ``user, assistant (+ its tool results)`` or ``assistant (+ its tool
+results)``: a tool result always stays with the call it answers. A piece is
+
+    head + [the round's user turn] + context units + target units
+
+where the head is the system turn, and the round's user turn (the last user turn before the piece's first unit) is
+added when that unit does not start with one (the model always sees the query it is working on; templates such as
+Qwen3's also need one). Target units are taken greedily, context units added nearest first, with the cut rules of
+:mod:`sft.data.long_conversations` (``_plan``: the first piece's targets may fill it, a later piece's targets take at
+most half of the room after the head). Each piece is then encoded by the definition with only its target units'
+replies trained (:func:`sft.data.turns.plan`; a piece may itself be several samples where the template rewrites
+history), so its labels are those of inference for that context. Unit lengths for the plan are read off the whole
+conversation's rendering; a piece encoded longer than planned is planned again with a smaller budget, and a piece of
+one target unit that does not fit even alone is returned whole for the caller to truncate and report.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Optional, Sequence
+
+from sft.data.turns import plan, render
+
+
+def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
+    """``(head, units)``: how many leading messages are the head (0 or 1: a system turn) and each unit's
+    ``(start, end)`` message indices (see the module docstring)."""
+    head = 1 if messages and messages[0]["role"] == "system" else 0
+    starts = [k for k in range(head, len(messages)) if k == head or messages[k]["role"] == "user"
+              or (messages[k]["role"] == "assistant" and messages[k - 1]["role"] == "tool")]
+    return head, list(zip(starts, starts[1:] + [len(messages)]))
+
+
+def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequence[str], closing, max_len: int,
+                trained: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """The pieces of one conversation as ``[(input_ids, labels), ...]`` (see the module docstring).
+
+    Args:
+        messages: validated messages (the default system prompt applied); ``tools``: the record's tools or None.
+        stops / closing: the texts / ids of the tokens that close a reply (:func:`sft.data.turns.stop_tokens`).
+        trained: indices of the assistant turns to train (:func:`sft.data.turns.trained_turns`).
+
+    Raises:
+        TemplateError: as :func:`sft.data.turns.plan`, for a piece.
+    """
+    from sft.data.chat import labels_from_spans
+    from sft.data.long_conversations import _plan
+
+    messages, trained = list(messages), set(trained)
+    head, units = units_of(messages)
+    user_of = [max((k for k in range(head, a + 1) if messages[k]["role"] == "user"), default=None) for a, _b in units]
+    costs, head_len, user_len = _estimate(tokenizer, messages, tools, head, units)
+    lengths = [head_len + costs[u] + (user_len[u] if messages[a]["role"] != "user" else 0)
+               for u, (a, _b) in enumerate(units)]
+
+    memo: dict = {}  # cut -> its samples: the plan is made again after an overflow, most cuts stay
+
+    def encode_all(cuts) -> list[list[tuple[list[int], list[int]]]]:
+        todo = [cut for cut in dict.fromkeys(cuts) if cut not in memo]
+        planned = [plan(tokenizer, piece(*cut), tools, stops).samples for cut in todo]
+        texts = [t for samples in planned for t, _s, _l in samples]
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
+                        return_attention_mask=False) if texts else {"input_ids": [], "offset_mapping": []}
+        at = 0
+        for cut, samples in zip(todo, planned):
+            ids_offs = zip(enc["input_ids"][at:at + len(samples)], enc["offset_mapping"][at:at + len(samples)])
+            memo[cut] = [(ids, labels_from_spans(ids, offs, spans, closing))
+                         for (ids, offs), (_t, spans, _l) in zip(ids_offs, samples)]
+            at += len(samples)
+        return [memo[cut] for cut in cuts]
+
+    def piece(c: int, i: int, j: int) -> list[dict]:
+        first = units[c][0]
+        lead = [messages[user_of[c]]] if messages[first]["role"] != "user" and user_of[c] is not None else []
+        keep = {k for a, b in units[i:j] for k in range(a, b) if k in trained}
+        body = [m if m["role"] != "assistant" or k in keep else dict(m, train=False)
+                for k, m in enumerate(messages[first:units[j - 1][1]], start=first)]
+        return messages[:head] + lead + body
+
+    useful = [any(k in trained for k in range(a, b)) for a, b in units]
+    budget = max_len
+    while True:
+        cuts = [(c, i, j) for c, i, j in _plan(lengths, costs, head_len, max_len, budget) if any(useful[i:j])]
+        pieces = encode_all(cuts)
+        over = [max(len(ids) for ids, _ in p) - max_len for (c, i, j), p in zip(cuts, pieces)
+                if j - i > 1 or c < i]
+        over = [x for x in over if x > 0]
+        alone = [i for (c, i, j), p in zip(cuts, pieces) if j - i == 1 and c == i and lengths[i] <= max_len
+                 and max(len(ids) for ids, _ in p) > max_len]
+        if not over and not alone:
+            return [s for p in pieces for s in p]
+        for i in alone:  # longer than estimated even alone: a piece of its own, truncated by the caller
+            lengths[i] = max_len + 1
+        if over and not alone:
+            budget -= max(over)
+            if budget <= head_len:
+                lengths = [max_len + 1] * len(lengths)  # one unit per piece, each truncated where it must be
+
+
+def _estimate(tokenizer, messages, tools, head: int, units) -> tuple[list[int], int, list[int]]:
+    """Token estimates ``(costs, head_len, user_len)``: each unit's tokens, the head's (with whatever the template adds
+    once), and per unit the tokens of its round's user turn; read off the whole conversation's rendering (one
+    rendering, one tokenization), a unit starting where the text of its first message is found, in order (only the
+    plan uses them: :func:`split_turns` checks every piece it encodes)."""
+    from sft.data.turns import template_messages
+
+    shown = template_messages(tokenizer, messages)
+    full = render(tokenizer, shown, tools)
+    offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True,
+                        return_attention_mask=False)["offset_mapping"]
+    ends = [e for _s, e in offsets]
+    marks, pos = [], 0
+    for a, _b in units:
+        m = shown[a]
+        needle = (m.get("content") or "").strip()[:200] or next(
+            (c["function"]["name"] for c in m.get("tool_calls", ())), "")
+        at = full.find(needle, pos) if needle else -1
+        if at < 0:
+            marks.append(None)
+            continue
+        marks.append(bisect_right(ends, at))  # tokens before the unit's first text (its header counts as its own)
+        pos = at + len(needle)
+    if any(m is None for m in marks) or marks != sorted(marks):
+        step = len(offsets) / (len(units) + 1)
+        marks = [round(step * (u + 1)) for u in range(len(units))]
+    bounds = marks + [len(offsets)]
+    costs = [max(1, b - a) for a, b in zip(bounds, bounds[1:])]
+    user_len = []
+    for a, _b in units:
+        u = next((k for k in range(a, head - 1, -1) if messages[k]["role"] == "user"), None)
+        user_len.append(0 if u is None else len(tokenizer(messages[u]["content"], add_special_tokens=False)
+                                                ["input_ids"]) + 8)
+    return costs, marks[0], user_len
