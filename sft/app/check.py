@@ -58,7 +58,7 @@ def _encode(tok, eot: int, spec, path: str, check, batch: list) -> None:
     """Encode ``batch`` (conversations) as training does; the chat template's refusals become record problems in
     ``check``. Empties ``batch``."""
     from sft.data.records import template_problem
-    from sft.data.samples import encode_samples
+    from sft.data.samples import encode_samples, lazy_refusal
 
     if not batch:
         return
@@ -66,6 +66,8 @@ def _encode(tok, eot: int, spec, path: str, check, batch: list) -> None:
                          spec.long_conversations, [c.tools for c in batch], spec.last_reply_only,
                          spec.allow_dropped_content)
     for c, samples in zip(batch, out):
+        if not isinstance(samples, Exception) and spec.lazy and len(samples) > 1:
+            samples = lazy_refusal(len(samples))  # what LazySupervisedDataset refuses when it reads the record
         if isinstance(samples, Exception):
             check.valid -= 1
             check.add([template_problem(path, c, samples)])

@@ -35,7 +35,7 @@ from sft.data.records import RecordCheck, iter_conversations, log_duplicate_ids,
 from sft.errors import DataError, TemplateError
 from sft.fsio import file_sha256
 from sft.data.eval_split import empty_side_error, in_eval, record_key
-from sft.data.samples import TruncationReport, encode_samples, encode_truncated, truncate  # noqa: F401 (re-exported)
+from sft.data.samples import TruncationReport, encode_samples, encode_truncated, lazy_refusal, truncate  # noqa: F401
 from sft.data.samples import limit_tokenizer_threads
 from sft.data.shards import JobView, Plan, agree, prepare_shard, read_marker, wait_for_shards
 from sft.data.spec import PreparationSpec
@@ -390,9 +390,7 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
         samples = encode_truncated(self.tokenizer, conv["messages"], self.eot_id, self.max_len, self.system_message,
                                    conv.get("tools"), self.spec.last_reply_only, self.spec.allow_dropped_content)
         if len(samples) > 1:
-            raise DataError(f"{self.data_path}: record id={rec['id']}: the chat template renders earlier turns "
-                            f"differently once later turns exist, so it is {len(samples)} samples; --lazy_preprocess "
-                            "keeps one sample per record: drop --lazy_preprocess")
+            raise DataError(f"{self.data_path}: record id={rec['id']}: {lazy_refusal(len(samples))}")
         return samples[0]
 
 

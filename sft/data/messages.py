@@ -77,6 +77,13 @@ def _split_think(content: str) -> tuple[Optional[str], str]:
     return reasoning.strip("\n"), rest.lstrip("\n")
 
 
+def _why(e: Exception) -> str:
+    """Why ``json.loads`` failed, in a few words (a RecursionError: nested too deeply to read)."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at character {e.pos}"
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
 def tool_call(raw: Any, c: int) -> dict:
     """One tool call in the form templates read (see the module docstring).
 
@@ -94,8 +101,8 @@ def tool_call(raw: Any, c: int) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError as e:
-            raise TurnProblem(f"tool call {c} ({name}): 'arguments' is not valid JSON ({e.msg} at character {e.pos})",
+        except (ValueError, RecursionError) as e:
+            raise TurnProblem(f"tool call {c} ({name}): 'arguments' is not valid JSON ({_why(e)})",
                               "write the arguments as a JSON object (or its JSON string)", "bad tool call") from None
     if not isinstance(args, dict):
         raise TurnProblem(f"tool call {c} ({name}): 'arguments' is {json.dumps(args)[:40]}, not a JSON object",
@@ -115,8 +122,8 @@ def normalize_tools(value: Any) -> list[dict]:
     if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else []
-        except ValueError as e:
-            raise TurnProblem(f"'tools' is a string that is not valid JSON ({e.msg} at character {e.pos})",
+        except (ValueError, RecursionError) as e:
+            raise TurnProblem(f"'tools' is a string that is not valid JSON ({_why(e)})",
                               "write 'tools' as a JSON list of function schemas", "bad tools") from None
     if not isinstance(value, list):
         raise TurnProblem(f"'tools' is {json.dumps(value)[:40]}, not a list", "write 'tools' as a list of function "
@@ -145,8 +152,8 @@ def normalize_turn(role: str, value: Any, turn: dict, text_key: str) -> dict:
     if role == "function_call":  # LLaMA-Factory: the value is the call (or calls) as JSON
         try:
             calls = json.loads(value) if isinstance(value, str) else value
-        except ValueError as e:
-            raise TurnProblem(f"a function_call turn whose '{text_key}' is not valid JSON ({e.msg})",
+        except (ValueError, RecursionError) as e:
+            raise TurnProblem(f"a function_call turn whose '{text_key}' is not valid JSON ({_why(e)})",
                               'write it as {"name": ..., "arguments": {...}} (or a list of them)',
                               "bad tool call") from None
         calls = calls if isinstance(calls, list) else [calls]
@@ -211,6 +218,26 @@ def _train_flag(turn: dict, role: str) -> Optional[bool]:
         raise TurnProblem(f"'{key}' asks to train a {role} turn", "only assistant replies are trained: remove the flag",
                           "bad flag")
     return val
+
+
+def results_in_call_order(messages: list[dict]) -> list[dict]:
+    """``messages`` with each run of tool results put in the order of the calls they answer, where every result of
+    the run names a distinct call of the assistant turn before it by ``tool_call_id``: results are matched to calls by
+    id, and a template that writes no ids (Qwen3's) pairs them by position."""
+    out, k = list(messages), 0
+    while k < len(out):
+        calls = out[k].get("tool_calls") if out[k]["role"] == "assistant" else None
+        end = k + 1
+        while end < len(out) and out[end]["role"] == "tool":
+            end += 1
+        if calls and end > k + 1:
+            ids = [c.get("id") for c in calls]
+            run = out[k + 1:end]
+            given = [m.get("tool_call_id") for m in run]
+            if all(g is not None and g in ids for g in given) and len(set(given)) == len(given):
+                out[k + 1:end] = sorted(run, key=lambda m: ids.index(m["tool_call_id"]))
+        k = end if end > k + 1 else k + 1
+    return out
 
 
 def structure_problem(messages: list[dict], tools: Optional[list[dict]]) -> Optional[tuple[str, str, int, str]]:

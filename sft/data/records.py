@@ -29,7 +29,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-from sft.data.messages import ROLE_ALIASES, ROLES_HELP, TurnProblem, normalize_tools, normalize_turn, structure_problem
+from sft.data.messages import (ROLE_ALIASES, ROLES_HELP, TurnProblem, normalize_tools, normalize_turn,
+                               results_in_call_order, structure_problem)
 from sft.data.sources import Problem, iter_raw  # noqa: F401  (Problem re-exported: a record's problem)
 from sft.errors import DataError
 
@@ -126,17 +127,16 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
     if bad is not None:
         what, fix, t, kind = bad
         return [Problem(path, index, rid, what, fix, None if t < 0 else t, kind=kind)]
-    clean = [{k: v for k, v in m.items() if k != "_turn"} for m in messages]
+    clean = results_in_call_order([{k: v for k, v in m.items() if k != "_turn"} for m in messages])
     return Conversation(id=rid if rid is not None else f"#{index}", index=index, messages=clean, tools=tools)
 
 
 def _texts(msg: dict) -> list[str]:
-    """Every text of a message: content, reasoning, tool call names and arguments (as JSON), tool result ids."""
-    out = [msg["content"]]
-    if "reasoning_content" in msg:
-        out.append(msg["reasoning_content"])
+    """Every text of a message a template may write: content, reasoning, tool call ids, names and arguments (as JSON),
+    a tool result's ``tool_call_id`` and ``name``."""
+    out = [msg["content"]] + [msg[k] for k in ("reasoning_content", "tool_call_id", "name") if k in msg]
     for c in msg.get("tool_calls", ()):
-        out += [c["function"]["name"], json.dumps(c["function"]["arguments"], ensure_ascii=False)]
+        out += [c.get("id", ""), c["function"]["name"], json.dumps(c["function"]["arguments"], ensure_ascii=False)]
     return out
 
 

@@ -170,6 +170,11 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         plain = tl is None and all(len(m) == 2 for m in shown)
         replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         keep = trained_turns(messages, last_reply_only)
+        if not keep:  # --mask_history with the last reply marked "train": false
+            out[i] = refusal(replies[-1] if replies else None, "no reply left to train: --mask_history trains only the "
+                             "last reply, and it is marked \"train\": false / \"weight\": 0", "remove the mark, or "
+                             "drop --mask_history")
+            continue
         got = renderer.fill(shown) if plain and one_sample_of_contents(
             tokenizer, tuple(m["role"] for m in shown), stops) else None
         if got is not None:
@@ -233,6 +238,16 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             out[i] = [dict(truncate(a, b, max_len), user_cut=0) for a, b in pieces]
             out[i][0]["dropped"] = dropped
     return out
+
+
+def lazy_refusal(n_samples: int) -> TemplateError:
+    """Why ``--lazy_preprocess True`` cannot take a conversation that the chat template makes ``n_samples`` samples
+    of (it keeps one sample per record): said by ``sft-check`` and by :class:`sft.data.dataset.LazySupervisedDataset`
+    when it reads the record."""
+    from sft.data.turns import refusal
+
+    return refusal(None, f"the chat template renders earlier turns differently once later turns exist, so it is "
+                   f"{n_samples} samples; --lazy_preprocess keeps one sample per record", "drop --lazy_preprocess")
 
 
 TOKENIZE_CHARS = 4_000_000  # characters per tokenizer call: its offsets cost about 100 bytes a token

@@ -2,15 +2,16 @@
 results, reasoning, per-reply flags, templates that rewrite history): a conversation whose samples are longer than
 ``--model_max_length`` is cut at turn boundaries into pieces that each fit, every trained reply trained in exactly one.
 
-A conversation is ``[system,] body``; the body is cut into *units* before each user turn and before each assistant
-turn that follows a tool result, so a unit is ``user, assistant (+ its tool results)`` or ``assistant (+ its tool
-results)``: a tool result always stays with the call it answers. A piece is
+A conversation is ``[system,] body``; the body is cut into *units* before each user turn and before each run of tool
+results, so a unit is ``user, assistant`` or ``tool results, assistant`` (the assistant turn may hold calls). A piece
+is
 
-    head + [the round's user turn] + context units + target units
+    head + [the round's user turn, the calls answered] + context units + target units
 
-where the head is the system turn, and the round's user turn (the last user turn before the piece's first unit) is
-added when that unit does not start with one (the model always sees the query it is working on; templates such as
-Qwen3's also need one). Target units are taken greedily, context units added nearest first, with the cut rules of
+where the head is the system turn; when the piece's first unit starts with tool results, the user turn of its round
+(the last user turn before it) and the assistant turn whose calls they answer come first, as context: a reply is
+never trained without the query it works on, nor a tool result shown without its call (templates such as Qwen3's
+also need a user turn). Target units are taken greedily, context units added nearest first, with the cut rules of
 :mod:`sft.data.long_conversations` (``_plan``: the first piece's targets may fill it, a later piece's targets take at
 most half of the room after the head). Each piece is then encoded by the definition with only its target units'
 replies trained (:func:`sft.data.turns.plan`; a piece may itself be several samples where the template rewrites
@@ -20,6 +21,7 @@ one target unit that does not fit even alone is returned whole for the caller to
 """
 from __future__ import annotations
 
+import json
 from bisect import bisect_right
 from typing import Optional, Sequence
 
@@ -31,7 +33,7 @@ def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
     ``(start, end)`` message indices (see the module docstring)."""
     head = 1 if messages and messages[0]["role"] == "system" else 0
     starts = [k for k in range(head, len(messages)) if k == head or messages[k]["role"] == "user"
-              or (messages[k]["role"] == "assistant" and messages[k - 1]["role"] == "tool")]
+              or (messages[k]["role"] == "tool" and messages[k - 1]["role"] == "assistant")]
     return head, list(zip(starts, starts[1:] + [len(messages)]))
 
 
@@ -54,7 +56,7 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
     head, units = units_of(messages)
     user_of = [max((k for k in range(head, a + 1) if messages[k]["role"] == "user"), default=None) for a, _b in units]
     costs, head_len, user_len = _estimate(tokenizer, messages, tools, head, units)
-    lengths = [head_len + costs[u] + (user_len[u] if messages[a]["role"] != "user" else 0)
+    lengths = [head_len + costs[u] + (user_len[u] if messages[a]["role"] == "tool" else 0)
                for u, (a, _b) in enumerate(units)]
 
     memo: dict = {}  # cut -> its samples: the plan is made again after an overflow, most cuts stay
@@ -75,7 +77,9 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
 
     def piece(c: int, i: int, j: int) -> list[dict]:
         first = units[c][0]
-        lead = [messages[user_of[c]]] if messages[first]["role"] != "user" and user_of[c] is not None else []
+        lead = []
+        if messages[first]["role"] == "tool":  # the query, and the calls these results answer, as context
+            lead = ([messages[user_of[c]]] if user_of[c] is not None else []) + [dict(messages[first - 1], train=False)]
         keep = {k for a, b in units[i:j] for k in range(a, b) if k in trained}
         body = [m if m["role"] != "assistant" or k in keep else dict(m, train=False)
                 for k, m in enumerate(messages[first:units[j - 1][1]], start=first)]
@@ -129,9 +133,12 @@ def _estimate(tokenizer, messages, tools, head: int, units) -> tuple[list[int], 
         marks = [round(step * (u + 1)) for u in range(len(units))]
     bounds = marks + [len(offsets)]
     costs = [max(1, b - a) for a, b in zip(bounds, bounds[1:])]
-    user_len = []
+    per_char = len(offsets) / max(1, len(full))
+    user_len = []  # the round's user turn and the calls answered, led before a unit that starts with tool results
     for a, _b in units:
         u = next((k for k in range(a, head - 1, -1) if messages[k]["role"] == "user"), None)
-        user_len.append(0 if u is None else len(tokenizer(messages[u]["content"], add_special_tokens=False)
-                                                ["input_ids"]) + 8)
+        lead = [shown[u]] if u is not None else []
+        lead += [shown[a - 1]] if a > 0 and shown[a]["role"] == "tool" else []
+        chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls", ""))) for m in lead)
+        user_len.append(round(chars * per_char) + 8 * len(lead))
     return costs, marks[0], user_len

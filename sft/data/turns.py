@@ -184,29 +184,64 @@ def _found(text: str, part: str) -> bool:
     return not part or part in text or json.dumps(part, ensure_ascii=False)[1:-1] in text
 
 
+def _claim(text: str, part: str, claimed: list) -> bool:
+    """Whether ``part`` (stripped; or its JSON-escaped form) occurs in ``text`` outside the ``claimed`` character
+    ranges; the first such occurrence is added to them."""
+    part = part.strip()
+    if not part:
+        return True
+    for form in (part, json.dumps(part, ensure_ascii=False)[1:-1]):
+        at = text.find(form)
+        while at >= 0:
+            if not any(a < at + len(form) and at < b for a, b in claimed):
+                claimed.append((at, at + len(form)))
+                return True
+            at = text.find(form, at + 1)
+    return False
+
+
+def _argument_values(args: dict) -> list[str]:
+    """The texts of a tool call's argument values (strings as they are, other values as JSON), nested ones too."""
+    out = []
+    for v in args.values():
+        if isinstance(v, dict):
+            out += _argument_values(v)
+        elif isinstance(v, str):
+            out.append(v)
+        else:
+            out.append(json.dumps(v, ensure_ascii=False))
+    return out
+
+
 def _dropped(messages, tools, info, samples) -> list:
-    """What the template left out (see the module docstring): ``[(turn, what, characters), ...]``."""
+    """What the template left out (see the module docstring): ``[(turn, what, characters), ...]``. A text counts as
+    present only where no longer text of the same sample claimed it first (a system prompt "Hello" is not found
+    inside a user's "Hello there")."""
     out = []
     for k, (full, start, end, _close) in info.items():
         reply, m = full[start:end], messages[k]
-        if not _found(reply, m["content"]):
-            out.append((k, "content", len(m["content"])))
-        head, _c, tail = reply.rpartition(m["content"].strip()) if m["content"].strip() else (reply, "", "")
-        rest = head + tail if _c else reply  # the reasoning must be found outside the content (usually before it)
-        if m.get("reasoning_content") and not _found(rest, m["reasoning_content"]):
-            out.append((k, "reasoning", len(m["reasoning_content"])))
+        claimed: list = []
+        parts = [("content", m["content"]), ("reasoning", m.get("reasoning_content") or "")]
+        for what, part in sorted(parts, key=lambda p: -len(p[1].strip())):  # the longer claims its text first
+            if not _claim(reply, part, claimed):
+                out.append((k, what, len(part)))
         for c in m.get("tool_calls", ()):
-            name = c["function"]["name"]
+            name, args = c["function"]["name"], c["function"]["arguments"]
             if name not in reply:
-                out.append((k, f"tool call {name}", len(name) + len(json.dumps(c["function"]["arguments"]))))
-            else:
-                missing = [a for a in c["function"]["arguments"] if a not in reply]
-                if missing:
-                    out.append((k, f"tool call {name}'s argument(s) {', '.join(missing)}", sum(map(len, missing))))
+                out.append((k, f"tool call {name}", len(name) + len(json.dumps(args))))
+                continue
+            missing = [a for a in args if a not in reply]
+            if missing:
+                out.append((k, f"tool call {name}'s argument(s) {', '.join(missing)}", sum(map(len, missing))))
+            values = [v for v in _argument_values(args) if not _found(reply, v)]
+            if values:
+                out.append((k, f"tool call {name}'s argument value(s)", sum(map(len, values))))
     seen = set()
     for text, _spans, last in samples:
-        for j, m in enumerate(messages[:last + 1]):
-            if m["role"] != "assistant" and (j, m["role"]) not in seen and not _found(text, m["content"]):
+        claimed = []
+        for j, m in sorted(enumerate(messages[:last + 1]), key=lambda jm: -len(jm[1]["content"].strip())):
+            present = _claim(text, m["content"], claimed)
+            if m["role"] != "assistant" and (j, m["role"]) not in seen and not present:
                 seen.add((j, m["role"]))
                 out.append((j, f"{m['role']} text", len(m["content"])))
         for t in tools or ():

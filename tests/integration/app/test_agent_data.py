@@ -68,3 +68,10 @@ def test_check_and_train_refuse_the_same_record_the_template_cannot_take(tmp_pat
     assert line in r.stderr, r.stderr
     r = sft("train", *common, "--max_steps", "1", "--save_strategy", "no")
     assert r.returncode == 2 and line in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    # --lazy_preprocess keeps one sample per record: check says so too (it said OK, then training refused)
+    data = write_jsonl(tmp_path / "multi.jsonl", [AGENT[0]])
+    r = sft("check", "--model_name_or_path", model, "--data_path", data, "--output_dir", str(tmp_path / "out"),
+            "--lazy_preprocess", "True")
+    assert r.returncode == 2 and "id='think-inline': the chat template renders earlier turns differently once later " \
+        "turns exist, so it is 2 samples; --lazy_preprocess keeps one sample per record; drop --lazy_preprocess" \
+        in r.stderr, r.stderr[-3000:]

@@ -197,3 +197,74 @@ def test_split_of_a_long_reasoning_conversation_on_a_template_that_keeps_history
     assert all(tok.decode(ex["input_ids"]).startswith("<|im_start|>system\nThink first.<|im_end|>") for ex in pieces)
     later = tok.decode(pieces[-1]["input_ids"])  # context before its replies: earlier turns, unsupervised
     assert later.index("<|im_start|>user") < later.index("<|im_start|>assistant\n<think>")
+
+
+# Found by trying to break issue 32's forms (each input kept as it was found)
+KEYS_ONLY = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}{{- message['content'] }}"
+             "{%- if message['tool_calls'] %}{%- for c in message['tool_calls'] %}{{- '<tool_call>' + c['function']"
+             "['name'] + '(' }}{%- for k in c['function']['arguments'] %}{{- k + ',' }}{%- endfor %}"
+             "{{- ')</tool_call>' }}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+NO_SYSTEM = ("{%- for message in messages %}{%- if message['role'] != 'system' %}{{- '<|im_start|>' + message['role'] + "
+             "'\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def with_template(qwen_tok, template):
+    import copy
+
+    tok = copy.deepcopy(qwen_tok[0])
+    tok.chat_template = template
+    return tok, qwen_tok[1]
+
+
+def test_dropped_argument_values_and_text_found_only_inside_longer_text_are_refused(qwen_tok):
+    tok, eot = with_template(qwen_tok, KEYS_ONLY)
+    conv = normalize_record("b.jsonl", 7, {"id": "argvals", "messages": [
+        {"role": "user", "content": "Wire money"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "transfer", "arguments": {"to": "ACCOUNT-12345",
+                                                                               "amount": "999999"}}}]},
+        {"role": "tool", "content": "done"}, {"role": "assistant", "content": "Sent."}]})
+    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+    assert isinstance(out, TemplateError) and "tool call transfer's argument value(s) of turn 1" in str(out)
+    tok, eot = with_template(qwen_tok, NO_SYSTEM)
+    for system, user in (("Hello", "Hello there"), ("Reply in French.", "Hi")):
+        conv = normalize_record("b.jsonl", 8, {"messages": [{"role": "system", "content": system},
+                                                            {"role": "user", "content": user},
+                                                            {"role": "assistant", "content": "Hi."}]})
+        out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+        assert isinstance(out, TemplateError) and "drops system text of turn 0" in str(out), (system, out)
+
+
+def test_mask_history_with_the_last_reply_not_trained_is_a_record_problem(qwen3, qwen_tok):
+    rec = {"id": "mh", "messages": [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"},
+                                    {"role": "user", "content": "C"},
+                                    {"role": "assistant", "content": "D", "train": False}]}
+    for tok, eot in (qwen3, qwen_tok):  # the per-turn path and the fast path alike
+        conv = normalize_record("b.jsonl", 0, rec)
+        out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None], last_reply_only=True)[0]
+        assert isinstance(out, TemplateError) and out.turn == 3 and "no reply left to train" in str(out)
+
+
+def test_split_never_trains_an_answer_without_the_call_and_result_it_answers(qwen3):
+    tok, eot = qwen3
+    conv = normalize_record("b.jsonl", 3, {"id": "split-tool", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in city0?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c0", "type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "city0"}}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "RES0"}, {"role": "assistant", "content": "Answer0."}]})
+    for max_len in (40, 64, 90):  # at 40 the answer's piece is too long by itself: truncated before it, counted
+        samples = encode_samples(tok, [conv.messages], eot, max_len, None, "split", [None])[0]
+        answers = [ex for ex in samples if "Answer0" in "".join(supervised_spans(tok, ex["input_ids"], ex["labels"]))]
+        assert len(answers) == (max_len > 40), (max_len, [tok.decode(ex["input_ids"]) for ex in samples])
+        for ex in answers:
+            text = tok.decode(ex["input_ids"])
+            assert "RES0" in text and '"city": "city0"' in text and "Weather in city0?" in text, (max_len, text)
+        if max_len == 40:
+            assert any(ex["truncated"] and ex["n_lost"] > 0 for ex in samples)
+    pieces = encode_samples(tok, [normalize_record("b", 0, long_agent_record()).messages], eot, 300, None, "split",
+                            [AGENT[2]["tools"]])[0]
+    for ex in pieces:
+        for run in supervised_spans(tok, ex["input_ids"], ex["labels"]):
+            if "warmest" in run:  # a final answer: the results it compares are in its context
+                assert "<tool_response>" in tok.decode(ex["input_ids"])
