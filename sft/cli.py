@@ -98,8 +98,8 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
     """``sft-show-sample MODEL_DIR DATA_FILE [--index 0] [--model_max_length N] [--system_message S]
-    [--long_conversations split|truncate] [--mask_history] [--allow_dropped_content]``: print the rendered training
-    sample(s) of one record with the supervised tokens marked «like this» (several when a long conversation is split
+    [--long_conversations split|truncate] [--mask_history] [--allow_dropped_content] [--chat_template FILE]``: print
+    the rendered training sample(s) of one record with the supervised tokens marked «like this» (several when a long conversation is split
     or the chat template renders earlier turns differently once later turns exist)."""
     ap = argparse.ArgumentParser(prog="sft-show-sample", description=show_sample_main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("model_dir")
@@ -108,9 +108,12 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--model_max_length", type=int, default=8192)
     ap.add_argument("--system_message", default=None)
     ap.add_argument("--long_conversations", choices=["split", "truncate"], default="split")
-    ap.add_argument("--mask_history", action="store_true", help="train only the last reply (as sft-train's flag)")
-    ap.add_argument("--allow_dropped_content", action="store_true",
+    ap.add_argument("--mask_history", nargs="?", const=True, default=False, type=_boolean,
+                    help="train only the last reply (as sft-train's flag; a bare flag means True)")
+    ap.add_argument("--allow_dropped_content", nargs="?", const=True, default=False, type=_boolean,
                     help="show a record whose text the chat template partly drops (as sft-train's flag)")
+    ap.add_argument("--chat_template", default=None, help="a Jinja chat template file used instead of the "
+                    "tokenizer's own (as sft-train's flag)")
     a = ap.parse_args(argv)
 
     def body():
@@ -118,9 +121,19 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
 
         for line in show_sample(a.model_dir, a.data_file, a.index, a.model_max_length, a.system_message,
                                 a.long_conversations, color=sys.stdout.isatty(), mask_history=a.mask_history,
-                                allow_dropped_content=a.allow_dropped_content):
+                                allow_dropped_content=a.allow_dropped_content, chat_template=a.chat_template):
             print(line)
     return run_cli(body)
+
+
+def _boolean(text: str) -> bool:
+    """``True`` / ``False`` as ``sft-train``'s boolean flags take them (also yes/no, 1/0)."""
+    value = text.strip().lower()
+    if value in ("true", "yes", "1"):
+        return True
+    if value in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 
 
 def ray_main(argv: Optional[Sequence[str]] = None) -> int:

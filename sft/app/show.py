@@ -14,12 +14,14 @@ from sft.model.loading import load_tokenizer
 
 def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length: int = 8192,
                 system_message: Optional[str] = None, long_conversations: str = "split",
-                color: bool = False, mask_history: bool = False, allow_dropped_content: bool = False) -> Iterator[str]:
+                color: bool = False, mask_history: bool = False, allow_dropped_content: bool = False,
+                chat_template: Optional[str] = None) -> Iterator[str]:
     """Yield, per training sample of the ``index``-th valid record (0-based) of ``data_file``: a header line (record
     index and id, tokens, supervised tokens, truncation) and the rendered text with supervised tokens marked «like
     this» (ANSI colour instead when ``color``). Several samples when a long conversation is split, or when the chat
     template renders earlier turns differently once later turns exist (:mod:`sft.data.turns`). ``mask_history`` /
-    ``allow_dropped_content``: as ``--mask_history`` / ``--allow_dropped_content``.
+    ``allow_dropped_content`` / ``chat_template``: as ``--mask_history`` / ``--allow_dropped_content`` /
+    ``--chat_template``.
 
     The file is streamed up to the record asked for: a huge file is not loaded.
 
@@ -39,7 +41,7 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length
     c = next(itertools.islice(iter_conversations(data_file, check), index, None), None)
     if c is None:
         raise SFTError(f"--index {index}: the file has {check.valid} valid records")
-    tok, eot, _ = load_tokenizer(model_dir)
+    tok, eot, _ = load_tokenizer(model_dir, chat_template=chat_template)
     samples = encode_samples(tok, [c.messages], eot, model_max_length, system_message, long_conversations, [c.tools],
                              mask_history, allow_dropped_content)[0]
     if isinstance(samples, Exception):

@@ -41,6 +41,20 @@ def _check_model(m: Optional[str]) -> list[str]:
     return [f"--model_name_or_path {m}: no such folder; give an existing model folder"]
 
 
+def _check_chat_template(path: Optional[str]) -> list[str]:
+    """``--chat_template``: a readable Jinja file (:func:`sft.model.loading.read_chat_template`)."""
+    if path is None:
+        return []
+    from sft.errors import SFTError
+    from sft.model.loading import read_chat_template
+
+    try:
+        read_chat_template(path)
+    except SFTError as e:
+        return [str(e)]
+    return []
+
+
 def _check_source(flag: str, path: str) -> list[str]:
     from sft.data.sources import folder_problem
 
@@ -322,7 +336,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
     Raises:
         ConfigError: one line per problem, each naming the flag, the value and the fix.
     """
-    p = (_check_model(model_args.model_name_or_path) + _check_data(data_args, training_args)
+    p = (_check_model(model_args.model_name_or_path) + _check_chat_template(model_args.chat_template)
+         + _check_data(data_args, training_args)
          + _check_training(training_args) + _check_lora(model_args, training_args, lora_args)
          + _check_fsdp(training_args, lora_args) + _check_output(training_args))
     m, out = model_args.model_name_or_path, training_args.output_dir

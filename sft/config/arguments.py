@@ -47,6 +47,11 @@ class ModelArguments:
             "choices": ["auto", "true", "false"],
         },
     )
+    chat_template: Optional[str] = field(
+        default=None,
+        metadata={"help": "A chat template (a Jinja file, e.g. one that renders tool calls) used instead of the "
+                  "tokenizer's own; saved with the trained tokenizer, so inference renders as training did."},
+    )
 
 
 @dataclass

@@ -42,7 +42,8 @@ from sft.data.spec import PreparationSpec
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 4  # bump when the cached columns or their meaning change (4: the ``record`` column)
+CACHE_FORMAT = 5  # bump when the cached columns or their meaning change (4: the ``record`` column; 5: labels by the
+# definition of sft.data.turns, the lazy records as JSON)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -192,8 +192,13 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             continue
         if p.dropped and not allow_dropped_content:
             out[i] = refusal(None, f"the chat template drops {describe_dropped(p.dropped)}, so the model would never "
-                             "see it", "use a template that renders it, remove it, or pass --allow_dropped_content "
-                             "True to train without it")
+                             "see it", "use a template that renders it (--chat_template FILE), remove it, or pass "
+                             "--allow_dropped_content True to train without it")
+            continue
+        if not p.samples:  # every reply to train was dropped by the template
+            out[i] = refusal(None, "no reply left to train: the chat template writes none of the replies to train "
+                             f"({describe_dropped(p.dropped)})", "use a template that renders them (--chat_template "
+                             "FILE)")
             continue
         whole = plain and len(keep) == len(replies) and len(p.samples) == 1 and [
             p.samples[0][0][a:b] for a, b in p.samples[0][1]] == [shown[k]["content"] for k in replies]

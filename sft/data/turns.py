@@ -131,11 +131,12 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
 
     Raises:
         TemplateError: the template cannot render the conversation (its own message), renders a reply's context
-            differently from its generation prompt, writes nothing for a reply or does not close it with one of
-            ``stops``; the message names the turn.
+            differently from its generation prompt, or does not close a reply with one of ``stops``; the message
+            names the turn. A reply the template writes nothing of (a tool call under a template that ignores
+            ``tool_calls``) is not trained and is counted in :attr:`Plan.dropped`.
     """
     shown = template_messages(tokenizer, messages)
-    info = {}
+    info, empty = {}, []
     for k in trained_turns(messages, last_reply_only):
         try:
             prompt = render(tokenizer, shown[:k], tools, generation_prompt=True)
@@ -154,10 +155,11 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
             raise refusal(k, f"the chat template does not close this reply with its end-of-turn token "
                           f"({' or '.join(stops)})", "use a template whose replies end with one")
         end, stop = min(ends)
-        if not full[len(prompt):end].strip():
-            what = " (it ignores tool_calls)" if messages[k].get("tool_calls") else ""
-            raise refusal(k, f"the chat template writes nothing for this reply{what}", "use a template that renders "
-                          "it, or remove the reply")
+        if not full[len(prompt):end].strip():  # the template writes nothing of this reply: dropped, not trained
+            m = messages[k]
+            empty.append((k, " and ".join(f"tool call {c['function']['name']}" for c in m.get("tool_calls", ()))
+                          or "content", len(m["content"]) + len(json.dumps(m.get("tool_calls", "")))))
+            continue
         info[k] = (full, len(prompt), end, end + len(stop))
     out, todo = Plan(), sorted(info, reverse=True)
     while todo:
@@ -166,7 +168,7 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
         out.samples.append((text, [info[j][1:3] for j in sorted(group)], todo[0]))
         todo = [j for j in todo if j not in group]
     out.samples.reverse()
-    out.dropped = _dropped(messages, tools, info, out.samples)
+    out.dropped = sorted(empty + _dropped(messages, tools, info, out.samples), key=lambda x: x[0])
     return out
 
 

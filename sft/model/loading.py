@@ -17,9 +17,11 @@ logger = logging.getLogger(__name__)
 UNTRAINED_ROW_ABS_MAX = 1e-8
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Optional[str] = None):
+def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Optional[str] = None,
+                   chat_template: Optional[str] = None):
     """Load the tokenizer of the model folder (or cached hub id) ``path``, give it a chat template (ChatML
-    fallback) and a pad token. ``cache_dir``: transformers' ``cache_dir`` for ``from_pretrained``.
+    fallback) and a pad token. ``cache_dir``: transformers' ``cache_dir`` for ``from_pretrained``;
+    ``chat_template``: a Jinja file whose template replaces the tokenizer's own (``--chat_template``).
 
     Returns:
         ``(tokenizer, eot_id, added_tokens)``; ``added_tokens`` is True when the vocabulary grew.
@@ -38,11 +40,35 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Option
         raise SFTError(f"{path}: the tokenizer is not a fast (tokenizers) tokenizer; "
                        "labels need token offsets: save the tokenizer with tokenizer.json")
     tok.padding_side = "right"
+    if chat_template:
+        tok.chat_template = read_chat_template(chat_template)
     with explain_load_errors("tokenizer", path, "the tokenizer does not behave like a transformers tokenizer"):
         added = ensure_chat_template(tok)
     eot = end_of_turn_id(tok)
     added = choose_pad_token(tok, eot) or added
     return tok, eot, added
+
+
+def read_chat_template(path: str) -> str:
+    """The text of the chat template file ``path`` (``--chat_template``), checked to compile.
+
+    Raises:
+        SFTError: the file cannot be read, or is not a Jinja template (jinja2's reason quoted).
+    """
+    import jinja2
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise SFTError(f"--chat_template {path}: cannot read it ({e.strerror}); give a Jinja file") from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise SFTError(f"--chat_template {path}: not a Jinja template (line {e.lineno}: {e.message})") from None
+    if not text.strip():
+        raise SFTError(f"--chat_template {path}: the file is empty; give a Jinja chat template")
+    return text
 
 
 def require_vocabulary(tok, path: str, fix: str) -> None:

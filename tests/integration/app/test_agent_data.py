@@ -75,3 +75,23 @@ def test_check_and_train_refuse_the_same_record_the_template_cannot_take(tmp_pat
     assert r.returncode == 2 and "id='think-inline': the chat template renders earlier turns differently once later " \
         "turns exist, so it is 2 samples; --lazy_preprocess keeps one sample per record; drop --lazy_preprocess" \
         in r.stderr, r.stderr[-3000:]
+
+
+def test_chat_template_flag_renders_tool_calls_on_a_model_whose_template_cannot(tmp_path, capsys):
+    """--chat_template FILE replaces the tokenizer's template (a newcomer's SmolLM2 ignores tool_calls); sft-show-sample
+    takes it and the boolean flags as sft-train writes them (--mask_history True)."""
+    from sft.cli import show_sample_main
+
+    data = write_jsonl(tmp_path / "agent.jsonl", AGENT)
+    model = assets.tiny_qwen2_dir()  # no template: ChatML, which writes no tool calls
+    assert show_sample_main([model, data, "--index", "2"]) == 2
+    assert "drops tool definition get_weather" in capsys.readouterr().err
+    assert show_sample_main([model, data, "--index", "2", "--chat_template", assets.QWEN3_TEMPLATE,
+                             "--mask_history", "True"]) == 0
+    out = capsys.readouterr().out
+    assert "«<think>\n\n</think>\n\nYes, it is raining in Paris (11 degrees).<|im_end|>»" in out
+    assert '<tool_call>\n{"name": "get_weather"' in out and "«<tool_call>" not in out  # --mask_history: last only
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    assert show_sample_main([model, data, "--chat_template", str(bad)]) == 2
+    assert f"--chat_template {bad}: not a Jinja template (line 1" in capsys.readouterr().err

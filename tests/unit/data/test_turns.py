@@ -88,8 +88,8 @@ def test_a_template_that_drops_reasoning_or_tools_refuses_by_name_or_trains_coun
     out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
     assert isinstance(out, TemplateError)
     assert str(out) == ("the chat template drops reasoning of turn 1 (12 characters), so the model would never see "
-                        "it; use a template that renders it, remove it, or pass --allow_dropped_content True to train "
-                        "without it")
+                        "it; use a template that renders it (--chat_template FILE), remove it, or pass "
+                        "--allow_dropped_content True to train without it")
     out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None], allow_dropped_content=True)[0]
     assert supervised_spans(tok, out[0]["input_ids"], out[0]["labels"]) == ["No, 91 = 7 x 13.<|im_end|>"]
     assert out[0]["dropped"] == 12
@@ -101,9 +101,13 @@ def test_a_template_that_drops_reasoning_or_tools_refuses_by_name_or_trains_coun
     tok, eot = qwen_tok
     conv = normalize_record("agent.jsonl", 4, AGENT[2])
     out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools])[0]
-    assert isinstance(out, TemplateError) and out.turn == 2
-    assert str(out) == ("turn 2: the chat template writes nothing for this reply (it ignores tool_calls); use a "
-                        "template that renders it, or remove the reply")
+    assert isinstance(out, TemplateError) and "tool call get_weather of turn 2" in str(out)
+    assert "tool definition get_weather" in str(out)
+    # --allow_dropped_content: trained without the call (not trained itself) or the tools, counted
+    allowed = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools],
+                             allow_dropped_content=True)[0]
+    assert [supervised_spans(tok, ex["input_ids"], ex["labels"]) for ex in allowed] == [
+        ["Yes, it is raining in Paris (11 degrees).<|im_end|>"]] and allowed[0]["dropped"] > 0
     conv = normalize_record("agent.jsonl", 5, {"tools": [AGENT[2]["tools"][0]], **AGENT[3]})
     out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools])[0]
     assert isinstance(out, TemplateError) and "drops tool definition get_weather" in str(out)
@@ -268,3 +272,4 @@ def test_split_never_trains_an_answer_without_the_call_and_result_it_answers(qwe
         for run in supervised_spans(tok, ex["input_ids"], ex["labels"]):
             if "warmest" in run:  # a final answer: the results it compares are in its context
                 assert "<tool_response>" in tok.decode(ex["input_ids"])
+
