@@ -1,7 +1,7 @@
 """Real chat templates (llama.cpp's collection, :func:`tests.helpers.assets.chat_template_corpus_dir`) against three
 kinds of conversation, with labels checked against the definition computed independently here through
 ``tokenizer.apply_chat_template`` (the public API). Used by tests/integration/data/test_template_corpus.py and by
-scripts/chat_template_table.py (the table in docs/data-format.md).
+``python -m tests.helpers.template_corpus`` (the table in docs/data-format.md).
 
 The tokenizer of every template is the real Qwen vocabulary with the template's own control tokens (``<|...|>``,
 ``<｜...｜>``, ``<tag>``, ``[TAG]`` literals) added as special tokens, ``<s>`` / ``</s>`` as its bos / eos.
@@ -150,3 +150,12 @@ def markdown_table(table: dict[str, list[str]]) -> str:
     lines = ["| template | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(map(cell, row)) + " |" for name, row in table.items()]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # .venv/bin/python -m tests.helpers.template_corpus (from the repository root)
+    import sys
+
+    table = outcomes()
+    print(markdown_table(table))
+    trained = [sum(row[k].startswith("trains") for row in table.values()) for k in range(len(KINDS))]
+    print(f"\n{len(table)} templates; trained per kind: {trained}", file=sys.stderr)
