@@ -10,6 +10,7 @@ import transformers
 
 from sft.model.attention import PACKED_ATTENTION
 from sft.train.metrics import install as install_throughput_callback
+from sft.train.progress import install as install_progress_callback
 from sft.data.chat import chat_control_tokens, visualize
 from sft.train.checkpoint import run_info
 from sft.data.dataset import build_dataset, make_collator
@@ -191,6 +192,7 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     run's :class:`sft.app.settings.RunSettings` (default: derived from ``training_args``), completed here by the
     memory plan. Returns ``(trainer, tokenizer, eot_id)``."""
     from sft.distributed.process_group import setup_runtime
+    from sft.distributed.progress import RECORD
 
     setup_runtime(training_args)  # idempotent: the process group before data preparation's collectives
     if settings is None:  # called on its own (tests, benchmarks): the run's shape as given
@@ -254,6 +256,7 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
                     if trainer.supervised_head else "every position (FSDP)" if trainer.is_fsdp_enabled else
                     f"every position (model type '{getattr(model.config, 'model_type', '?')}' has no plain LM head, see sft/model/loss.py)")
     install_throughput_callback(trainer, training_args.peak_tflops)
+    install_progress_callback(trainer, training_args.straggler_factor, training_args.straggler_window)
     log_run_shape(training_args.world_size, training_args.per_device_train_batch_size,
                   training_args.gradient_accumulation_steps, len(train_ds), training_args.max_steps,
                   training_args.num_train_epochs, str(training_args.device), training_args.ddp_backend,
@@ -294,6 +297,7 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
     from sft.train.world_size import ensure_universal, plan_world_size_change
 
     from sft.distributed.process_group import setup_runtime
+    from sft.distributed.progress import RECORD
 
     setup_runtime(training_args)  # idempotent (train() ran it): the process group before the collectives below
     setup_logging()
@@ -302,6 +306,7 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
     preemption = PreemptionHandler(training_args.preemption_timeout, step_checks).install()
     peers: dict = {}
     try:
+        RECORD.set("checking every rank's inputs")
         if preflight_enabled():  # several processes: same data, model config, tokenizer and version everywhere
             sources = data_sources(data_args)
             files = {f"--data_path {p}" if len(sources["train"]) > 1 else "--data_path": p for p in sources["train"]}
@@ -332,6 +337,7 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
         settings = derive(training_args, resume, change.grad_accum if change else None, rebuild, sft_rotation=True)
         apply_run_shape(training_args, settings)
         callbacks = [install(training_args, configured_grad_accum, settings.save_total_limit), preemption]
+        RECORD.set("loading the model and the data (data preparation)")
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, callbacks=callbacks,
                                           settings=settings)
         if resume:
@@ -342,6 +348,7 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
             where = os.path.join(os.path.abspath(training_args.output_dir), f"checkpoint-{preemption.stopped_at}")
             raise Preempted(f"stopped by {preemption.cause or signal_name(preemption.signum)} at step {preemption.stopped_at} of "
                             f"{trainer.state.max_steps}; checkpoint {where}; run the same command again to resume")
+        RECORD.set("finishing (final evaluation and save)", trainer.state.global_step)
         if trainer.eval_dataset is not None:
             log_eval_change(trainer.state.log_history, trainer.evaluate(), trainer.state.global_step)
         save(trainer, tok, eot, training_args.output_dir)

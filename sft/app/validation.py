@@ -9,6 +9,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Optional
 
+from sft.distributed.process_group import NCCL_TRACE_DIR
 from sft.errors import ConfigError
 from sft.model.quantized import HUB_ID as _HUB_ID, importable
 
@@ -175,6 +176,19 @@ def _check_training(t) -> list[str]:
         p.append(f"--warmup_ratio {t.warmup_ratio}: must be in [0, 1)")
     if not (math.isfinite(t.preemption_timeout) and t.preemption_timeout > 0):
         p.append(f"--preemption_timeout {t.preemption_timeout}: must be a number of seconds > 0 (e.g. 300)")
+    hang = getattr(t, "hang_timeout", None)
+    if hang is not None and not (math.isfinite(hang) and (hang == 0 or hang >= 2)):
+        p.append(f"--hang_timeout {hang}: must be 0 (off) or a number of seconds >= 2 (e.g. 300)")
+    elif hang and hang >= t.ddp_timeout:
+        p.append(f"--hang_timeout {hang:g} with --ddp_timeout {t.ddp_timeout:g}: torch's timeout would end the job first, "
+                 "without naming the stuck rank; set --hang_timeout below --ddp_timeout (or leave it unset: 300, at "
+                 "most half of it)")
+    factor = getattr(t, "straggler_factor", 0)
+    if not (math.isfinite(factor) and (factor == 0 or factor > 1)):
+        p.append(f"--straggler_factor {factor}: must be 0 (off) or a ratio > 1 (e.g. 1.5: 50% slower than the other "
+                 "ranks' median)")
+    if getattr(t, "straggler_window", 2) < 2:
+        p.append(f"--straggler_window {t.straggler_window}: must be at least 2 optimizer steps (e.g. 20)")
     if not 0 <= t.seed < 2**32:
         p.append(f"--seed {t.seed}: must be in [0, 2**32)")
     if t.peak_tflops is not None and not (math.isfinite(t.peak_tflops) and t.peak_tflops > 0):
@@ -284,7 +298,9 @@ def _check_output(t) -> list[str]:
                                    t.gradient_accumulation_steps)
         except ConfigError as e:
             p += e.problems
-    if os.path.isdir(out) and os.listdir(out) and not t.overwrite_output_dir and not resuming_here:
+    # NCCL_TRACE_DIR: made by a CUDA run's start for the flight recorder's dumps, not the user's content
+    if (os.path.isdir(out) and set(os.listdir(out)) - {NCCL_TRACE_DIR} and not t.overwrite_output_dir
+            and not resuming_here):
         p.append(f"--output_dir {out}: the folder is not empty; pass --overwrite_output_dir True to write "
                  "into it anyway, or choose another folder")
     return p

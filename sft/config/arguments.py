@@ -196,6 +196,15 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
         metadata={"help": "Seconds from SIGTERM/SIGINT to a forced exit (code 75) if the current step and the "
                   "checkpoint have not finished by then; the last complete checkpoint is kept."},
     )
+    hang_timeout: Optional[float] = field(default=None, metadata={"help": "Seconds without progress after which a "
+        "stuck or frozen rank is named (rank, host, last step and phase) and the job ends with code 1 "
+        "(sft/distributed/progress.py; several processes under torchrun). Unset: 300, at most half of --ddp_timeout, at "
+        "least 30. 0: off."})
+    straggler_factor: float = field(default=1.5, metadata={"help": "Name a rank whose forward time per token over "
+        "the last --straggler_window steps is this many times the median of the other ranks' (sft/train/progress.py; "
+        "checked at every logging step). 0: off."})
+    straggler_window: int = field(default=20, metadata={"help": "Optimizer steps over which --straggler_factor "
+        "compares the ranks."})
     bf16: bool = field(default=False, metadata={"help": "Train in bfloat16: True, False (fp32) or auto (bf16 on a GPU "
                        "with it or a CPU with avx512_bf16 / amx_bf16, else fp32; sft/config/precision.py)."})
     lm_head_supervised_only: bool = field(default=True, metadata={"help": "Training: the LM head and loss only at "

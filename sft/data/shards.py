@@ -34,6 +34,7 @@ import uuid
 from typing import Callable, Optional
 
 from sft.distributed import collectives
+from sft.distributed.progress import RECORD
 from sft.errors import DataError
 from sft.fsio import atomic_write_json, read_json
 
@@ -167,6 +168,13 @@ def _failure(key_dir: str, n: int, run: str, waiting: list[int]) -> Optional[dic
 
 
 def wait_for_shards(key_dir: str, n: int, plan: Plan, timeout_s: float, what: str) -> list[dict]:
+    """:func:`_wait_for_shards`, marked as a wait for other ranks in this process's progress record
+    (:mod:`sft.distributed.progress`): a rank frozen while preparing its shard is the one named."""
+    with RECORD.wait(f"waiting for data shards of {what}"):
+        return _wait_for_shards(key_dir, n, plan, timeout_s, what)
+
+
+def _wait_for_shards(key_dir: str, n: int, plan: Plan, timeout_s: float, what: str) -> list[dict]:
     """Poll until every shard of ``key_dir`` has its marker; return the markers in shard order.
 
     Logs (WARNING, so every rank's lines show) after :data:`PROGRESS_FIRST_S` seconds and then every

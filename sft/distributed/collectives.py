@@ -11,11 +11,16 @@ NCCL it pickles into a tensor on the current CUDA device, ``torch.cuda.set_devic
 process group's start). :func:`any_rank` and :func:`all_ranks` reduce one int32 on ``device``, by default the
 current CUDA device under NCCL and the CPU otherwise (gloo), the device each backend requires.
 
+Each collective marks this rank as waiting in it (:meth:`sft.distributed.progress.Record.wait`), so that a hang
+report names where the others waited.
+
 Imports torch only when called (the module itself is cheap to import).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
+
+from sft.distributed.progress import RECORD
 
 
 def _dist():
@@ -58,7 +63,8 @@ def barrier() -> None:
     """Wait until every rank has called this (``dist.barrier``); a no-op for one process or without a group."""
     dist = _several()
     if dist:
-        dist.barrier()
+        with RECORD.wait("collective barrier"):
+            dist.barrier()
 
 
 def gather_objects(obj: Any) -> list:
@@ -68,7 +74,8 @@ def gather_objects(obj: Any) -> list:
     if not dist:
         return [obj]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with RECORD.wait("collective all_gather_object"):
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -79,7 +86,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not dist:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with RECORD.wait("collective broadcast_object_list"):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -92,8 +100,9 @@ def _reduce_flag(flag: bool, op: str, device) -> bool:
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
-    return bool(t.item())
+    with RECORD.wait(f"collective all_reduce ({op})"):
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        return bool(t.item())
 
 
 def any_rank(flag: bool, device=None) -> bool:

@@ -62,7 +62,32 @@ def elastic_start_line(env: Mapping[str, str], world_size: int, resume: Optional
             f"failures restarted so far on this node: {restarts} of {most}; {start}")
 
 
-def init_process_group(backend: str | None, timeout_s: float) -> bool:
+NCCL_TRACE_DIR = "nccl_trace"  # under --output_dir; not user content: an output folder holding only it counts as empty
+
+
+def flight_recorder_defaults(output_dir: Optional[str], env=os.environ) -> dict:
+    """On CUDA, PyTorch's NCCL flight recorder: the last collectives of every rank in a ring buffer
+    (``TORCH_FR_BUFFER_SIZE``), dumped when a collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT``) to one file per
+    rank under ``OUTPUT_DIR/nccl_trace/rank_<N>`` (``TORCH_FR_DUMP_TEMP_FILE``: the prefix torch appends the rank
+    to). Torch's own names (torch 2.13 ``distributed_c10d``; torchtitan sets the same three); a variable the user
+    set is kept. Read the dumps with ``torchfrtrace OUTPUT_DIR/nccl_trace -p rank_`` (docs/multi-node.md). Sets
+    them in ``env`` and returns those it set."""
+    if not output_dir:
+        return {}
+    wanted = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_FR_DUMP_TEMP_FILE": os.path.join(os.path.abspath(output_dir), NCCL_TRACE_DIR, "rank_")}
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" in env:  # the older name of the buffer size, set by the user
+        wanted.pop("TORCH_FR_BUFFER_SIZE")
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in env:  # the older name of the dump prefix
+        wanted.pop("TORCH_FR_DUMP_TEMP_FILE")
+    set_here = {k: v for k, v in wanted.items() if k not in env}
+    env.update(set_here)
+    if "TORCH_FR_DUMP_TEMP_FILE" in set_here:
+        os.makedirs(os.path.dirname(set_here["TORCH_FR_DUMP_TEMP_FILE"]), exist_ok=True)
+    return set_here
+
+
+def init_process_group(backend: str | None, timeout_s: float, output_dir: Optional[str] = None) -> bool:
     """Initialise torch.distributed from torchrun's environment with a bounded timeout, and on CUDA with this
     process's device.
 
@@ -73,6 +98,8 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
     based on global rank. This can cause a hang if rank to GPU mapping is heterogeneous" at the first barrier (seen
     on an H200, issue 30). Here the group is bound to ``cuda:LOCAL_RANK`` (``torch.cuda.set_device`` first, as
     torchrun's convention maps local rank to device), backend ``--ddp_backend`` or ``nccl``.
+    On CUDA the NCCL flight recorder is turned on first (:func:`flight_recorder_defaults`, dumps under
+    ``output_dir``).
     Calling this first makes accelerate (and DeepSpeed) reuse our group. Returns True when it initialised the group.
     """
     import torch
@@ -89,6 +116,7 @@ def init_process_group(backend: str | None, timeout_s: float) -> bool:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+        flight_recorder_defaults(output_dir)
         dist.init_process_group(backend=backend or "nccl", timeout=timeout, device_id=device)
     else:
         dist.init_process_group(backend=backend or "gloo", timeout=timeout)
@@ -108,7 +136,11 @@ def finish_process_group() -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    dist.barrier()
+    from sft.distributed import progress
+
+    with progress.RECORD.wait("collective barrier (the end of the run)"):
+        dist.barrier()
+    progress.stop()  # says "finished": a rank that leaves first is never named while the others close
     dist.destroy_process_group()
 
 
@@ -148,12 +180,56 @@ def start_runtime(training_args) -> None:
 
     die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
     try:
-        init_process_group(training_args.ddp_backend, training_args.ddp_timeout)
+        init_process_group(training_args.ddp_backend, training_args.ddp_timeout, training_args.output_dir)
         training_args.runtime_started = True
         _ = training_args.device  # transformers' _setup_devices, now on our process group
     except ValueError as e:  # torchrun's variables incomplete or garbled (torch's / accelerate's text), as parsing did
         training_args.runtime_started = False
         raise ConfigError([str(e).strip()]) from None
+    start_progress_watcher(training_args)
+
+
+def hang_timeout_s(hang_timeout: Optional[float], ddp_timeout: float) -> float:
+    """``--hang_timeout`` in force: the value given, or unset: 300 s, at most half of ``--ddp_timeout`` (a stuck
+    rank is named before torch's own timeout ends the job without saying which) and at least 30 s (a watcher
+    thread kept from the interpreter for a second by a long call is not a frozen rank)."""
+    return float(hang_timeout) if hang_timeout is not None else min(300.0, max(float(ddp_timeout) / 2, 30.0))
+
+
+def start_progress_watcher(training_args, env: Mapping[str, str] = os.environ):
+    """Under torchrun with several processes: the progress watcher (:mod:`sft.distributed.progress`) with
+    ``--hang_timeout`` and the straggler report's beats (``--straggler_factor`` > 0), on the job's store
+    (``MASTER_ADDR:MASTER_PORT``). Returns it, or None (one process, not torchrun -- Ray Train owns its group --,
+    or both switched off). Runs one collective (every rank calls it, right after the process group started);
+    idempotent."""
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    import uuid
+
+    from sft.distributed import collectives, progress
+
+    timeout = hang_timeout_s(getattr(training_args, "hang_timeout", None), training_args.ddp_timeout)
+    running = progress.current()
+    if running is not None and running.is_alive():
+        return running
+    if collectives.world_size() <= 1 or (timeout <= 0 and not getattr(training_args, "straggler_factor", 0)):
+        return None
+    import torch.distributed as dist
+
+    # one collective: rank 0's token names this round's keys (an elastic job's rounds share the agent's store)
+    token = collectives.broadcast_object(uuid.uuid4().hex if collectives.rank() == 0 else None)
+    interval = progress.interval_for(timeout)
+    host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,  # a connection of its own
+                          timeout=datetime.timedelta(seconds=max(2.0, 2 * interval)))
+    identity = {"host": socket.gethostname(), "pid": os.getpid(),
+                "node_rank": int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))),
+                "local_rank": int(env.get("LOCAL_RANK", "0"))}
+    watcher = progress.Watcher(store, token, collectives.rank(), collectives.world_size(), timeout, interval,
+                               identity, store_name=f"{host}:{port}")
+    progress.set_current(watcher)
+    watcher.start()
+    return watcher
 
 
 def deepspeed_cpu_default() -> None:

@@ -27,17 +27,28 @@ outcomes print:
   default level hides. A rendezvous that gathers fewer than MIN nodes within its join timeout is one line
   with the fix instead of torchrun's traceback.
 
+- A worker of this node that stopped answering (SIGSTOP, a frozen process): sft's progress watchers in the
+  other workers name it and write its host and pid to the job's store (:data:`sft.distributed.progress.
+  VERDICT_KEY`); this launcher's guard thread (:class:`WorkerGuard`, static rendezvous: ``--master_addr``)
+  ends it with SIGKILL, which a stopped process cannot ignore (torchrun would send SIGTERM and wait
+  ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``), and when the store itself stops answering for
+  :data:`STORE_GONE_S` seconds (the master node's launcher ended: the job is over) it ends every worker of this
+  node, so that no stopped worker outlives the job.
+
 Every other outcome (success, a bad flag) is torchrun's own, unchanged.
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import sys
+import threading
+import time
 from typing import Optional
 
-from sft.errors import report_exit_code
+from sft.errors import PEER_LOST_EXIT_CODE, report_exit_code
 
 # torch 2.13: the agent logs its "Received N death signal, shutting down workers" on this logger, then
 # re-raises SignalException (torch.distributed.elastic.multiprocessing.api) out of torchrun's main().
@@ -154,6 +165,102 @@ def failure_line(err, argv: list[str]) -> tuple[str, int]:
 
 
 
+STORE_GONE_S = 30.0  # the store unanswered this long: the master node's launcher has ended (or that host froze)
+
+
+def _option(argv: list, name: str) -> Optional[str]:
+    """The value of ``--name V`` / ``--name=V`` in torchrun's arguments (before the training script), or None."""
+    for i, a in enumerate(argv):
+        if a.endswith(".py"):
+            return None  # the training script: its own flags follow
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _children() -> list:
+    """Pids of this process's children (torchrun's workers), from /proc."""
+    from sft.distributed.progress import _parent_of
+
+    me, out = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and _parent_of(int(name)) == me:
+            out.append(int(name))
+    return out
+
+
+class WorkerGuard(threading.Thread):
+    """Ends this node's stopped workers when the job's store names them, and every worker once the store is gone
+    (module docstring). ``host``/``port``: the store of a static rendezvous (``--master_addr``/``--master_port``);
+    ``serves``: this launcher hosts it (node rank 0), so it is never "gone" here."""
+
+    def __init__(self, host: str, port: int, serves: bool, interval_s: float = 2.0, gone_s: float = STORE_GONE_S):
+        super().__init__(name="sft-worker-guard", daemon=True)
+        self.host, self.port, self.serves = host, int(port), serves
+        self.interval_s, self.gone_s = interval_s, gone_s
+        self.store = None
+        self.ok_at: Optional[float] = None  # when the store last answered (None: not reached yet)
+        self.ended: set = set()
+
+    def poll(self, now: float) -> None:
+        import datetime
+        import json
+
+        from torch.distributed import TCPStore
+
+        from sft.distributed.progress import VERDICT_KEY, _HOST
+
+        try:
+            if self.store is None:
+                self.store = TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=max(2.0, self.interval_s)))
+            named = json.loads(self.store.get(VERDICT_KEY)) if self.store.check([VERDICT_KEY]) else []
+            self.ok_at = now
+        except Exception:  # noqa: BLE001 -- not reachable (yet, or any more): judged below
+            self.store = None
+            if self.ok_at is not None and not self.serves and now - self.ok_at >= self.gone_s:
+                self.end(_children(), f"the job's store at {self.host}:{self.port} has not answered for "
+                                      f"{now - self.ok_at:.0f} s (the master node's launcher ended, or that host "
+                                      "froze): the job is over")
+                self.ok_at = now  # once per outage
+            return
+        mine = set(_children())
+        self.end([int(n["pid"]) for n in named if n.get("host") == _HOST and int(n["pid"]) in mine],
+                 "sft's progress watchers named it as not responding")
+
+    def end(self, pids: list, why: str) -> None:
+        pids = [p for p in pids if p not in self.ended]
+        if not pids:
+            return
+        report_exit_code(PEER_LOST_EXIT_CODE)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                self.ended.add(pid)
+            except OSError:
+                continue
+        print(f"torchrun: ended worker process(es) {', '.join(map(str, pids))} of this node with SIGKILL: {why}",
+              file=sys.stderr, flush=True)
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            self.poll(time.monotonic())
+
+
+def start_worker_guard(argv: list) -> Optional[WorkerGuard]:
+    """A :class:`WorkerGuard` for a static rendezvous (``--master_addr`` and ``--master_port`` given, ``--nnodes``
+    without MIN:MAX); None otherwise (an elastic job: a frozen node is left out of the next round instead)."""
+    host, port = _option(argv, "--master_addr"), _option(argv, "--master_port")
+    if not host or not port or ":" in (_option(argv, "--nnodes") or "1") or not port.isdigit():
+        return None
+    guard = WorkerGuard(host, int(port), serves=(_option(argv, "--node_rank") or "0") == "0")
+    guard.start()
+    return guard
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Runs torchrun with ``argv`` (default ``sys.argv[1:]``); its exit code: 0, 128 + signal number when a
     signal stopped it, the first failed worker's code (one line on stderr says which); also written as
@@ -180,6 +287,7 @@ def _run(argv: Optional[list[str]]) -> int:
     logging.getLogger(_RDZV_LOGGER).setLevel(logging.INFO)
     logging.getLogger(_RDZV_LOGGER).addFilter(_rendezvous_lines)
     logging.getLogger(_PROCS_LOGGER).addFilter(_not_failed_report)
+    start_worker_guard(argv)
     try:
         run.main(argv)
     except SignalException as e:

@@ -34,6 +34,7 @@ from typing import Optional
 from transformers import TrainerCallback
 
 from sft.distributed.collectives import barrier, gather_objects
+from sft.distributed.process_group import NCCL_TRACE_DIR
 from sft.errors import SFTError
 from sft.fsio import atomic_write_json, fsync_dir, fsync_file, read_json
 from sft.train.integrity import (HASH, MARKER, checkpoint_files, file_digest, hash_own_files, owner_rank, read_marker,
@@ -304,7 +305,8 @@ def check_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwri
         return problems, True
     inside = resume is not None and os.path.commonpath([os.path.realpath(resume), os.path.realpath(out)]) == \
         os.path.realpath(out)
-    only_checkpoints = all(_CKPT.match(n) and os.path.isdir(os.path.join(out, n)) for n in os.listdir(out))
+    only_checkpoints = all(_CKPT.match(n) and os.path.isdir(os.path.join(out, n)) for n in os.listdir(out)
+                           if n != NCCL_TRACE_DIR)
     return problems, inside or (only_checkpoints and not explicit)
 
 
