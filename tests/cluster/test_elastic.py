@@ -36,6 +36,7 @@ ATOL_LOSS = 1e-4
 ATOL_WEIGHTS = 1e-5
 MAX_STEPS = 64  # round 0 must outlast the spare's start (~25 s, ~30 steps here on a loaded machine)
 SAVE_STEPS = 4
+HANG_TIMEOUT = 10  # a frozen node is named and left behind this long after it stopped
 
 
 GLOBAL_BATCH = 6  # micro batch 1 x accumulation 2 x world size 3, kept at world size 2 with accumulation 3
@@ -57,7 +58,7 @@ def _flags(out, grad_accum=2) -> list[str]:
     flags[flags.index("--gradient_accumulation_steps") + 1] = str(grad_accum)
     # dropout 0: the dropout masks come from each rank's generator, which differs between world sizes
     return ["--output_dir", str(out), *flags, "--save_steps", str(SAVE_STEPS), "--ddp_timeout", "30",
-            "--lora_dropout", "0"]
+            "--hang_timeout", str(HANG_TIMEOUT), "--lora_dropout", "0"]
 
 
 def _complete(out) -> list[int]:
@@ -90,10 +91,19 @@ def _kill_host(hosts, i) -> None:
             pass
 
 
+def _freeze_host(hosts, i) -> None:
+    for pid in hosts.pids(i):  # everything on the host stops at once: its launcher, agent and worker (a frozen node)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+
+
 def test_lost_nodes_a_spare_is_admitted_and_the_survivors_finish(make_hosts, job, tmp_path, tiny_model_dir, data):
     """Hosts 0-2 start NNODES=2:3 (round 0, world size 3); host 3 starts later as a spare (the rendezvous is full:
-    it waits). Host 2 is killed after a checkpoint: round 1 admits the spare (world size 3 again). Host 1 is killed
-    after a later checkpoint: round 2 has the two left (world size 2, MIN), which finish."""
+    it waits). Host 2 is killed after a checkpoint: round 1 admits the spare (world size 3 again). Host 1 freezes
+    (every process stopped) after a later checkpoint: the others name it within --hang_timeout, and round 2 has the
+    two left (world size 2, MIN), which finish."""
     hosts = make_hosts(4)
     out = tmp_path / "out"
 
@@ -116,7 +126,13 @@ def test_lost_nodes_a_spare_is_admitted_and_the_survivors_finish(make_hosts, job
     _wait_for(lambda: "round 1: this node is" in job.text(3), job, "the spare admitted in round 1", 120)
     _wait_for(lambda: [s for s in _complete(out) if s > first_kill], job, "a checkpoint of round 1")
     second_kill = _complete(out)[-1]
-    _kill_host(hosts, 1)
+    _freeze_host(hosts, 1)
+    for i in (0, 3):  # the survivors finish without it
+        try:
+            job.procs[i].wait(timeout=RUN_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the survivors did not finish after host 1 froze:\n" + job.tails())
+    _kill_host(hosts, 1)  # the frozen host's processes (a stopped process ends on SIGKILL)
     rcs = job.wait()
     took = time.monotonic() - t0
 
@@ -134,6 +150,9 @@ def test_lost_nodes_a_spare_is_admitted_and_the_survivors_finish(make_hosts, job
                   r"[01] of 2; resuming from \S+/checkpoint-(\d+)", node0)
     assert m and int(m.group(1)) >= first_kill, job.tails()
     assert re.search(r"torchrun: rendezvous elastic-test round 1: this node is node rank \d of 3 nodes", spare), job.tails()
+    # host 1 froze: named by the survivors (one of its processes, with its host), then left out like a dead node
+    assert re.search(r"hang: rank \d \(host node1, node rank \d, pid \d+\) made no progress for \d+ s and stopped "
+                     r"answering", node0 + spare), job.tails()
     # round 2: host 1 lost too; the two left (MIN) finish
     m = re.search(r"elastic: this round has world size 2 \(2 node\(s\)\); failures restarted so far on this node: "
                   r"[0-2] of 2; resuming from \S+/checkpoint-(\d+)", node0)
