@@ -33,6 +33,9 @@ linear layer, bf16, AdamW; :data:`ROWS`):
 * ``compiled``         -- our defaults with every decoder layer compiled (``torch.compile(dynamic=True)``, regional, as
   torchtitan and torchtune do; bench/compare.py's ``compile_layers``): the compile time shows in the "step 1" column.
 
+After the rows, on CUDA: NCCL's flight recorder as training turns it on, dumped and read by torch's analyzer
+(bench/flight_recorder_check.py; one line in the table).
+
 Prints the attention path, then real tokens/s over optimizer steps 2..N, the load and training memory peaks, and MFU
 against the device's bf16 matmul peak measured here (:func:`sft.train.metrics.measure_matmul_peak`) and, for the device
 names in :data:`DATASHEET_BF16_TFLOPS`, against the datasheet's dense bf16 peak, and a verdict per target of
@@ -273,6 +276,23 @@ def table(results: list[dict], failed: list[tuple[str, str]], sheet: float | Non
     return lines
 
 
+def flight_recorder(work: str) -> str:
+    """Run bench/flight_recorder_check.py under torchrun (one process, NCCL); its output goes to
+    ``work/flight_recorder.log``; returns the table's line."""
+    log = os.path.join(work, "flight_recorder.log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+           os.path.join(ROOT, "bench", "flight_recorder_check.py"), os.path.join(work, "flight-recorder")]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+        text, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired:
+        text, rc = "timed out after 180 s", -1
+    with open(log, "w") as f:
+        f.write(text)
+    first = next((line for line in text.splitlines() if line.startswith("flight recorder:")), "no output")
+    return f"{first} (analyzer {'ran' if rc == 0 else f'failed, exit {rc}'}; {log})"
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     if a.dry_run:
@@ -316,6 +336,8 @@ def main(argv=None) -> int:
         else:
             results.append(r)
     lines = table(results, failed, sheet, "CUDA max allocated" if device.type == "cuda" else "peak RSS")
+    if device.type == "cuda":  # NCCL's flight recorder as training turns it on, read by torch's analyzer
+        lines.append(flight_recorder(work))
     judged = verdicts({r["row"]: r["real_tokens_per_s"] for r in results}, a.shape,
                       {r["row"]: r["mfu_measured"] for r in results}, a.tiny)
     lines += judged
