@@ -279,33 +279,12 @@ def test_different_data_on_one_node(make_hosts, job, tmp_path, tiny_model_dir, d
     assert "model config" not in text.split("the nodes do not train")[1].split("Copy the same")[0]  # only the data
 
 
-def test_node_killed_mid_run(make_hosts, job, tmp_path, tiny_model_dir, data):
-    hosts = make_hosts(3)
-    start_by_hand(job, hosts, 3, tiny_model_dir, data, tmp_path / "out",
-                  extra=["--max_steps", "100000", "--ddp_timeout", "60"])
-    deadline = time.monotonic() + RUN_LIMIT_S
-    while "'loss'" not in job.text(0):  # training is under way
-        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.tails()
-        time.sleep(0.5)
-    for pid in hosts.pids(2):  # everything on node 2 dies at once, as in a crash or a node failure
-        os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    rcs = [p.wait(timeout=90) for p in job.procs[:2]]
-    assert time.monotonic() - killed < 60, "survivors waited longer than --ddp_timeout"
-    assert all(rc != 0 for rc in rcs), job.tails()
-    texts = [job.text(i) for i in range(2)]
-    for text in texts:  # each survivor names the peer whose connection closed (node 2, or a survivor that already quit)
-        assert re.search(r"error: training stopped: another process of the job went away; the peer at 10\.213\.0\.[23] "
-                         r"is node rank [12] \(node[12], global rank\(s\) [12]\)", text), job.tails()
-    assert any("the peer at 10.213.0.3 is node rank 2 (node2, global rank(s) 2)" in t for t in texts), job.tails()
-
-
 def test_node_waits_for_a_slow_shard_longer_than_ddp_timeout(make_hosts, job, tmp_path, tiny_model_dir):
     """Node 0's shard (the even records) takes long to tokenize, node 1's is quick: node 1 waits on the shared
     cache's completion markers far longer than --ddp_timeout 5 s, and the job still trains."""
     long_turn = "many words in a long question " * 1500  # ~7,500 tokens, cut at --model_max_length
     rows = []
-    for i in range(800):
+    for i in range(400):
         r = TOY[i % len(TOY)]
         if i % 2 == 0:
             r = {"id": f"long{i}", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},

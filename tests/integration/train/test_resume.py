@@ -34,10 +34,10 @@ def loop(*args):
 
 
 def test_sigkill_at_random_steps_then_resume_is_bit_exact(tmp_path):
-    r = loop("--iterations", "2", "--steps", "6", "--kill_seed", "5", "--workdir", str(tmp_path))
-    assert r.returncode == 0 and "exact: 2/2" in r.stdout, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count("] killed ") == 2  # really killed, not finished before the kill
-    logs = "".join(open(tmp_path / f"run{i}.log").read() for i in range(2))
+    r = loop("--iterations", "1", "--steps", "6", "--kill_seed", "5", "--workdir", str(tmp_path))
+    assert r.returncode == 0 and "exact: 1/1" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count("] killed ") == 1  # really killed, not finished before the kill
+    logs = open(tmp_path / "run0.log").read()
     assert "resuming from" in logs and "Traceback" not in logs
 
 

@@ -117,7 +117,9 @@ SHARDED = {"zero2": ["--deepspeed", os.path.join(ROOT, "finetune", "ds_config_ze
            "fsdp2": ["--fsdp", "--fsdp_config", os.path.join(ROOT, "finetune", "fsdp_config_full_shard.json")]}
 
 
-@pytest.mark.parametrize("engine,mode", [("zero2", "lora"), ("zero3", "lora"), ("zero3", "full"), ("fsdp2", "full")])
+# ZeRO-3 with a full model is left out for the suite's time budget (74 s): ZeRO-3's universal checkpoint is resumed
+# with LoRA here, a full model resharded at another world size under FSDP2
+@pytest.mark.parametrize("engine,mode", [("zero2", "lora"), ("zero3", "lora"), ("fsdp2", "full")])
 def test_sharded_run_resumed_at_another_world_size(tmp_path, tiny_model_dir, engine, mode):
     """ZeRO through a universal checkpoint; FSDP2's checkpoints hold full state dicts (the only kind sft writes under
     FSDP2, docs/fsdp.md), which accelerate shards again for the world size that loads them."""
