@@ -211,3 +211,32 @@ def test_hang_timeout_default_and_flight_recorder_defaults(tmp_path):
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "out" / "nccl_trace" / "rank_")
     assert (tmp_path / "out" / "nccl_trace").is_dir()
     assert flight_recorder_defaults(None, {}) == {}
+
+
+def test_the_launchers_guard_ends_a_stopped_worker_the_store_names():
+    """sft/distributed/torchrun.py's WorkerGuard, as in a launcher: the store names a stopped child of this process
+    (standing for a worker of the agent): the guard ends it with SIGKILL; a named process that is not its child is
+    left alone. And the options it reads from torchrun's arguments."""
+    from sft.distributed.progress import VERDICT_KEY
+    from sft.distributed.torchrun import WorkerGuard, _option
+
+    argv = ["--nproc_per_node", "1", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
+            "--master_port", "6001", "/x/finetune.py", "--master_port", "7"]
+    assert (_option(argv, "--master_addr"), _option(argv, "--master_port"), _option(argv, "--node_rank")) == \
+        ("10.0.0.1", "6001", "1")
+    assert _option(["--nnodes=2:3", "f.py"], "--nnodes") == "2:3" and _option(["f.py", "--nnodes", "2"], "--nnodes") is None
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=5))
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        import json
+
+        server.set(VERDICT_KEY, json.dumps([{"host": progress._HOST, "pid": frozen.pid},
+                                            {"host": progress._HOST, "pid": os.getpid()}]))
+        guard = WorkerGuard("127.0.0.1", server.port, serves=False)
+        guard.poll(time.monotonic())
+        assert frozen.wait(timeout=10) == -signal.SIGKILL
+        assert guard.ended == {frozen.pid}  # this process is not its own child: untouched
+    finally:
+        frozen.kill()
