@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from typing import Optional
 
+from sft.distributed import progress
 from sft.errors import PEER_LOST_EXIT_CODE, SFTError
 
 # gloo names the peer as "[ip]:port" ("Connection closed by peer [10.0.0.3]:4123", "Read error [10.0.0.3]:4123:
@@ -40,11 +42,26 @@ def explain_collective_failure(err: BaseException, timeout_s: Optional[float] = 
         cause = f"a collective got no answer within --ddp_timeout {timeout_s:g} s" if timeout_s else "a collective timed out"
     else:
         cause = "another process of the job went away"
+    seen = ""
+    watcher = progress.current()
+    if watcher is not None:  # where each rank was last seen (sft.distributed.progress): the one behind is the lead
+        seen = f"\nLast progress seen: {last_seen(watcher.seen, time.time())}."
     return (f"training stopped: {cause}; {who}torch reports: {first}\nLook at the other nodes' logs for the first "
             "error (a crash, out of memory, a killed or preempted node); --ddp_timeout sets how long a lost node "
-            "is waited for")
+            "is waited for" + seen)
 
 
+
+
+def last_seen(seen: dict, now_wall: float) -> str:
+    """Where every rank was last seen, grouped: ``"rank(s) 1 in saving a checkpoint of step 40 (since 612 s); rank(s)
+    0, 2-3 in ... (since 3 s)"``; empty before any beat."""
+    groups: dict = {}
+    for r, s in sorted(seen.items()):
+        if s.beat is not None:
+            groups.setdefault(progress.where(s.beat), []).append((r, s.beat["since"]))
+    return "; ".join(f"rank(s) {progress.rank_ranges([r for r, _ in rs])} in {w} (since {max(0.0, now_wall - min(t for _, t in rs)):.0f} s)"
+                     for w, rs in groups.items())
 
 
 class PeerLost(SFTError):

@@ -178,7 +178,7 @@ def judge(seen: dict, now: float, timeout_s: float, store_ok_at: float) -> Optio
     return None
 
 
-def _ranges(ranks: list) -> str:
+def rank_ranges(ranks: list) -> str:
     """``[0, 2, 3, 4]`` -> ``"0, 2-4"``."""
     out, ranks = [], sorted(ranks)
     i = 0
@@ -215,7 +215,7 @@ def verdict_paragraph(v: Verdict, seen: dict, timeout_s: float, store: str) -> s
     for r, s in sorted(seen.items()):
         if r not in v.ranks and s.beat is not None:
             others.setdefault(where(s.beat), []).append(r)
-    waited = "; ".join(f"rank(s) {_ranges(rs)} in {w}" for w, rs in others.items())
+    waited = "; ".join(f"rank(s) {rank_ranges(rs)} in {w}" for w, rs in others.items())
     dumps = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")  # set on CUDA (sft.distributed.process_group)
     flight = (f" NCCL's flight recorder writes each rank's last collectives to {dumps}<rank> when a collective times "
               "out: docs/multi-node.md ('When a job hangs or crawls') says how to read them." if dumps else "")
@@ -225,7 +225,7 @@ def verdict_paragraph(v: Verdict, seen: dict, timeout_s: float, store: str) -> s
                 "Look at that host first (dmesg, a stopped or swapping process, its network link).")
     elif v.kind == "not responding":
         hosts = sorted({seen[r].beat["host"] for r in v.ranks if seen[r].beat})
-        head = (f"training stopped: rank(s) {_ranges(v.ranks)} on host(s) {', '.join(hosts) or '?'} stopped answering "
+        head = (f"training stopped: rank(s) {rank_ranges(v.ranks)} on host(s) {', '.join(hosts) or '?'} stopped answering "
                 f"and made no progress for {v.stalled_s:.0f} s (--hang_timeout {timeout_s:g}): a stopped or frozen "
                 "process or node (a hung GPU driver call -- look for Xid errors in dmesg --, swapping, a SIGSTOP, "
                 "a node that froze). Look at that host first.")
@@ -235,7 +235,7 @@ def verdict_paragraph(v: Verdict, seen: dict, timeout_s: float, store: str) -> s
                 "fault, ranks calling different collectives) or a deadlock that every rank meets. Each rank's Python "
                 "stack above shows where it waits.")
     else:
-        head = (f"training stopped: rank(s) {_ranges(v.ranks)} made no progress for {v.stalled_s:.0f} s (--hang_timeout "
+        head = (f"training stopped: rank(s) {rank_ranges(v.ranks)} made no progress for {v.stalled_s:.0f} s (--hang_timeout "
                 f"{timeout_s:g}) while their processes ran, behind the others: look at the stack the named rank(s) "
                 "wrote just above (a data loader that never returns, a deadlock, a hung file system).")
     tail = (f" The other ranks waited: {waited}." if waited else "") + flight + (

@@ -240,3 +240,18 @@ def test_the_launchers_guard_ends_a_stopped_worker_the_store_names():
         assert guard.ended == {frozen.pid}  # this process is not its own child: untouched
     finally:
         frozen.kill()
+
+
+def test_a_torch_timeout_message_says_where_each_rank_was_last_seen(monkeypatch):
+    from sft.distributed.failures import explain_collective_failure
+
+    w = Watcher(None, "t", 0, 3, timeout_s=0, interval_s=1, identity={"host": "h", "pid": 1, "node_rank": 0,
+                                                                      "local_rank": 0})
+    w.seen[0].update(beat(0, 40, "collective barrier", 1, 1), 0.0)
+    w.seen[1].update(dict(beat(1, 40, SAVING, 1, 1), since=time.time() - 612), 0.0)
+    w.seen[2].update(beat(2, 40, "collective barrier", 1, 1), 0.0)
+    monkeypatch.setattr(progress, "_WATCHER", w)
+    text = explain_collective_failure(RuntimeError("[gloo] Timed out waiting 600000ms for recv operation"), 600)
+    assert "a collective got no answer within --ddp_timeout 600 s" in text
+    assert "Last progress seen: rank(s) 0, 2 in collective barrier of step 40" in text
+    assert "rank(s) 1 in saving a checkpoint of step 40 (since 61" in text
