@@ -64,6 +64,23 @@ def last_seen(seen: dict, now_wall: float) -> str:
                      for w, rs in groups.items())
 
 
+def hang_report_pending(watcher) -> bool:
+    """True when ``watcher`` (this process's :class:`sft.distributed.progress.Watcher`, or None) has found a hang, or
+    finds one within two beats while some rank has already stood still for half of ``--hang_timeout``: its report
+    then ends the process, and a collective that failed meanwhile is a consequence, not the cause."""
+    if watcher is None or watcher.timeout_s <= 0:
+        return False
+    if watcher.verdict is not None:
+        return True
+    now = time.monotonic()
+    if not any(now - s.progress_at >= watcher.timeout_s / 2 for s in watcher.seen.values()):
+        return False
+    end = now + 2 * watcher.interval_s + 1
+    while time.monotonic() < end and watcher.verdict is None:
+        time.sleep(0.1)
+    return watcher.verdict is not None
+
+
 class PeerLost(SFTError):
     """Another process of the job went away, or a collective got no answer within ``--ddp_timeout``."""
 
@@ -75,6 +92,10 @@ def raise_if_peer_lost(err: BaseException, timeout_s: Optional[float], peers: Op
     An :class:`SFTError` is already a message for the user and is left as it is."""
     if isinstance(err, SFTError):
         return
+    if hang_report_pending(progress.current()):
+        # this process's watcher found a hang and is ending the process with its report (the SIGKILL of the frozen
+        # rank is what made this collective fail): a second, different diagnosis would only mislead
+        time.sleep(120)
     message = explain_collective_failure(err, timeout_s, peers)
     if message is not None:
         raise PeerLost(message) from err

@@ -179,6 +179,8 @@ def start_runtime(training_args) -> None:
     from sft.errors import ConfigError
 
     die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0":
+        start_progress_watcher(training_args)  # the agent's store is up: a rank frozen before it joins is named too
     try:
         init_process_group(training_args.ddp_backend, training_args.ddp_timeout, training_args.output_dir)
         training_args.runtime_started = True
@@ -191,8 +193,9 @@ def start_runtime(training_args) -> None:
 
 def hang_timeout_s(hang_timeout: Optional[float], ddp_timeout: float) -> float:
     """``--hang_timeout`` in force: the value given, or unset: 300 s, at most half of ``--ddp_timeout`` (a stuck
-    rank is named before torch's own timeout ends the job without saying which) and at least 30 s (a watcher
-    thread kept from the interpreter for a second by a long call is not a frozen rank)."""
+    rank is named before torch's own timeout ends the job without saying which), and at least 30 s: no hair trigger
+    under a very short ``--ddp_timeout`` (then torch's timeout comes first inside a collective; a rank frozen
+    outside one is still named)."""
     return float(hang_timeout) if hang_timeout is not None else min(300.0, max(float(ddp_timeout) / 2, 30.0))
 
 
@@ -200,8 +203,9 @@ def start_progress_watcher(training_args, env: Mapping[str, str] = os.environ):
     """Under torchrun with several processes: the progress watcher (:mod:`sft.distributed.progress`) with
     ``--hang_timeout`` and the straggler report's beats (``--straggler_factor`` > 0), on the job's store
     (``MASTER_ADDR:MASTER_PORT``). Returns it, or None (one process, not torchrun -- Ray Train owns its group --,
-    or both switched off). Runs one collective (every rank calls it, right after the process group started);
-    idempotent."""
+    or both switched off). On the agent's store of a job that never restarts (a static rendezvous) it starts before
+    the process group, keys named by the run id; otherwise after it, with one collective (rank 0's token: every rank
+    calls it). Idempotent."""
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
     import uuid
@@ -212,12 +216,15 @@ def start_progress_watcher(training_args, env: Mapping[str, str] = os.environ):
     running = progress.current()
     if running is not None and running.is_alive():
         return running
-    if collectives.world_size() <= 1 or (timeout <= 0 and not getattr(training_args, "straggler_factor", 0)):
+    world, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+    if world <= 1 or (timeout <= 0 and not getattr(training_args, "straggler_factor", 0)):
         return None
     import torch.distributed as dist
 
-    # one collective: rank 0's token names this round's keys (an elastic job's rounds share the agent's store)
-    token = collectives.broadcast_object(uuid.uuid4().hex if collectives.rank() == 0 else None)
+    if collectives.initialized():  # one collective: rank 0's token names this round's keys (rounds may share a store)
+        token = collectives.broadcast_object(uuid.uuid4().hex if collectives.rank() == 0 else None)
+    else:  # before the group, on the agent's store of a job that never restarts: one round, named by its run id
+        token = f"{env.get('TORCHELASTIC_RUN_ID', 'none')}-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     interval = progress.interval_for(timeout)
     host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
     store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,  # a connection of its own
@@ -225,8 +232,7 @@ def start_progress_watcher(training_args, env: Mapping[str, str] = os.environ):
     identity = {"host": socket.gethostname(), "pid": os.getpid(),
                 "node_rank": int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))),
                 "local_rank": int(env.get("LOCAL_RANK", "0"))}
-    watcher = progress.Watcher(store, token, collectives.rank(), collectives.world_size(), timeout, interval,
-                               identity, store_name=f"{host}:{port}")
+    watcher = progress.Watcher(store, token, rank, world, timeout, interval, identity, store_name=f"{host}:{port}")
     progress.set_current(watcher)
     watcher.start()
     return watcher

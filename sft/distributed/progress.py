@@ -17,7 +17,7 @@ moved (no clock agreement between hosts is needed).
 
 Judgment (:func:`judge`), with ``T`` = ``--hang_timeout``:
 
-* **not responding**: progress still for ``T``, ticks for ``T / 2`` (and three beats) -- a frozen
+* **not responding**: progress still for ``T``, ticks for ``T / 2`` (three beats, 5 s at least) -- a frozen
   process or node, in any phase;
 * **stuck**: alive, progress still for ``T`` in a phase of the training step (:data:`STEP_PHASES`) and not
   waiting in a collective -- a data loader that never returns, a deadlock; of several such ranks the ones behind
@@ -43,7 +43,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import sys
 import threading
 import time
@@ -61,6 +60,8 @@ FINISHED = "finished"  # a rank that left training cleanly: never named
 _ORDER = {p: i for i, p in enumerate(STEP_PHASES + (SAVING,))}
 
 KEY_PREFIX = "sft/progress"
+SILENT_MIN_S = 5.0  # a watcher kept from the interpreter this long by a long call is not yet "not responding"
+NEVER_HEARD_S = 60.0  # a rank not heard from at all is given this long to start (imports differ by host)
 # The verdict's named processes ({"host", "pid"} each), for the launchers' agents (sft.distributed.torchrun ends a
 # stopped worker of its own that the store names here: a frozen process acts on no signal but SIGKILL).
 VERDICT_KEY = "sft/progress/verdict"
@@ -124,8 +125,8 @@ def where(beat: dict) -> str:
 
 @dataclass
 class Seen:
-    """One rank as a watcher sees it: its latest beat (None before the first) and, on the watcher's monotonic
-    clock, when its progress counter and its liveness counter last moved."""
+    """One rank as a watcher sees it: its latest beat (None before any) and when (watcher's monotonic clock) its
+    progress and liveness counters last moved."""
 
     beat: Optional[dict]
     progress_at: float
@@ -160,9 +161,10 @@ def judge(seen: dict, now: float, timeout_s: float, store_ok_at: float) -> Optio
     silent, stuck = [], []
     for r, s in sorted(seen.items()):
         stalled = now - s.progress_at
-        if stalled < timeout_s or (s.beat is not None and s.beat["phase"] == FINISHED):
+        if stalled < (timeout_s if s.beat is not None else max(timeout_s, NEVER_HEARD_S)) or (
+                s.beat is not None and s.beat["phase"] == FINISHED):
             continue
-        if now - s.tick_at >= max(timeout_s / 2, 3 * interval_for(timeout_s)):
+        if now - s.tick_at >= max(timeout_s / 2, 3 * interval_for(timeout_s), SILENT_MIN_S):
             silent.append(r)
         elif s.beat is not None and s.beat["phase"] in STEP_PHASES and not s.beat.get("waiting"):
             stuck.append(r)
@@ -204,8 +206,10 @@ def verdict_lines(v: Verdict, seen: dict, now_wall: float, timeout_s: float, sto
                          f"started (--hang_timeout {timeout_s:g}): it never started or froze at once")
             continue
         state = "and stopped answering (not responding)" if v.kind == "not responding" else "while its process runs"
-        lines.append(f"hang: rank {b['rank']} (host {b['host']}, node rank {b['node_rank']}, pid {b['pid']}) made no progress for {v.stalled_s:.0f} s {state}: last seen in "
-                     f"{where(b)}, {max(0.0, now_wall - b['since']):.0f} s ago (--hang_timeout {timeout_s:g})")
+        lines.append(f"hang: rank {b['rank']} (host {b['host']}, node rank {b['node_rank']}, pid {b['pid']}) made no "
+                     f"progress for {v.stalled_s:.0f} s {state}: its last beat ({max(0.0, now_wall - b.get('at', b['since'])):.0f}"
+                     f" s ago) had it in {where(b)} for {max(0.0, b.get('at', b['since']) - b['since']):.0f} s "
+                     f"(--hang_timeout {timeout_s:g})")
     return lines
 
 
@@ -225,7 +229,8 @@ def verdict_paragraph(v: Verdict, seen: dict, timeout_s: float, store: str) -> s
                 "Look at that host first (dmesg, a stopped or swapping process, its network link).")
     elif v.kind == "not responding":
         hosts = sorted({seen[r].beat["host"] for r in v.ranks if seen[r].beat})
-        head = (f"training stopped: rank(s) {rank_ranges(v.ranks)} on host(s) {', '.join(hosts) or '?'} stopped answering "
+        where_ = f"on host(s) {', '.join(hosts)}" if hosts else "(never heard from: host unknown)"
+        head = (f"training stopped: rank(s) {rank_ranges(v.ranks)} {where_} stopped answering "
                 f"and made no progress for {v.stalled_s:.0f} s (--hang_timeout {timeout_s:g}): a stopped or frozen "
                 "process or node (a hung GPU driver call -- look for Xid errors in dmesg --, swapping, a SIGSTOP, "
                 "a node that froze). Look at that host first.")
@@ -309,10 +314,9 @@ class Watcher(threading.Thread):
         """This rank's beat as published (JSON-able)."""
         r = self.record
         return dict(self.identity, rank=self.rank, step=r.step, phase=r.phase, waiting=r.waiting, since=r.since,
-                    seq=r.seq, tick=self.tick, work=r.work)
+                    seq=r.seq, tick=self.tick, work=r.work, at=time.time())
 
-    def beats(self) -> dict:
-        """The latest beat of every rank seen so far (global rank -> dict), this rank's own fresh."""
+    def beats(self) -> dict:  # the latest beat of every rank seen so far (global rank -> dict), this rank's fresh
         out = {r: s.beat for r, s in self.seen.items() if s.beat is not None}
         out[self.rank] = self.beat()
         return out
@@ -339,11 +343,13 @@ class Watcher(threading.Thread):
         return judge(self.seen, now, self.timeout_s, self.store_ok_at)
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:  # the first beat at once: a rank frozen a moment after starting is still placed
             verdict = self.poll(time.monotonic())
             if verdict is not None and not self._stop.is_set():
                 self.verdict = verdict
                 self.on_verdict(verdict, self)
+                return
+            if self._stop.wait(self.interval_s):
                 return
 
     def stop(self, finished: bool = True) -> None:
@@ -361,8 +367,8 @@ class Watcher(threading.Thread):
         me = f"[sft rank{self.rank}]"
         lines = verdict_lines(verdict, self.seen, time.time(), self.timeout_s, self.store_name)
         _write("".join(f"{me} ERROR {line}\n" for line in lines))
-        named = [{"host": self.seen[r].beat["host"], "pid": self.seen[r].beat["pid"]} for r in verdict.ranks
-                 if verdict.kind == "not responding" and self.seen[r].beat is not None]
+        named = [{"rank": r, **({"host": b["host"], "pid": b["pid"]} if (b := self.seen[r].beat) else {})}
+                 for r in verdict.ranks if verdict.kind == "not responding"]
         if named:
             with contextlib.suppress(Exception):
                 self.store.set(VERDICT_KEY, json.dumps(named))
@@ -412,9 +418,3 @@ def stop() -> None:
     if _WATCHER is not None:
         _WATCHER.stop(finished=True)
         _WATCHER = None
-
-
-def median_of_others(values: dict, rank: int) -> Optional[float]:
-    """The median of ``values`` (rank -> number) without ``rank``'s own, or None when no other rank has one."""
-    rest = [v for r, v in values.items() if r != rank]
-    return statistics.median(rest) if rest else None

@@ -191,6 +191,18 @@ def _children() -> list:
     return out
 
 
+def _rank_of(pid: int) -> Optional[int]:
+    """The global rank torchrun gave worker ``pid`` (``RANK`` in its environment), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(b"RANK="):
+                    return int(item[5:])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 class WorkerGuard(threading.Thread):
     """Ends this node's stopped workers when the job's store names them, and every worker once the store is gone
     (module docstring). ``host``/``port``: the store of a static rendezvous (``--master_addr``/``--master_port``);
@@ -226,8 +238,9 @@ class WorkerGuard(threading.Thread):
                                       "froze): the job is over")
                 self.ok_at = now  # once per outage
             return
-        mine = set(_children())
-        self.end([int(n["pid"]) for n in named if n.get("host") == _HOST and int(n["pid"]) in mine],
+        ranks = {pid: _rank_of(pid) for pid in _children()}  # a rank never heard from is named by its rank only
+        self.end([pid for pid, rank in ranks.items() for n in named
+                  if (n.get("host") == _HOST and int(n.get("pid", -1)) == pid) or ("pid" not in n and n.get("rank") == rank)],
                  "sft's progress watchers named it as not responding")
 
     def end(self, pids: list, why: str) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import statistics
 import time
 from typing import Optional
 
@@ -34,8 +35,7 @@ import torch
 from transformers import TrainerCallback
 
 from sft.distributed import progress
-from sft.distributed.progress import (EVALUATION, FORWARD_BACKWARD, LOADING_BATCH, LOGGING, OPTIMIZER, RECORD, SAVING,
-                                      median_of_others)
+from sft.distributed.progress import EVALUATION, FORWARD_BACKWARD, LOADING_BATCH, LOGGING, OPTIMIZER, RECORD, SAVING
 
 logger = logging.getLogger("sft")
 
@@ -63,6 +63,12 @@ def run_delay_ns() -> int:
         return int(os.pread(fd, 128, 0).split()[1])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def median_of_others(values: dict, rank: int) -> Optional[float]:
+    """The median of ``values`` (rank -> number) without ``rank``'s own, or None when no other rank has one."""
+    rest = [v for r, v in values.items() if r != rank]
+    return statistics.median(rest) if rest else None
 
 
 class ForwardTimer:

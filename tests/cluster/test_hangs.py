@@ -127,7 +127,8 @@ def test_a_slowed_rank_is_named_then_frozen_it_ends_the_job(make_hosts, job, tmp
     node0 = job.text(0)
     assert rcs[0] == 1, job.tails()
     m = re.search(rf"hang: rank 1 \(host {hosts.hostnames[1]}, node rank 1, pid {worker[0]}\) made no progress for "
-                  rf"(\d+) s and stopped answering \(not responding\): last seen in (.+) of step (\d+), \d+ s ago", node0)
+                  rf"(\d+) s and stopped answering \(not responding\): its last beat \(\d+ s ago\) had it in (.+) of step "
+                  r"(\d+) for \d+ s", node0)
     assert m and int(m.group(1)) >= HANG_TIMEOUT, job.tails()
     assert "this process's Python stacks (rank 0" in node0 and "File " in node0, job.tails()
     assert f"training stopped: rank(s) 1 on host(s) {hosts.hostnames[1]} stopped answering" in node0, job.tails()
