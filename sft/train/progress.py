@@ -14,7 +14,8 @@ hook inside the communication: under DDP (and ZeRO-1/2) it runs no collective --
 before the module's forward, outside the timing -- while backward overlaps the gradient all-reduce and ends in
 the wait for the slowest rank, which makes every rank's step time equal. Under ZeRO-3 and FSDP the forward's
 parameter all-gathers are inside the timing. Per token, so that ranks given micro batches of different sizes
-compare fairly. Over the last ``--straggler_window`` optimizer steps each rank publishes its milliseconds per 1,000
+compare fairly. Over the last ``--straggler_window`` optimizer steps (full windows only, the first
+:data:`WARMUP_STEPS` steps after a start left out) each rank publishes its milliseconds per 1,000
 tokens (sums over the window: a rank stopped part of the time is slowed on average, not in the median step);
 at every logging step global rank 0 compares each rank's milliseconds per 1,000 tokens with the median of the
 other ranks' (leave-one-out: with two ranks the other's own figure) and names a rank at ``--straggler_factor``
@@ -38,6 +39,9 @@ from sft.distributed import progress
 from sft.distributed.progress import EVALUATION, FORWARD_BACKWARD, LOADING_BATCH, LOGGING, OPTIMIZER, RECORD, SAVING
 
 logger = logging.getLogger("sft")
+# optimizer steps after each start left out of the straggler window: measured in the cluster tier under load, the
+# first window (steps 1-5) named an even run's rank at 1.53x; its later windows stayed at or under 1.28x
+WARMUP_STEPS = 2
 
 
 _SCHEDSTAT: dict = {}  # thread id -> an open descriptor of that thread's /proc/thread-self/schedstat (or -1)
@@ -158,6 +162,7 @@ class ProgressCallback(TrainerCallback):
         self.steps: collections.deque = collections.deque(maxlen=self.window)
         self.handles: list = []
         self.named: dict = {}  # rank -> {"host", "times", "worst", "steps"}
+        self.warmup = WARMUP_STEPS
         self.last_figures: Optional[dict] = None
 
     # ---- forward hooks ---------------------------------------------------------------------------------------
@@ -178,6 +183,7 @@ class ProgressCallback(TrainerCallback):
             self.timer.stop()
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.warmup = WARMUP_STEPS
         self.handles = [self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
                         self.model.register_forward_hook(self._post)]
         RECORD.set(LOADING_BATCH, state.global_step + 1)
@@ -188,6 +194,10 @@ class ProgressCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.factor:
             ms, tokens = self.timer.take()
+            if self.warmup > 0:  # the first steps after a start carry one-time costs (allocations, lazy setup)
+                self.warmup -= 1
+                ms = tokens = 0
+        if self.factor and tokens:
             self.steps.append((state.global_step, ms, tokens))
             tokens = sum(s[2] for s in self.steps)
             if tokens:
@@ -236,8 +246,7 @@ class ProgressCallback(TrainerCallback):
         if watcher is None or not self.factor:
             return None
         beats = watcher.beats()
-        work = {r: b.get("work") for r, b in beats.items()
-                if b.get("work") and b["work"].get("n", 0) >= max(2, self.window // 2)}
+        work = {r: b.get("work") for r, b in beats.items() if b.get("work") and b["work"].get("n", 0) >= self.window}
         result = compare(work, self.factor)
         if result is None:
             return None
