@@ -114,7 +114,7 @@ class Record:
 
 
 RECORD = Record()
-_HOST = socket.gethostname()
+HOST = socket.gethostname()
 
 
 def where(beat: dict) -> str:
@@ -249,7 +249,7 @@ def verdict_paragraph(v: Verdict, seen: dict, timeout_s: float, store: str) -> s
     return head + tail
 
 
-def _parent_of(pid: int) -> Optional[int]:
+def parent_pid(pid: int) -> Optional[int]:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -262,7 +262,7 @@ def end_frozen_sibling(beat: dict) -> bool:
     host name, same parent process, not this one): a stopped process does not act on the agent's SIGTERM.
     Returns True when it sent the signal."""
     pid = int(beat.get("pid", 0))
-    if beat.get("host") != _HOST or pid in (0, os.getpid()) or os.getppid() in (0, 1) or _parent_of(pid) != os.getppid():
+    if beat.get("host") != HOST or pid in (0, os.getpid()) or os.getppid() in (0, 1) or parent_pid(pid) != os.getppid():
         return False
     try:
         os.kill(pid, signal.SIGKILL)

@@ -182,11 +182,11 @@ def _option(argv: list, name: str) -> Optional[str]:
 
 def _children() -> list:
     """Pids of this process's children (torchrun's workers), from /proc."""
-    from sft.distributed.progress import _parent_of
+    from sft.distributed.progress import parent_pid
 
     me, out = os.getpid(), []
     for name in os.listdir("/proc"):
-        if name.isdigit() and _parent_of(int(name)) == me:
+        if name.isdigit() and parent_pid(int(name)) == me:
             out.append(int(name))
     return out
 
@@ -222,7 +222,7 @@ class WorkerGuard(threading.Thread):
 
         from torch.distributed import TCPStore
 
-        from sft.distributed.progress import VERDICT_KEY, _HOST
+        from sft.distributed.progress import VERDICT_KEY, HOST
 
         try:
             if self.store is None:
@@ -240,7 +240,7 @@ class WorkerGuard(threading.Thread):
             return
         ranks = {pid: _rank_of(pid) for pid in _children()}  # a rank never heard from is named by its rank only
         self.end([pid for pid, rank in ranks.items() for n in named
-                  if (n.get("host") == _HOST and int(n.get("pid", -1)) == pid) or ("pid" not in n and n.get("rank") == rank)],
+                  if (n.get("host") == HOST and int(n.get("pid", -1)) == pid) or ("pid" not in n and n.get("rank") == rank)],
                  "sft's progress watchers named it as not responding")
 
     def end(self, pids: list, why: str) -> None:

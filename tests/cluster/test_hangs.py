@@ -159,9 +159,9 @@ def test_a_frozen_rank_0_is_named_by_rank_1(job, tmp_path, tiny_model_dir, data)
 
 
 def _descendants(pid: int) -> list:
-    from sft.distributed.progress import _parent_of
+    from sft.distributed.progress import parent_pid
 
-    parents = {int(n): _parent_of(int(n)) for n in os.listdir("/proc") if n.isdigit()}
+    parents = {int(n): parent_pid(int(n)) for n in os.listdir("/proc") if n.isdigit()}
     out, todo = [], [pid]
     while todo:
         p = todo.pop()

@@ -125,9 +125,9 @@ def test_end_frozen_sibling_kills_only_a_worker_of_the_same_parent(tmp_path):
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(frozen.pid, signal.SIGSTOP)
-        stranger = {"host": progress._HOST, "pid": os.getpid()}  # this process: never
+        stranger = {"host": progress.HOST, "pid": os.getpid()}  # this process: never
         code = (f"import sys; from sft.distributed.progress import end_frozen_sibling as e; "
-                f"sys.exit(10 * e({stranger!r}) + e({{'host': {progress._HOST!r}, 'pid': {frozen.pid}}}))")
+                f"sys.exit(10 * e({stranger!r}) + e({{'host': {progress.HOST!r}, 'pid': {frozen.pid}}}))")
         rc = subprocess.run([sys.executable, "-c", code], cwd=os.getcwd()).returncode
         assert rc == 1  # the sibling ended, its parent (this process) not
         assert frozen.wait(timeout=10) == -signal.SIGKILL
@@ -235,8 +235,8 @@ def test_the_launchers_guard_ends_a_stopped_worker_the_store_names():
         os.kill(frozen.pid, signal.SIGSTOP)
         import json
 
-        server.set(VERDICT_KEY, json.dumps([{"host": progress._HOST, "pid": frozen.pid},
-                                            {"host": progress._HOST, "pid": os.getpid()}]))
+        server.set(VERDICT_KEY, json.dumps([{"host": progress.HOST, "pid": frozen.pid},
+                                            {"host": progress.HOST, "pid": os.getpid()}]))
         guard = WorkerGuard("127.0.0.1", server.port, serves=False)
         guard.poll(time.monotonic())
         assert frozen.wait(timeout=10) == -signal.SIGKILL
