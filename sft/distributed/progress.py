@@ -249,7 +249,7 @@ def verdict_paragraph(v: Verdict, seen: dict, timeout_s: float, store: str) -> s
     return head + tail
 
 
-def parent_pid(pid: int) -> Optional[int]:
+def parent_pid(pid: int) -> Optional[int]:  # from /proc/PID/stat (Linux); None when gone or unreadable
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[1])
