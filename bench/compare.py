@@ -56,10 +56,10 @@ import sys
 import tempfile
 import time
 
-import sft  # noqa: F401  (first: holds library import notices that do not concern the run, see sft.logs)
-
 import compare_peers  # bench/compare_peers.py and bench/compare_report.py, beside this script (the script's
 from compare_report import preprocessing, print_scaling, print_table  # folder is sys.path[0])
+
+import sft  # noqa: F401  (first: holds library import notices that do not concern the run, see sft.logs)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the example's .cache lives
 EXAMPLE = os.path.join(ROOT, ".cache", "example")
@@ -146,10 +146,10 @@ class StepTimer:
 def build_ours(a, system: str, out_dir: str):
     from transformers import DataCollatorForSeq2Seq
 
+    from sft.app.train import build_trainer
     from sft.app.validation import validate
     from sft.config.arguments import parse_args
     from sft.distributed.process_group import setup_runtime
-    from sft.app.train import build_trainer
 
     args = parse_args(common_flags(a, system) + ["--output_dir", out_dir])
     validate(*args)
@@ -188,8 +188,8 @@ def compile_layers(model) -> int:
 def worker(a) -> int:
     import torch
 
-    from sft.train.metrics import ThroughputCallback, head_flops_per_token, install, model_flops_per_token
     from sft.logs import setup_logging
+    from sft.train.metrics import ThroughputCallback, head_flops_per_token, install, model_flops_per_token
 
     setup_logging()
     out_dir = tempfile.mkdtemp(prefix=f"sft-compare-{a.worker}-")

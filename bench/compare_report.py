@@ -159,8 +159,8 @@ def preprocessing(a) -> list[tuple[str, float]]:
     """Conversations/s: our rendering + masking vs. rendering + one plain batched tokenizer() call; our full
     dataset preparation (stream, validate, Arrow shard) with 1 and 2 worker processes."""
     from sft.data.chat import encode_conversations
-    from sft.data.records import load_conversations
     from sft.data.dataset import build_dataset
+    from sft.data.records import load_conversations
     from sft.data.spec import PreparationSpec
     from sft.model.loading import load_tokenizer
 

@@ -480,7 +480,6 @@ def main(argv: list[str] | None = None) -> int:
             if rc != 0:
                 stopped = f"the reference run failed (exit {rc}); see {work}/reference.log"
             else:
-                import torch
 
                 step, losses, weights = results(out)
                 ref_step, ref_losses, ref_weights = results(ref_out)

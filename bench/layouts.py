@@ -44,9 +44,9 @@ def layouts(samples, batch: int, rows: int, max_len: int, tok):
     """``{name: (attention implementation, [batch dicts])}`` over the same samples."""
     from transformers import DataCollatorWithFlattening
 
-    from sft.model.attention import PACKED_ATTENTION
     from sft.data.dataset import make_collator
     from sft.data.packing import PackedCollator, PaddingFreeCollator, pack_dataset, split_row
+    from sft.model.attention import PACKED_ATTENTION
 
     pad, free = make_collator(tok), PaddingFreeCollator()
     micro = [samples[i:i + batch] for i in range(0, len(samples), batch)]
@@ -90,9 +90,10 @@ def main(argv=None) -> int:
                    "(per layout, the last round): how a micro batch's cost per token follows its size")
     a = p.parse_args(argv)
     import torch
-    from sft.model.attention import register
+
     from sft.data.chat import IGNORE_INDEX, encode_conversations
     from sft.data.records import load_conversations
+    from sft.model.attention import register
     from sft.model.loading import apply_lora, load_model, load_tokenizer
 
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)

@@ -43,9 +43,8 @@ def main(argv=None) -> int:
                    "config trains two epochs); steps: every optimizer step but the first")
     a = p.parse_args(argv)
     import torch
-    from transformers import TrainerCallback
-
     from llamafactory.train.tuner import run_exp
+    from transformers import TrainerCallback
 
     config = json.load(open(a.config, encoding="utf-8"))
     steps, pending = [], [0, 0, 0]

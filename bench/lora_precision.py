@@ -71,10 +71,10 @@ def run_arm(a, bf16_storage: bool, train_path: str, eval_path: str) -> dict:
     import torch
     from transformers import TrainerCallback
 
+    from sft.app.train import build_trainer
     from sft.app.validation import validate
     from sft.config.arguments import parse_args
     from sft.distributed.process_group import setup_runtime
-    from sft.app.train import build_trainer
 
     out = tempfile.mkdtemp(prefix="sft-lora-precision-")
     args = parse_args(["--model_name_or_path", a.model, "--data_path", train_path, "--eval_data_path", eval_path,

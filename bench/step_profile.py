@@ -21,8 +21,9 @@ import tempfile
 import time
 from collections import defaultdict
 
-import sft  # noqa: F401  (first: holds library import notices that do not concern the run, see sft.logs)
 import torch
+
+import sft  # noqa: F401  (first: holds library import notices that do not concern the run, see sft.logs)
 
 
 def timed(obj, name: str, into: dict, key: str):
@@ -42,16 +43,16 @@ def timed(obj, name: str, into: dict, key: str):
 def main() -> int:
     from transformers import TrainerCallback
 
-    from sft.app.validation import validate
-    from sft.config.arguments import parse_args
     from sft.app.settings import apply_run_shape, derive
-    from sft.train.checkpoint import install as install_checkpoints
+    from sft.app.train import build_trainer
+    from sft.app.validation import validate
     from sft.cli import report
+    from sft.config.arguments import parse_args
     from sft.distributed.process_group import setup_runtime
     from sft.errors import SFTError
     from sft.logs import setup_logging
+    from sft.train.checkpoint import install as install_checkpoints
     from sft.train.preemption import PreemptionHandler
-    from sft.app.train import build_trainer
 
     argv = sys.argv[1:]
     if "--output_dir" not in argv:

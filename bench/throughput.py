@@ -20,21 +20,21 @@ import sys
 import tempfile
 import time
 
-import sft  # noqa: F401  (first: holds library import notices that do not concern the run, see sft.logs)
 import torch
 
+import sft  # noqa: F401  (first: holds library import notices that do not concern the run, see sft.logs)
 
 
 def main() -> int:
     from transformers import TrainerCallback
 
+    from sft.app.train import build_trainer
     from sft.app.validation import validate
+    from sft.cli import report
     from sft.config.arguments import parse_args
     from sft.distributed.process_group import setup_runtime
-    from sft.cli import report
     from sft.errors import SFTError
     from sft.logs import setup_logging
-    from sft.app.train import build_trainer
 
     argv = sys.argv[1:]
     if "--output_dir" not in argv:

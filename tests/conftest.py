@@ -13,9 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: F401
 import transformers  # noqa: F401
 
-import sft.cli  # noqa: F401,E402
 import sft.app.train  # noqa: F401,E402
-
+import sft.cli  # noqa: F401,E402
 from tests.helpers import assets
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT

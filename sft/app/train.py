@@ -8,23 +8,22 @@ from typing import Callable, Optional, Sequence
 
 import transformers
 
-from sft.model.attention import PACKED_ATTENTION
-from sft.train.metrics import install as install_throughput_callback
-from sft.train.progress import install as install_progress_callback
+from sft.app.settings import apply_memory_plan, apply_run_shape, derive, with_memory_plan
 from sft.data.chat import chat_control_tokens, visualize
-from sft.train.checkpoint import run_info
 from sft.data.dataset import build_dataset, make_collator
+from sft.data.packing import PackedCollator, pack_dataset
 from sft.data.spec import PreparationSpec
 from sft.distributed.failures import raise_if_peer_lost
 from sft.distributed.fingerprints import check_same_inputs
 from sft.distributed.rendezvous import preflight_enabled
 from sft.errors import ConfigError
 from sft.logs import setup_logging
+from sft.model.attention import PACKED_ATTENTION, check_packing_support
 from sft.model.loading import apply_lora, generation_config_for, load_model, load_tokenizer, torch_dtype
+from sft.train.checkpoint import run_info
 from sft.train.memory_plan import plan_run
-from sft.app.settings import apply_memory_plan, apply_run_shape, derive, with_memory_plan
-from sft.data.packing import PackedCollator, pack_dataset
-from sft.model.attention import check_packing_support
+from sft.train.metrics import install as install_throughput_callback
+from sft.train.progress import install as install_progress_callback
 from sft.train.trainer import micro_batches
 
 logger = logging.getLogger("sft")
@@ -105,8 +104,8 @@ def load_records(sources: dict[str, list[str]], tok, eot: int, spec: Preparation
         DataError: a file or record problem (``spec.on_bad_record`` "error"), no record left, a split that leaves
             one side empty, or a shard not ready within ``spec.data_timeout`` seconds.
     """
-    from sft.data.shards import JobView, agree
     from sft.data.dataset import default_cache_dir
+    from sft.data.shards import JobView, agree
 
     control = control_tokens_for(tok, spec.system_message)
     root = spec.cache_dir or default_cache_dir()
@@ -148,9 +147,8 @@ def pack_datasets(train_ds, eval_ds, max_len: int, pad_token_id: int = 0):
 def padding_free_collator(model, padding_collator):
     """``--padding_free True`` (the default, without ``--packing``): :class:`sft.data.packing.PaddingFreeCollator` when
     the model can run :data:`sft.model.attention.PACKED_ATTENTION`; otherwise ``padding_collator`` (logged)."""
-    from sft.model.attention import use_packed_attention
     from sft.data.packing import PaddingFreeCollator
-    from sft.model.attention import attention_implementation
+    from sft.model.attention import attention_implementation, use_packed_attention
 
     if use_packed_attention(model):
         logger.info("padding-free batches: the samples of a micro batch end to end in one row, position ids restart "
@@ -192,7 +190,6 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
     run's :class:`sft.app.settings.RunSettings` (default: derived from ``training_args``), completed here by the
     memory plan. Returns ``(trainer, tokenizer, eot_id)``."""
     from sft.distributed.process_group import setup_runtime
-    from sft.distributed.progress import RECORD
 
     setup_runtime(training_args)  # idempotent: the process group before data preparation's collectives
     if settings is None:  # called on its own (tests, benchmarks): the run's shape as given
@@ -289,15 +286,20 @@ def run(model_args, data_args, training_args, lora_args, step_checks: Sequence[C
         PeerLost: another process of the job went away or a collective timed out (exit code 1).
         CheckpointError: no checkpoint in ``--output_dir`` verifies, or a save ran out of disk space (exit code 2).
     """
-    from sft.train.checkpoint import CheckpointError, choose_resume, install, latest_complete, warn_if_different, zero_world_size
-    from sft.distributed.process_group import elastic_start_line
+    from sft.compat.deepspeed import separate_zero3_universal_steps
+    from sft.distributed.process_group import elastic_start_line, setup_runtime
+    from sft.distributed.progress import RECORD
+    from sft.train.checkpoint import (
+        CheckpointError,
+        choose_resume,
+        install,
+        latest_complete,
+        warn_if_different,
+        zero_world_size,
+    )
     from sft.train.integrity import is_out_of_space, out_of_space_message
     from sft.train.preemption import Preempted, PreemptionHandler
-    from sft.compat.deepspeed import separate_zero3_universal_steps
     from sft.train.world_size import ensure_universal, plan_world_size_change
-
-    from sft.distributed.process_group import setup_runtime
-    from sft.distributed.progress import RECORD
 
     setup_runtime(training_args)  # idempotent (train() ran it): the process group before the collectives below
     setup_logging()

@@ -22,10 +22,10 @@ from typing import Optional
 import transformers
 
 from sft.compat.transformers import parser_actions
-from sft.errors import ConfigError
 from sft.config.deferred import DeferredRuntime
 from sft.config.precision import parse_bf16, resolve_bf16_flag
 from sft.config.yaml_file import read_yaml, split_config, suggest, yaml_to_argv
+from sft.errors import ConfigError
 
 
 @dataclass

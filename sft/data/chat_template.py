@@ -121,6 +121,7 @@ def compile_template(template: str):
     """
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     from sft.compat.transformers import compile_jinja_template
 
     compiled = compile_jinja_template(template)

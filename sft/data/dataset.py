@@ -22,8 +22,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
-from dataclasses import replace as dataclass_replace
+from dataclasses import dataclass, replace as dataclass_replace
 from typing import Optional, Sequence
 
 import torch
@@ -31,14 +30,20 @@ from transformers import DataCollatorForSeq2Seq
 
 from sft import __version__
 from sft.data.chat import IGNORE_INDEX
-from sft.data.records import RecordCheck, iter_conversations, log_duplicate_ids, template_problem
-from sft.errors import DataError, TemplateError
-from sft.fsio import file_sha256
 from sft.data.eval_split import empty_side_error, in_eval, record_key
-from sft.data.samples import TruncationReport, encode_samples, encode_truncated, lazy_refusal, truncate  # noqa: F401
-from sft.data.samples import limit_tokenizer_threads
+from sft.data.records import RecordCheck, iter_conversations, log_duplicate_ids, template_problem
+from sft.data.samples import (  # noqa: F401
+    TruncationReport,
+    encode_samples,
+    encode_truncated,
+    lazy_refusal,
+    limit_tokenizer_threads,
+    truncate,
+)
 from sft.data.shards import JobView, Plan, agree, prepare_shard, read_marker, wait_for_shards
 from sft.data.spec import PreparationSpec
+from sft.errors import DataError, TemplateError
+from sft.fsio import file_sha256
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+
 from sft.data.records import Conversation
 from sft.errors import DataError
 

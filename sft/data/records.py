@@ -29,8 +29,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-from sft.data.messages import (ROLE_ALIASES, ROLES_HELP, TurnProblem, normalize_tools, normalize_turn,
-                               results_in_call_order, structure_problem)
+from sft.data.messages import (
+    ROLE_ALIASES,
+    ROLES_HELP,
+    TurnProblem,
+    normalize_tools,
+    normalize_turn,
+    results_in_call_order,
+    structure_problem,
+)
 from sft.data.sources import Problem, iter_raw  # noqa: F401  (Problem re-exported: a record's problem)
 from sft.errors import DataError
 

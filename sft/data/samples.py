@@ -153,8 +153,15 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     """
     from sft.data.chat import Encoded, _Renderer, labels_from_spans
     from sft.data.split_turns import split_turns
-    from sft.data.turns import (describe_dropped, one_sample_of_contents, plan, refusal, stop_tokens,
-                                template_messages, trained_turns)
+    from sft.data.turns import (
+        describe_dropped,
+        one_sample_of_contents,
+        plan,
+        refusal,
+        stop_tokens,
+        template_messages,
+        trained_turns,
+    )
 
     given = conversations
     conversations = [with_system(m, system_message) for m in conversations]

@@ -14,10 +14,10 @@ import shlex
 import sys
 from typing import Optional
 
-from sft.policy import run_cli
 from sft.distributed.allocator import choose_allocator
 from sft.distributed.contract import choose_interface, read_contract, scheduler_nnodes, start_line
 from sft.distributed.rendezvous import node_rendezvous
+from sft.policy import run_cli
 
 
 def _cli_plan(args) -> int:

@@ -12,10 +12,10 @@ import re
 import socket
 from typing import Optional
 
-from sft.errors import PreflightError
-from sft.fsio import file_sha256
 from sft.distributed.collectives import gather_objects, world_size
 from sft.distributed.contract import route_source
+from sft.errors import PreflightError
+from sft.fsio import file_sha256
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "qwen.tiktoken", "chat_template.jinja",

@@ -23,7 +23,6 @@ import socket
 import sys
 from typing import Mapping, Optional
 
-
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 

@@ -19,8 +19,8 @@ import sys
 import time
 from typing import Mapping, Optional
 
-from sft.errors import PreflightError
 from sft.distributed.contract import Contract, resolve
+from sft.errors import PreflightError
 
 
 def preflight_enabled(env: Mapping[str, str] = os.environ) -> bool:

@@ -222,7 +222,7 @@ class WorkerGuard(threading.Thread):
 
         from torch.distributed import TCPStore
 
-        from sft.distributed.progress import VERDICT_KEY, HOST
+        from sft.distributed.progress import HOST, VERDICT_KEY
 
         try:
             if self.store is None:
@@ -288,9 +288,11 @@ def _run(argv: Optional[list[str]]) -> int:
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
-                                                          RendezvousTimeoutError)
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
 
     argv = sys.argv[1:] if argv is None else argv
     logging.getLogger(_AGENT_LOGGER).setLevel(logging.INFO)

@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 import transformers
 
+from sft.compat.peft import without_gptqmodel
 from sft.errors import SFTError, explain_load_errors
 from sft.model.loading import require_vocabulary
-from sft.compat.peft import without_gptqmodel
 from sft.model.quantized import loading_fix, merge_problem, read_quantization
 
 logger = logging.getLogger(__name__)

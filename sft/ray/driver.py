@@ -34,10 +34,10 @@ import threading
 import time
 from typing import Optional
 
-from sft.policy import run_cli
 from sft.distributed.contract import resolve
 from sft.distributed.process_group import deepspeed_cpu_default
 from sft.errors import PREEMPTED_EXIT_CODE, SFTError
+from sft.policy import run_cli
 from sft.ray.flags import RayArguments, check_ray_args
 from sft.ray.placement import placement_problem, worker_resources
 from sft.ray.worker import Coordinator, train_worker

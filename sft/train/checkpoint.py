@@ -37,8 +37,16 @@ from sft.distributed.collectives import barrier, gather_objects
 from sft.distributed.process_group import NCCL_TRACE_DIR
 from sft.errors import SFTError
 from sft.fsio import atomic_write_json, fsync_dir, fsync_file, read_json
-from sft.train.integrity import (HASH, MARKER, checkpoint_files, file_digest, hash_own_files, owner_rank, read_marker,
-                        verify_entries)
+from sft.train.integrity import (
+    HASH,
+    MARKER,
+    checkpoint_files,
+    file_digest,
+    hash_own_files,
+    owner_rank,
+    read_marker,
+    verify_entries,
+)
 
 logger = logging.getLogger("sft")
 

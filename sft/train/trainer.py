@@ -230,7 +230,6 @@ class Trainer(TrainerHooks):
         import random
 
         import numpy as np
-
         from transformers.trainer_pt_utils import safe_globals  # the numpy state's globals, allowed as the Trainer does
 
         with safe_globals():

@@ -31,7 +31,6 @@ from sft.fsio import atomic_write
 from sft.train.integrity import MARKER, read_marker
 
 
-
 @dataclasses.dataclass
 class WorldSizeChange:
     """A resume at another world size: ``old_world_size`` -> ``world_size`` processes, gradient accumulation

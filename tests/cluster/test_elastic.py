@@ -17,12 +17,11 @@ import subprocess
 import time
 
 import pytest
-
 import torch
 
 from tests.cluster.test_multinode import RUN_LIMIT_S, TRAIN, job, make_hosts, node_env, results  # noqa: F401
-from tests.helpers.data import TOY, write_jsonl
 from tests.helpers import netns
+from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
 
 _WHY = netns.unavailable()

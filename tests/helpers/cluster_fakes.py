@@ -18,19 +18,19 @@ def fake_slurm(folder):
     """srun: one task per host of SLURM_JOB_NODELIST, with SLURM_NODEID etc.; exits with the highest task exit
     code. scontrol: 'show hostnames a,b,c', 'requeue ID' (logged), '-o show job ID' (FAKE_JOB) and
     '-o show node NAME' (FAKE_DOWN names the one node that is down)."""
-    write_tool(folder, "srun", f"""#!/usr/bin/env bash
+    write_tool(folder, "srun", """#!/usr/bin/env bash
 echo "srun $*" >> "$FAKE_LOG"
-while [[ "${{1:-}}" == -* ]]; do shift; done
+while [[ "${1:-}" == -* ]]; do shift; done
 IFS=, read -r -a hosts <<< "$SLURM_JOB_NODELIST"
 pids=()
-for i in "${{!hosts[@]}}"; do
-  h="${{hosts[$i]}}"
+for i in "${!hosts[@]}"; do
+  h="${hosts[$i]}"
   task=(env SLURM_NODEID="$i" SLURM_PROCID="$i" SLURM_LOCALID=0 SLURMD_NODENAME="$h" "$@")
-  "${{task[@]}}" &
+  "${task[@]}" &
   pids+=("$!")
 done
 rc=0
-for p in "${{pids[@]}}"; do wait "$p"; r=$?; if (( r > rc )); then rc=$r; fi; done
+for p in "${pids[@]}"; do wait "$p"; r=$?; if (( r > rc )); then rc=$r; fi; done
 exit "$rc"
 """)
     write_tool(folder, "scontrol", """#!/usr/bin/env bash

@@ -14,11 +14,11 @@ import sys
 
 import torch
 
+from sft.app.train import build_trainer, save
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from sft.distributed.process_group import finish_process_group, setup_runtime
 from sft.logs import setup_logging
-from sft.app.train import build_trainer, save
 
 PROBE = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
 

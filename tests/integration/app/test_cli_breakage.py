@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from tests.helpers.data import TOY, write_jsonl
-from tests.helpers.paths import ROOT
 from sft.cli import debug_enabled, generate_main, main, run_cli, train_main
 from sft.errors import ConfigError, ContractError, SFTError
+from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.paths import ROOT
 
 NO_HOST = ["..", "a" * 70 + ".com"]  # an empty label / one over 63 characters: socket raises UnicodeError
 

@@ -7,9 +7,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from sft.app.train import build_trainer, save
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
-from sft.app.train import build_trainer, save
 from tests.helpers import assets
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT

@@ -6,9 +6,9 @@ import re
 import subprocess
 import sys
 
+from sft.app.train import build_trainer
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
-from sft.app.train import build_trainer
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT, pythonpath_env
 from tests.helpers.ports import free_port

@@ -3,9 +3,7 @@ gives exactly the ids and labels of the general path (two renders per conversati
 on real chitchat conversations with the real SmolLM2 tokenizer and the real Qwen vocabulary (ChatML fallback)."""
 import pytest
 
-from sft.data import chat
-
-from sft.data import long_conversations
+from sft.data import chat, long_conversations
 from sft.data.chat import IGNORE_INDEX, render_with_spans
 from sft.data.records import normalize_record
 from sft.data.samples import encode_samples

@@ -3,10 +3,10 @@ vocabulary (ChatML fallback) and the real SmolLM2 tokenizer (its own template an
 import pytest
 
 from sft.data.chat import IGNORE_INDEX, encode_conversation, with_system
-from sft.data.records import normalize_record
 from sft.data.dataset import build_dataset
-from sft.data.spec import PreparationSpec
 from sft.data.long_conversations import split_conversation
+from sft.data.records import normalize_record
+from sft.data.spec import PreparationSpec
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.labels import supervised_spans
 

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from sft.data.dataset import build_dataset
+from sft.data.shards import JobView, Plan, shard_name
 from sft.data.spec import PreparationSpec
 from sft.errors import DataError
-from sft.data.shards import JobView, Plan, shard_name
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
 

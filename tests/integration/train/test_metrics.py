@@ -5,10 +5,10 @@ import glob
 
 import pytest
 
+from sft.app.train import build_trainer
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from sft.train.metrics import ThroughputCallback, head_flops_per_token, model_flops_per_token
-from sft.app.train import build_trainer
 
 
 def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data, tmp_path, capsys, monkeypatch):

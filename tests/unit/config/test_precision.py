@@ -2,8 +2,8 @@
 YAML. The bad values' messages are in tests/integration/app/test_bad_input_corpus.py."""
 import pytest
 
-from sft.config.arguments import parse_args
 from sft.config import precision
+from sft.config.arguments import parse_args
 from sft.config.precision import auto_bf16, cpu_flags, parse_bf16
 
 CPUINFO = "processor\t: 0\nmodel name\t: x\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n\nprocessor\t: 1\n"

@@ -9,7 +9,6 @@ from sft.data.spec import PreparationSpec
 from tests.helpers.data import TOY, write_jsonl
 
 
-
 def test_truncation_is_counted_and_empty_samples_dropped(tmp_path, qwen_tok):
     """--long_conversations truncate (split mode: tests/integration/data/test_long_conversations.py)."""
     tok, eot = qwen_tok

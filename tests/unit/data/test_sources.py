@@ -6,8 +6,8 @@ import json
 import pytest
 
 from sft.data import sources
-from sft.data.records import RecordCheck, iter_conversations, load_conversations
 from sft.data.dataset import build_dataset
+from sft.data.records import RecordCheck, iter_conversations, load_conversations
 from sft.data.spec import PreparationSpec
 from sft.errors import DataError
 from tests.helpers.data import TOY, write_jsonl

@@ -12,14 +12,19 @@ import time
 
 import pytest
 
-from sft.distributed.contract import (Contract, choose_interface, read_contract, route_source, scheduler_nnodes,
-                                     start_line)
+from sft.distributed.contract import (
+    Contract,
+    choose_interface,
+    read_contract,
+    route_source,
+    scheduler_nnodes,
+    start_line,
+)
 from sft.distributed.failures import explain_collective_failure
 from sft.distributed.fingerprints import compare_fingerprints, input_fingerprint
 from sft.distributed.rendezvous import node_rendezvous
 from sft.errors import ContractError, PreflightError
 from tests.helpers.ports import free_port
-
 
 # ------------------------------------------------------------------------------------------------ the contract
 

@@ -14,8 +14,19 @@ import pytest
 import torch
 
 from sft.distributed import progress
-from sft.distributed.progress import (FINISHED, FORWARD_BACKWARD, LOADING_BATCH, OPTIMIZER, SAVING, Record, Seen,
-                                      Watcher, judge, verdict_lines, verdict_paragraph)
+from sft.distributed.progress import (
+    FINISHED,
+    FORWARD_BACKWARD,
+    LOADING_BATCH,
+    OPTIMIZER,
+    SAVING,
+    Record,
+    Seen,
+    Watcher,
+    judge,
+    verdict_lines,
+    verdict_paragraph,
+)
 
 T = 10.0  # --hang_timeout of these cases
 

@@ -10,10 +10,16 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from sft.model.attention import PACKED_ATTENTION, document_bounds, flash_varlen_available, packed_mask, use_packed_attention
 from sft.data.chat import IGNORE_INDEX
 from sft.data.packing import PackedCollator
-from sft.model.attention import check_packing_support
+from sft.model.attention import (
+    PACKED_ATTENTION,
+    check_packing_support,
+    document_bounds,
+    flash_varlen_available,
+    packed_mask,
+    use_packed_attention,
+)
 
 PAD = 3
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -257,8 +263,8 @@ def test_the_collators_give_the_boundaries_and_the_attention_reads_them():
     """cu_seq_lens from PaddingFreeCollator and PackedCollator cut exactly where the position ids restart (pad
     documents included); the attention given them and no position ids equals the block-diagonal reference, and
     offsets that cross a row are refused."""
-    from sft.model.attention import packed_attention_forward
     from sft.data.packing import PaddingFreeCollator
+    from sft.model.attention import packed_attention_forward
 
     convs = docs()
     rows = [{"input_ids": sum(pair, []), "labels": sum(pair, []),

@@ -10,8 +10,7 @@ from collections import namedtuple
 
 import pytest
 
-from sft.train import checkpoint as ck
-from sft.train import integrity
+from sft.train import checkpoint as ck, integrity
 from tests.helpers.files import flip_byte
 
 

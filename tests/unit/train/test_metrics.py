@@ -11,8 +11,15 @@ from transformers import AutoModelForCausalLM
 
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
-from sft.train.metrics import ThroughputCallback, format_eta, linear_weight_counts, measure_matmul_peak, model_flops_per_token, plot_loss_curve
 from sft.errors import ConfigError
+from sft.train.metrics import (
+    ThroughputCallback,
+    format_eta,
+    linear_weight_counts,
+    measure_matmul_peak,
+    model_flops_per_token,
+    plot_loss_curve,
+)
 
 # tests/helpers/assets.py tiny Qwen2: hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 151646, tied
 PER_LAYER = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate/up/down
@@ -86,8 +93,8 @@ def test_bad_peak_tflops_is_reported(tiny_model_dir, toy_data, tmp_path):
 
 
 def test_packed_rows_count_their_pad_document_as_padding():
-    from sft.train.metrics import packed_padding
     from sft.data.packing import PackedCollator
+    from sft.train.metrics import packed_padding
 
     rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9], "position_ids": [0, 1, 2, 0, 1]},
             {"input_ids": [5, 0, 7], "labels": [5, 0, 7], "position_ids": [0, 1, 2]}]  # pad id 0 inside a document

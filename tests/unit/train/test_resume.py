@@ -128,9 +128,9 @@ def test_group_by_length_order_depends_on_seed_and_epoch_only(tiny_model_dir, to
     import torch
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
+    from sft.app.train import build_trainer
     from sft.config.arguments import parse_args
     from sft.train.trainer import EpochSeededLengthGroupedSampler
-    from sft.app.train import build_trainer
 
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
                        str(tmp_path / "o"), "--group_by_length", "True", "--per_device_train_batch_size", "2",
@@ -265,8 +265,8 @@ def test_the_same_command_at_the_checkpoints_world_size_keeps_the_accumulation_a
 def test_validate_refuses_a_world_size_that_cannot_keep_the_global_batch(tmp_path, tiny_model_dir, toy_data,
                                                                         monkeypatch, capsys):
     from sft.app.validation import validate
-    from sft.config.arguments import parse_args
     from sft.cli import run_cli
+    from sft.config.arguments import parse_args
     from sft.errors import ConfigError
 
     out = tmp_path / "out"
