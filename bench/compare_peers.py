@@ -60,11 +60,12 @@ def build_trl(a, out_dir: str, best: bool):
     from sft.data.chat import IGNORE_INDEX, encode_conversations
     from sft.data.records import load_conversations
     from sft.model.loading import load_model, load_tokenizer, torch_dtype
+    from sft.model.spec import LoadSpec
 
     tok, eot, grew = load_tokenizer(a.model)  # same pad token and template as ours
     ours_tok_template = tok.chat_template
     tok.chat_template = marked_chatml_template(ours_tok_template)
-    model, _ = load_model(a.model, tok, grew, dtype=torch_dtype(bf16=a.bf16))
+    model, _ = load_model(a.model, tok, grew, LoadSpec(dtype=torch_dtype(bf16=a.bf16)))
     convs = load_conversations(a.data, "error")
     ds = datasets.Dataset.from_list([{"messages": c.messages} for c in convs])
     layout = TRL_BEST if best else {"packing": False, "padding_free": False}

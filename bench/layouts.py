@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     from sft.data.records import load_conversations
     from sft.model.attention import register
     from sft.model.loading import apply_lora, load_model, load_tokenizer
+    from sft.model.spec import LoadSpec, LoraSpec
 
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     tok, eot, grew = load_tokenizer(a.model)
@@ -106,8 +107,9 @@ def main(argv=None) -> int:
             samples.append({"input_ids": ids[:a.max_length], "labels": labels[:a.max_length]})
         if len(samples) == a.samples:
             break
-    model, _ = load_model(a.model, tok, grew, dtype=torch.float32)
-    model = apply_lora(model, tok, grew, r=a.lora_r, alpha=2 * a.lora_r, dropout=0.0, train_embeddings="false").train()
+    model, _ = load_model(a.model, tok, grew, LoadSpec(dtype=torch.float32))
+    lora = LoraSpec(r=a.lora_r, alpha=2 * a.lora_r, dropout=0.0, train_embeddings="false")
+    model = apply_lora(model, tok, grew, lora).train()
     register()
     base = model.get_base_model()
     plan = {k: v for k, v in layouts(samples, a.batch, a.rows, a.max_length, tok).items() if k in a.layouts}

@@ -7,7 +7,7 @@
 
 Two arms train the same LoRA (r 16, alpha 32, dropout 0.05, every linear layer) on the same micro batches from the
 same seed, in fp32 on this machine (bf16 matmuls are emulated on CPUs without avx512_bf16, ~1 GFLOP/s), through
-``sft.app.train.build_trainer`` with AdamW:
+``sft.app.train.trainer_for`` with AdamW:
 
 * ``fp32``  -- adapters and AdamW's moments in fp32: what ``--bf16 True`` keeps outside DeepSpeed (peft's
   ``autocast_adapter_dtype``; the optimizer's master weights) and DeepSpeed's bf16 optimizer keeps as master copies;
@@ -71,10 +71,9 @@ def run_arm(a, bf16_storage: bool, train_path: str, eval_path: str) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from sft.app.train import build_trainer
+    from sft.app.train import trainer_for
     from sft.app.validation import validate
     from sft.config.arguments import parse_args
-    from sft.distributed.process_group import setup_runtime
 
     out = tempfile.mkdtemp(prefix="sft-lora-precision-")
     args = parse_args(["--model_name_or_path", a.model, "--data_path", train_path, "--eval_data_path", eval_path,
@@ -88,8 +87,7 @@ def run_arm(a, bf16_storage: bool, train_path: str, eval_path: str) -> dict:
                        "--train_embeddings", "false", "--gradient_checkpointing", "False",
                        "--data_cache_dir", os.path.join(tempfile.gettempdir(), "sft-lora-precision-cache")])
     validate(*args)
-    setup_runtime(args[2])
-    trainer, _, _ = build_trainer(*args)
+    trainer, _, _ = trainer_for(*args)
     lost = {"A": [0, 0], "B": [0, 0], "other": [0, 0]}
 
     class Storage(TrainerCallback):

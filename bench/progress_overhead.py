@@ -10,10 +10,10 @@ with ``PYTHONPATH=.``).
 Prints, side by side in one run:
 
 1. **The training thread's part per optimizer step**: the phase marks and forward hooks of
-   :class:`sft.train.progress.ProgressCallback` (two forward passes per step -- gradient accumulation 2 --, the
+   :class:`sft.train.stragglers.ProgressCallback` (two forward passes per step -- gradient accumulation 2 --, the
    optimizer and step-end marks, the window's sum), timed over 20,000 simulated steps around a no-op module, in
    microseconds per step.
-2. **The watcher thread's part per beat**: one :meth:`sft.distributed.progress.Watcher.poll` (publish this rank's
+2. **The watcher thread's part per beat**: one :meth:`sft.distributed.watchdog.Watcher.poll` (publish this rank's
    beat, read every rank's with one ``multi_get``, judge) over a real ``TCPStore`` on loopback for 2, 8 and 64
    ranks, in microseconds; it runs every ``interval`` seconds (a tenth of ``--hang_timeout``, 0.5-5 s) on another
    thread, so its share of the training thread is at most that time divided by the interval (the GIL).
@@ -41,7 +41,7 @@ def training_thread_us(steps: int = 20000) -> float:
     import torch
     from transformers import TrainerControl, TrainerState
 
-    from sft.train.progress import ProgressCallback
+    from sft.train.stragglers import ProgressCallback
 
     class Noop(torch.nn.Module):
         def forward(self, input_ids=None):
@@ -73,7 +73,7 @@ def training_thread_us(steps: int = 20000) -> float:
 def watcher_poll_us(ranks: int, polls: int = 200) -> float:
     import torch.distributed as dist
 
-    from sft.distributed.progress import Record, Watcher
+    from sft.distributed.watchdog import Record, Watcher
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))

@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     from sft.data.records import load_conversations
     from sft.model.attention import PACKED_ATTENTION, register
     from sft.model.loading import apply_lora, load_model, load_tokenizer
+    from sft.model.spec import LoadSpec, LoraSpec
 
     tok, eot, grew = load_tokenizer(a.model)
     convs = load_conversations(a.data, "error")
@@ -58,8 +59,9 @@ def main(argv=None) -> int:
     collate = PaddingFreeCollator() if a.shape == "row" else PackedCollator(tok.pad_token_id)
     rows = {n: collate([{"input_ids": d, "labels": d, "position_ids": list(range(len(d)))} for d in docs[:n]])
             for n in a.docs}
-    model, _ = load_model(a.model, tok, grew, dtype=torch.float32)
-    model = apply_lora(model, tok, grew, r=a.lora_r, alpha=2 * a.lora_r, dropout=0.0, train_embeddings="false").train()
+    model, _ = load_model(a.model, tok, grew, LoadSpec(dtype=torch.float32))
+    lora = LoraSpec(r=a.lora_r, alpha=2 * a.lora_r, dropout=0.0, train_embeddings="false")
+    model = apply_lora(model, tok, grew, lora).train()
     register()
     model.get_base_model().set_attn_implementation(PACKED_ATTENTION)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16)

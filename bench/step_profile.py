@@ -43,15 +43,12 @@ def timed(obj, name: str, into: dict, key: str):
 def main() -> int:
     from transformers import TrainerCallback
 
-    from sft.app.settings import apply_run_shape, derive
-    from sft.app.train import build_trainer
+    from sft.app.train import trainer_for
     from sft.app.validation import validate
     from sft.cli import report
     from sft.config.arguments import parse_args
-    from sft.distributed.process_group import setup_runtime
     from sft.errors import SFTError
     from sft.logs import setup_logging
-    from sft.train.checkpoint import install as install_checkpoints
     from sft.train.preemption import PreemptionHandler
 
     argv = sys.argv[1:]
@@ -62,13 +59,10 @@ def main() -> int:
     try:
         args = parse_args(argv)
         validate(*args)
-        setup_runtime(args[2])
         setup_logging()
         preemption = PreemptionHandler(args[2].preemption_timeout, ()).install()
-        settings = derive(args[2], sft_rotation=True)  # as sft.app.train.run: sft's checkpoint rotation
-        apply_run_shape(args[2], settings)
-        trainer, _, _ = build_trainer(*args, callbacks=[install_checkpoints(args[2], None, settings.save_total_limit),
-                                                        preemption], settings=settings)
+        # as sft.app.train.run: sft's checkpoint callback and rotation
+        trainer, _, _ = trainer_for(*args, callbacks=[preemption], sft_checkpoints=True)
     except SFTError as e:
         return report(e)
 

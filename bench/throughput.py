@@ -28,11 +28,10 @@ import sft  # noqa: F401  (first: holds library import notices that do not conce
 def main() -> int:
     from transformers import TrainerCallback
 
-    from sft.app.train import build_trainer
+    from sft.app.train import trainer_for
     from sft.app.validation import validate
     from sft.cli import report
     from sft.config.arguments import parse_args
-    from sft.distributed.process_group import setup_runtime
     from sft.errors import SFTError
     from sft.logs import setup_logging
 
@@ -44,9 +43,8 @@ def main() -> int:
     try:
         args = parse_args(argv)
         validate(*args)
-        setup_runtime(args[2])
         setup_logging()
-        trainer, tok, _ = build_trainer(*args)
+        trainer, tok, _ = trainer_for(*args)
     except SFTError as e:
         return report(e)
 

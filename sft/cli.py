@@ -26,13 +26,6 @@ def train(argv: Optional[Sequence[str]] = None, extra: tuple = (), step_checks: 
     return run_training(argv, extra, step_checks)
 
 
-def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:
-    """:func:`sft.app.check.check_parsed`. Returns the summary lines."""
-    from sft.app.check import check_parsed as check_all
-
-    return check_all(model_args, data_args, training_args, lora_args)
-
-
 def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
     """:func:`sft.app.check.check`. Returns the summary lines."""
     from sft.app.check import check as check_argv

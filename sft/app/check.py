@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from sft.app.train import control_tokens_for, data_sources, preparation_spec
+from sft.app.specs import control_tokens_for, data_sources, preparation_spec
 from sft.model.loading import load_tokenizer
 
 

@@ -176,36 +176,36 @@ def _check_training(t) -> list[str]:
         p.append(f"--warmup_ratio {t.warmup_ratio}: must be in [0, 1)")
     if not (math.isfinite(t.preemption_timeout) and t.preemption_timeout > 0):
         p.append(f"--preemption_timeout {t.preemption_timeout}: must be a number of seconds > 0 (e.g. 300)")
-    hang = getattr(t, "hang_timeout", None)
+    hang = t.hang_timeout
     if hang is not None and not (math.isfinite(hang) and (hang == 0 or hang >= 2)):
         p.append(f"--hang_timeout {hang}: must be 0 (off) or a number of seconds >= 2 (e.g. 300)")
     elif hang and hang >= t.ddp_timeout:
-        p.append(f"--hang_timeout {hang:g} with --ddp_timeout {t.ddp_timeout:g}: torch's timeout would end the job first, "
-                 "without naming the stuck rank; set --hang_timeout below --ddp_timeout (or leave it unset: 300, at "
+        p.append(f"--hang_timeout {hang:g} with --ddp_timeout {t.ddp_timeout:g}: torch's timeout would end the job "
+                 "first, without naming the stuck rank; set --hang_timeout below --ddp_timeout (or leave it unset: 300, at "
                  "most half of it)")
-    factor = getattr(t, "straggler_factor", 0)
+    factor = t.straggler_factor
     if not (math.isfinite(factor) and (factor == 0 or factor > 1)):
         p.append(f"--straggler_factor {factor}: must be 0 (off) or a ratio > 1 (e.g. 1.5: 50% slower than the other "
                  "ranks' median)")
-    if getattr(t, "straggler_window", 2) < 2:
+    if t.straggler_window < 2:
         p.append(f"--straggler_window {t.straggler_window}: must be at least 2 optimizer steps (e.g. 20)")
     if not 0 <= t.seed < 2**32:
         p.append(f"--seed {t.seed}: must be in [0, 2**32)")
     if t.peak_tflops is not None and not (math.isfinite(t.peak_tflops) and t.peak_tflops > 0):
         p.append(f"--peak_tflops {t.peak_tflops}: must be a positive number of TFLOP/s (or leave it unset to measure)")
-    if not isinstance(t.bf16_requested, bool) and t.bf16_requested != "auto":
-        p.append(f"--bf16 {t.bf16_requested}: must be True, False or auto (bf16 where the machine computes it fast)")
-    if t.fp16_requested_without_cuda:
+    if not isinstance(t.parsed.bf16, bool) and t.parsed.bf16 != "auto":
+        p.append(f"--bf16 {t.parsed.bf16}: must be True, False or auto (bf16 where the machine computes it fast)")
+    if t.parsed.fp16_without_cuda:
         p.append("--fp16 True: fp16 training needs a CUDA GPU and none is visible; on CPU use --bf16 True or "
                  "leave both off (fp32)")
-    if (t.fp16 or t.fp16_requested_without_cuda) and t.bf16:
+    if (t.fp16 or t.parsed.fp16_without_cuda) and t.bf16:
         p.append("--fp16 True and --bf16 True: choose one precision")
-    p += t.deepspeed_problems
-    hf_ds = getattr(t, "hf_deepspeed_config", None) if t.deepspeed else None
+    p += t.parsed.deepspeed_problems
+    hf_ds = t.hf_deepspeed_config if t.deepspeed else None  # transformers sets it under --deepspeed
     if hf_ds is not None and hf_ds.mismatches:
         from sft.config.deepspeed import mismatch_problems
 
-        p += mismatch_problems(t.deepspeed_requested, hf_ds.mismatches)
+        p += mismatch_problems(t.parsed.deepspeed, hf_ds.mismatches)
     for name in t.report_to or []:
         if name in _REPORTERS and not importable(*_REPORTERS[name]):
             p.append(f"--report_to {name}: the {name} package is not installed; pip install it or use --report_to none")
@@ -235,10 +235,10 @@ def _check_lora(model_args, t, lora_args) -> list[str]:
         if not importable("bitsandbytes") and (prequantized is None or prequantized.bnb_4bit):
             p.append("--q_lora True: needs bitsandbytes (4-bit NF4), which is not installed; pip install "
                      "bitsandbytes, or use --use_lora True without --q_lora")
-        if t.zero_stage == 3:
+        if t.parsed.zero_stage == 3:
             packed = (f"the base's packed {prequantized.label} weights" if prequantized is not None
                       else "bitsandbytes' packed 4-bit weights")
-            p.append(f"--q_lora True with --deepspeed {t.deepspeed_requested} (ZeRO-3): ZeRO-3 partitions every "
+            p.append(f"--q_lora True with --deepspeed {t.parsed.deepspeed} (ZeRO-3): ZeRO-3 partitions every "
                      f"weight across ranks, and {packed} cannot be partitioned or gathered "
                      f"by it; use ZeRO-2 (--deepspeed {EXAMPLE}, the finetune_qlora_ds.sh "
                      "default: the frozen 4-bit base is replicated, adapter gradients and optimizer state are "
@@ -287,7 +287,7 @@ def _check_output(t) -> list[str]:
         from sft.train.checkpoint import check_zero_world_size
 
         p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]),
-                                   t.zero_stage)
+                                   t.parsed.zero_stage)
     if "WORLD_SIZE" in os.environ and not resume_problems:  # the global batch kept at another world size
         from sft.train.checkpoint import resolve_resume
         from sft.train.world_size import plan_world_size_change
@@ -308,28 +308,29 @@ def _check_output(t) -> list[str]:
 
 def _check_fsdp(t, lora_args) -> list[str]:
     """FSDP2 (``--fsdp`` + ``--fsdp_config``): the config's own problems, then the combinations that cannot run."""
-    p = list(t.fsdp_problems)
-    if not t.fsdp_on:
-        if t.fsdp_config_requested is not None:
-            p.append(f"--fsdp_config {t.fsdp_config_requested}: has no effect without --fsdp; add --fsdp (FSDP2) or "
+    asked = t.parsed
+    p = list(asked.fsdp_problems)
+    if not asked.fsdp_on:
+        if asked.fsdp_config is not None:
+            p.append(f"--fsdp_config {asked.fsdp_config}: has no effect without --fsdp; add --fsdp (FSDP2) or "
                      "drop --fsdp_config")
         return p
-    fsdp = f"--fsdp {t.fsdp_requested}" if isinstance(t.fsdp_requested, str) else "--fsdp"
-    if t.deepspeed_requested:
-        p.append(f"{fsdp} with --deepspeed {t.deepspeed_requested}: choose one sharding engine (FSDP2 or DeepSpeed "
+    fsdp = f"--fsdp {asked.fsdp}" if isinstance(asked.fsdp, str) else "--fsdp"
+    if asked.deepspeed:
+        p.append(f"{fsdp} with --deepspeed {asked.deepspeed}: choose one sharding engine (FSDP2 or DeepSpeed "
                  "ZeRO); drop one of the two flags")
     config = t.fsdp_config if isinstance(t.fsdp_config, dict) else {}
     if t.use_cpu and config.get("cpu_offload"):
         # torch 2.13 fully_shard with CPUOffloadPolicy (pin_memory=True, what accelerate 1.15 builds) pins each
         # shard: "Cannot access accelerator device when none is available".
-        p.append(f"--fsdp_config {t.fsdp_config_requested} \"cpu_offload\": true on CPU: FSDP2's offload pins host "
+        p.append(f"--fsdp_config {asked.fsdp_config} \"cpu_offload\": true on CPU: FSDP2's offload pins host "
                  "memory for GPU copies and fails without a GPU, and on CPU the parameters are in CPU memory already; "
                  "use finetune/fsdp_config_full_shard.json (no offload)")
     if config.get("state_dict_type") == "SHARDED_STATE_DICT":
         # transformers 5.24 Trainer.save_model writes weights under FSDP for FULL_STATE_DICT only; measured with 2 CPU
         # processes: exit 0, checkpoints of torch.distributed.checkpoint folders, and nothing but
         # trainer_state.json and generation_config.json in --output_dir.
-        p.append(f"--fsdp_config {t.fsdp_config_requested} \"state_dict_type\": \"SHARDED_STATE_DICT\": transformers "
+        p.append(f"--fsdp_config {asked.fsdp_config} \"state_dict_type\": \"SHARDED_STATE_DICT\": transformers "
                  "5.24 saves no weights at the end of training with it (the run would end with no adapter, model or "
                  "tokenizer in --output_dir; its checkpoints hold per-rank torch.distributed.checkpoint shards only); "
                  "use \"FULL_STATE_DICT\" (finetune/fsdp_config_full_shard.json)")
@@ -339,7 +340,7 @@ def _check_fsdp(t, lora_args) -> list[str]:
                  "loader gives each rank a full 4-bit replica on its own device; use Q-LoRA with ZeRO-2 "
                  "(finetune_qlora_ds.sh) or LoRA with FSDP2 (finetune_lora_fsdp.sh)")
     if config.get("activation_checkpointing") and t.activation_checkpointing:
-        p.append(f"--gradient_checkpointing True with --fsdp_config {t.fsdp_config_requested} "
+        p.append(f"--gradient_checkpointing True with --fsdp_config {asked.fsdp_config} "
                  "\"activation_checkpointing\": true: choose one (transformers refuses both); FSDP's own is the "
                  "cheaper one: add --gradient_checkpointing False")
     return p

@@ -17,14 +17,17 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
 
 import transformers
 
 from sft.compat.transformers import parser_actions
+from sft.config.deepspeed import read_ds_config, zero_stage
 from sft.config.deferred import DeferredRuntime
-from sft.config.precision import parse_bf16, resolve_bf16_flag
+from sft.config.fsdp import normalize_fsdp_flag, read_fsdp_config
+from sft.config.precision import parse_bf16, resolve_bf16
 from sft.config.yaml_file import read_yaml, split_config, suggest, yaml_to_argv
+from sft.distributed.process_group import prepare_training_args
 from sft.errors import ConfigError
 
 
@@ -166,6 +169,40 @@ class LoraArguments:
     )
 
 
+@dataclass(frozen=True)
+class Parsed:
+    """What parsing learns beyond the flags' values, recorded once by ``TrainingArguments.__post_init__`` as
+    ``training_args.parsed`` and read by validation (:mod:`sft.app.validation`), the precision agreement
+    (:func:`sft.app.settings.derive`) and the memory plan.
+
+    Fields:
+        deepspeed: ``--deepspeed`` as typed (a file path, inline JSON text, or None); ``training_args.deepspeed``
+            is then the path, the parsed dict (inline JSON) or None (not given, or a config with problems).
+        deepspeed_problems: one line per problem of the DeepSpeed config (:func:`sft.config.deepspeed.read_ds_config`).
+        zero_stage: the config's ZeRO stage (0 without DeepSpeed).
+        fsdp: ``--fsdp`` as typed; fsdp_config: ``--fsdp_config`` as typed (for messages).
+        fsdp_problems: one line per problem of ``--fsdp`` / ``--fsdp_config`` (:mod:`sft.config.fsdp`).
+        fsdp_on: ``--fsdp`` asked for FSDP (also when its config has problems, so that they are reported).
+        activation_checkpointing: ``--gradient_checkpointing`` / ``--activation_checkpointing`` as given; None:
+            unset (the memory plan decides, :func:`sft.train.memory_plan.choose_checkpointing`).
+        bf16: ``--bf16`` as given: True, False, ``"auto"`` or the text (refused by validation).
+        bf16_reason: why ``--bf16 auto`` chose this process's precision (None when not auto).
+        fp16_without_cuda: ``--fp16 True`` on a machine without CUDA (switched off here, refused by validation).
+    """
+
+    deepspeed: Union[str, dict, None] = None
+    deepspeed_problems: tuple[str, ...] = ()
+    zero_stage: int = 0
+    fsdp: Any = None
+    fsdp_config: Any = None
+    fsdp_problems: tuple[str, ...] = ()
+    fsdp_on: bool = False
+    activation_checkpointing: Optional[bool] = None
+    bf16: Union[bool, str] = False
+    bf16_reason: Optional[str] = None
+    fp16_without_cuda: bool = False
+
+
 @dataclass
 class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
     """``transformers.TrainingArguments`` plus Qwen's training flags.
@@ -198,10 +235,10 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
     )
     hang_timeout: Optional[float] = field(default=None, metadata={"help": "Seconds without progress after which a "
         "stuck or frozen rank is named (rank, host, last step and phase) and the job ends with code 1 "
-        "(sft/distributed/progress.py; several processes under torchrun). Unset: 300, at most half of --ddp_timeout, at "
+        "(sft/distributed/watchdog.py; several processes under torchrun). Unset: 300, at most half of --ddp_timeout, at "
         "least 30. 0: off."})
     straggler_factor: float = field(default=1.5, metadata={"help": "Name a rank whose forward time per token over "
-        "the last --straggler_window steps is this many times the median of the other ranks' (sft/train/progress.py; "
+        "the last --straggler_window steps is this many times the median of the other ranks' (sft/train/stragglers.py; "
         "checked at every logging step). 0: off."})
     straggler_window: int = field(default=20, metadata={"help": "Optimizer steps over which --straggler_factor "
         "compares the ranks."})
@@ -218,8 +255,13 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
     peak_tflops: Optional[float] = field(default=None, metadata={"help": "Peak TFLOP/s of one device, the denominator "
         "of the logged MFU (e.g. 989 for an H100 SXM in dense bf16). Unset: a torch.matmul peak measured at the start."})
 
+    parsed: Parsed = field(init=False, default_factory=lambda: Parsed(), repr=False, metadata={
+        "help": "What parsing learned beyond the flags' values (set by __post_init__; not a flag)."})
+
     def __post_init__(self):
-        """Qwen-era flag mapping and the DeepSpeed JSON pre-check (both pure), then one call into the runtime owner."""
+        """Qwen-era flag mapping, the DeepSpeed / FSDP config pre-checks and the precision choice (all pure; recorded
+        in :attr:`parsed`), then transformers' own ``__post_init__`` with the runtime deferred (parsing starts
+        nothing: :class:`sft.config.deferred.DeferredRuntime`)."""
         if self.evaluation_strategy is not None:
             self.eval_strategy = self.evaluation_strategy
         if self.warmup_ratio is not None and 0 <= self.warmup_ratio < 1:  # otherwise validate() reports it
@@ -228,32 +270,29 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
             self.train_sampling_strategy = "group_by_length"
         # transformers 5.24's __post_init__ reads --deepspeed (step "12. DeepSpeed") and raises a bare traceback on
         # a bad file: read it first; a config with problems is dropped here and its problems reported by validate().
-        self.deepspeed_requested, self.deepspeed_problems, self.zero_stage = self.deepspeed, [], 0
+        deepspeed_requested, deepspeed_problems, stage = self.deepspeed, [], 0
         if isinstance(self.deepspeed, str):
-            from sft.config.deepspeed import read_ds_config, zero_stage
-
-            config, self.deepspeed_problems = read_ds_config(self.deepspeed, str(getattr(
+            config, deepspeed_problems = read_ds_config(self.deepspeed, str(getattr(
                 self.lr_scheduler_type, "value", self.lr_scheduler_type)))
             if config is None:
                 self.deepspeed = None
             else:
-                self.zero_stage = zero_stage(config)
+                stage = zero_stage(config)
                 if self.deepspeed.lstrip().startswith("{"):  # inline JSON (e.g. a YAML mapping): pass the dict
                     self.deepspeed = config
         # The same for --fsdp / --fsdp_config (step "11. FSDP" opens the file): checked by validate().
-        from sft.config.fsdp import normalize_fsdp_flag, read_fsdp_config
-
-        self.fsdp_requested, self.fsdp_config_requested = self.fsdp, self.fsdp_config
-        self.fsdp, self.fsdp_problems = normalize_fsdp_flag(self.fsdp)
-        self.fsdp_on = bool(self.fsdp) or bool(self.fsdp_problems)
+        fsdp_requested, fsdp_config_requested = self.fsdp, self.fsdp_config
+        self.fsdp, fsdp_problems = normalize_fsdp_flag(self.fsdp)
+        fsdp_on = bool(self.fsdp) or bool(fsdp_problems)
         if self.fsdp_config is not None:
             self.fsdp_config, problems = read_fsdp_config(self.fsdp_config)
-            self.fsdp_problems += problems
-        if self.fsdp_problems or self.deepspeed:  # never hand transformers a config it would choke on
+            fsdp_problems += problems
+        if fsdp_problems or self.deepspeed:  # never hand transformers a config it would choke on
             self.fsdp = None
         if self.disable_tqdm is None:
             # tqdm redraws its bar with carriage returns: in a file (a scheduler's job log) the bars splice into
-            # the log lines. Off unless stderr is a terminal; the per-step numbers (sft.train.metrics) still show progress.
+            # the log lines. Off unless stderr is a terminal; the per-step numbers (sft.train.metrics) still show
+            # progress.
             self.disable_tqdm = not sys.stderr.isatty()
         if self.ddp_find_unused_parameters is None:
             # every parameter of a causal LM (and of a LoRA adapter on it) takes part in each step; DDP's
@@ -263,24 +302,23 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
         if self.activation_checkpointing is None and self.gradient_checkpointing is not None:
             self.activation_checkpointing, self.gradient_checkpointing = self.gradient_checkpointing, None
         if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is not None:
-            self.activation_checkpointing_kwargs, self.gradient_checkpointing_kwargs = self.gradient_checkpointing_kwargs, None
-        # None: unset, decided by the memory plan (sft.train.memory_plan.choose_checkpointing) once the model is loaded
-        self.activation_checkpointing_requested = self.activation_checkpointing
+            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
+            self.gradient_checkpointing_kwargs = None
+        checkpointing_requested = self.activation_checkpointing  # None: unset, decided by the memory plan
         if self.activation_checkpointing and self.activation_checkpointing_kwargs is None:
             # Non-reentrant checkpointing works with frozen inputs (LoRA).
             self.activation_checkpointing_kwargs = {"use_reentrant": False}
         # The device/backend choice (pure), then --bf16 auto -> True / False for this process, before transformers
-        # reads it (every rank agrees on it once the runtime has started: sft.app.settings.derive). transformers'
-        # __post_init__ then runs with the runtime deferred (see the class docstring): parsing starts nothing.
-        from sft.distributed.process_group import prepare_training_args
-
-        prepare_training_args(self)
-        resolve_bf16_flag(self)
-        self.runtime_started, self.parsing = False, True
-        try:
-            super().__post_init__()
-        finally:
-            self.parsing = False
+        # reads it (every rank agrees on it once the runtime has started: sft.app.settings.derive).
+        fp16_without_cuda = prepare_training_args(self)
+        bf16_requested = parse_bf16(self.bf16)
+        self.bf16, bf16_reason = resolve_bf16(bf16_requested, bool(self.fp16 or fp16_without_cuda))
+        self.parsed = Parsed(
+            deepspeed=deepspeed_requested, deepspeed_problems=tuple(deepspeed_problems), zero_stage=stage,
+            fsdp=fsdp_requested, fsdp_config=fsdp_config_requested, fsdp_problems=tuple(fsdp_problems),
+            fsdp_on=fsdp_on, activation_checkpointing=checkpointing_requested, bf16=bf16_requested,
+            bf16_reason=bf16_reason, fp16_without_cuda=fp16_without_cuda)
+        super().__post_init__()
 
 
 ALL_DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments)

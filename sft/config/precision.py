@@ -94,28 +94,26 @@ def agree_across_ranks(use: bool) -> bool:
     return all_ranks(use)
 
 
-def resolve_bf16_flag(args) -> None:
-    """In ``TrainingArguments.__post_init__`` (parsing: no process group yet): ``args.bf16`` from its parsed value
-    (:func:`parse_bf16`); ``auto`` decided by :func:`auto_bf16` for this process (False when ``--fp16 True`` is
-    given). Keeps ``args.bf16_requested`` (the value as given, reported by :func:`sft.app.validation.validate` when
-    it is none of True / False / auto) and ``args.bf16_reason`` (why auto chose, else None). Every rank agrees on
-    the choice once the runtime has started: :func:`agreed_bf16`."""
-    args.bf16_requested, args.bf16_reason = parse_bf16(args.bf16), None
-    if args.bf16_requested == "auto":
-        if args.fp16 or getattr(args, "fp16_requested_without_cuda", False):
-            args.bf16, args.bf16_reason = False, "--fp16 True given"
-        else:
-            args.bf16, args.bf16_reason = auto_bf16()
-    else:
-        args.bf16 = args.bf16_requested if isinstance(args.bf16_requested, bool) else False
+def resolve_bf16(requested: Union[bool, str], fp16: bool) -> tuple[bool, Optional[str]]:
+    """``(bf16, reason)`` for this process from ``--bf16`` as parsed (:func:`parse_bf16`), while parsing (no process
+    group yet): True / False as given; ``auto`` decided by :func:`auto_bf16` (False when ``fp16``: ``--fp16 True``
+    given), the reason saying why; any other text False (reported by :func:`sft.app.validation.validate`). Every
+    rank agrees on an ``auto`` choice once the runtime has started: :func:`agreed_bf16`."""
+    if requested == "auto":
+        return (False, FP16_GIVEN) if fp16 else auto_bf16()
+    return (requested if isinstance(requested, bool) else False), None
 
 
-def agreed_bf16(args) -> tuple[bool, Optional[str]]:
-    """``(bf16, reason)`` every rank uses: under ``--bf16 auto`` (not overridden by ``--fp16``), bf16 only where
-    every rank chose it (:func:`agree_across_ranks`; a collective under gloo: call it on every rank at the same
-    point, after the process group exists), the reason then saying so; otherwise ``args.bf16`` and its reason."""
-    bf16, reason = bool(args.bf16), getattr(args, "bf16_reason", None)
-    if getattr(args, "bf16_requested", None) == "auto" and reason != "--fp16 True given":
+FP16_GIVEN = "--fp16 True given"
+
+
+def agreed_bf16(bf16: bool, requested: Union[bool, str], reason: Optional[str]) -> tuple[bool, Optional[str]]:
+    """``(bf16, reason)`` every rank uses, from this process's choice ``bf16`` (:func:`resolve_bf16`), ``--bf16`` as
+    parsed (``requested``) and the choice's ``reason``: under ``auto`` (not overridden by ``--fp16``), bf16 only
+    where every rank chose it (:func:`agree_across_ranks`; a collective under gloo: call it on every rank at the same
+    point, after the process group exists), the reason then saying so; otherwise ``bf16`` and ``reason``."""
+    bf16 = bool(bf16)
+    if requested == "auto" and reason != FP16_GIVEN:
         agreed = agree_across_ranks(bf16)  # every rank takes part, whatever it chose
         if bf16 and not agreed:
             return False, f"{reason}; another rank chose fp32"

@@ -40,7 +40,7 @@ from sft.data.samples import (  # noqa: F401
     limit_tokenizer_threads,
     truncate,
 )
-from sft.data.shards import JobView, Plan, agree, prepare_shard, read_marker, wait_for_shards
+from sft.data.shards import JobView, ShardPlan, agree, prepare_shard, read_marker, wait_for_shards
 from sft.data.spec import PreparationSpec
 from sft.errors import DataError, TemplateError
 from sft.fsio import file_sha256
@@ -188,7 +188,7 @@ def _write_shard(job: _Job, folder: str, shard: int, n_shards: int, n_parts: int
             "report": TruncationReport.merge([x["report"] for x in parts]).__dict__}
 
 
-def prepare_source(job: _Job, cache_root: str, plan: Plan):
+def prepare_source(job: _Job, cache_root: str, plan: ShardPlan):
     """Prepare this rank's shards of one source (those without a completion marker; ``job.spec.num_proc``
     processes), wait for every shard, and memory-map them. Returns ``(datasets.Dataset, TruncationReport)``; see
     :func:`build_dataset`.
@@ -305,7 +305,7 @@ def mix(parts: Sequence, weights: Optional[Sequence[float]], seed: int, paths: S
 
 def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, spec: PreparationSpec, *,
                   control_tokens: Sequence[str] = (), held_out: Optional[bool] = None, view: Optional[JobView] = None,
-                  plan: Optional[Plan] = None):
+                  plan: Optional[ShardPlan] = None):
     """Return ``(dataset, TruncationReport)`` for the sources ``paths`` (files or dataset folders), prepared as
     ``spec`` says (:class:`sft.data.spec.PreparationSpec`: sample length, system message, bad records, lazy or
     eager, long conversations, cache folder, processes, mixing weights and seed, wait bound).

@@ -34,7 +34,7 @@ import uuid
 from typing import Callable, Optional
 
 from sft.distributed import collectives
-from sft.distributed.progress import RECORD
+from sft.distributed.watchdog import RECORD
 from sft.errors import DataError
 from sft.fsio import atomic_write_json, read_json
 
@@ -70,7 +70,7 @@ class JobView:
 
 
 @dataclasses.dataclass
-class Plan:
+class ShardPlan:
     """What every rank agreed on for this run: ``run`` (a random id naming this run's failure markers),
     ``shared`` (every node sees the same cache folder) and the node rank of every global rank."""
 
@@ -96,11 +96,11 @@ class Plan:
         return [k for k, ranks in self.preparers(n_shards).items() if self.view.rank in ranks]
 
 
-def agree(cache_root: str, view: JobView) -> Plan:
+def agree(cache_root: str, view: JobView) -> ShardPlan:
     """Agree on the run id and whether ``cache_root`` is shared between nodes (two quick collectives when
     several processes run; every rank calls this at the same point, before any preparation)."""
     if view.world_size == 1:
-        return Plan(view, uuid.uuid4().hex[:12], True, [view.node_rank])
+        return ShardPlan(view, uuid.uuid4().hex[:12], True, [view.node_rank])
     run = collectives.broadcast_object(uuid.uuid4().hex[:12] if view.rank == 0 else None, src=0)
     probe = os.path.join(cache_root, f".probe-{run}")
     os.makedirs(probe, exist_ok=True)
@@ -116,7 +116,7 @@ def agree(cache_root: str, view: JobView) -> Plan:
     if view.rank == 0 and len(set(nodes)) > 1:
         logger.info("data cache %s is %s", cache_root, "shared by every node: each shard is prepared once per job"
                     if shared else "local to each node: each node prepares every shard")
-    return Plan(view, run, shared, list(nodes))
+    return ShardPlan(view, run, shared, list(nodes))
 
 
 def shard_name(k: int, n: int) -> str:
@@ -135,7 +135,7 @@ def read_marker(key_dir: str, k: int, n: int) -> Optional[dict]:
         return None
 
 
-def prepare_shard(key_dir: str, k: int, n: int, plan: Plan, write_parts: Callable[[str], dict]) -> None:
+def prepare_shard(key_dir: str, k: int, n: int, plan: ShardPlan, write_parts: Callable[[str], dict]) -> None:
     """Prepare shard ``k`` of ``n`` into a private folder, then publish it with its marker.
 
     ``write_parts(folder)`` writes the shard's ``part-*.arrow`` files into ``folder`` and returns the marker's
@@ -167,14 +167,14 @@ def _failure(key_dir: str, n: int, run: str, waiting: list[int]) -> Optional[dic
     return None
 
 
-def wait_for_shards(key_dir: str, n: int, plan: Plan, timeout_s: float, what: str) -> list[dict]:
+def wait_for_shards(key_dir: str, n: int, plan: ShardPlan, timeout_s: float, what: str) -> list[dict]:
     """:func:`_wait_for_shards`, marked as a wait for other ranks in this process's progress record
-    (:mod:`sft.distributed.progress`): a rank frozen while preparing its shard is the one named."""
+    (:mod:`sft.distributed.watchdog`): a rank frozen while preparing its shard is the one named."""
     with RECORD.wait(f"waiting for data shards of {what}"):
         return _wait_for_shards(key_dir, n, plan, timeout_s, what)
 
 
-def _wait_for_shards(key_dir: str, n: int, plan: Plan, timeout_s: float, what: str) -> list[dict]:
+def _wait_for_shards(key_dir: str, n: int, plan: ShardPlan, timeout_s: float, what: str) -> list[dict]:
     """Poll until every shard of ``key_dir`` has its marker; return the markers in shard order.
 
     Logs (WARNING, so every rank's lines show) after :data:`PROGRESS_FIRST_S` seconds and then every

@@ -11,7 +11,7 @@ NCCL it pickles into a tensor on the current CUDA device, ``torch.cuda.set_devic
 process group's start). :func:`any_rank` and :func:`all_ranks` reduce one int32 on ``device``, by default the
 current CUDA device under NCCL and the CPU otherwise (gloo), the device each backend requires.
 
-Each collective marks this rank as waiting in it (:meth:`sft.distributed.progress.Record.wait`), so that a hang
+Each collective marks this rank as waiting in it (:meth:`sft.distributed.watchdog.Record.wait`), so that a hang
 report names where the others waited.
 
 Imports torch only when called (the module itself is cheap to import).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from sft.distributed.progress import RECORD
+from sft.distributed.watchdog import RECORD
 
 
 def _dist():

@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Optional
 
-from sft.distributed import progress
+from sft.distributed import watchdog
 from sft.errors import PEER_LOST_EXIT_CODE, SFTError
 
 # gloo names the peer as "[ip]:port" ("Connection closed by peer [10.0.0.3]:4123", "Read error [10.0.0.3]:4123:
@@ -43,8 +43,8 @@ def explain_collective_failure(err: BaseException, timeout_s: Optional[float] = 
     else:
         cause = "another process of the job went away"
     seen = ""
-    watcher = progress.current()
-    if watcher is not None:  # where each rank was last seen (sft.distributed.progress): the one behind is the lead
+    watcher = watchdog.current()
+    if watcher is not None:  # where each rank was last seen (sft.distributed.watchdog): the one behind is the lead
         seen = f"\nLast progress seen: {last_seen(watcher.seen, time.time())}."
     return (f"training stopped: {cause}; {who}torch reports: {first}\nLook at the other nodes' logs for the first "
             "error (a crash, out of memory, a killed or preempted node); --ddp_timeout sets how long a lost node "
@@ -59,13 +59,13 @@ def last_seen(seen: dict, now_wall: float) -> str:
     groups: dict = {}
     for r, s in sorted(seen.items()):
         if s.beat is not None:
-            groups.setdefault(progress.where(s.beat), []).append((r, s.beat["since"]))
-    return "; ".join(f"rank(s) {progress.rank_ranges([r for r, _ in rs])} in {w} (since {max(0.0, now_wall - min(t for _, t in rs)):.0f} s)"
+            groups.setdefault(watchdog.where(s.beat), []).append((r, s.beat["since"]))
+    return "; ".join(f"rank(s) {watchdog.rank_ranges([r for r, _ in rs])} in {w} (since {max(0.0, now_wall - min(t for _, t in rs)):.0f} s)"
                      for w, rs in groups.items())
 
 
 def hang_report_pending(watcher) -> bool:
-    """True when ``watcher`` (this process's :class:`sft.distributed.progress.Watcher`, or None) has found a hang, or
+    """True when ``watcher`` (this process's :class:`sft.distributed.watchdog.Watcher`, or None) has found a hang, or
     finds one within two beats while some rank has already stood still for half of ``--hang_timeout``: its report
     then ends the process, and a collective that failed meanwhile is a consequence, not the cause."""
     if watcher is None or watcher.timeout_s <= 0:
@@ -92,7 +92,7 @@ def raise_if_peer_lost(err: BaseException, timeout_s: Optional[float], peers: Op
     An :class:`SFTError` is already a message for the user and is left as it is."""
     if isinstance(err, SFTError):
         return
-    if hang_report_pending(progress.current()):
+    if hang_report_pending(watchdog.current()):
         # this process's watcher found a hang and is ending the process with its report (the SIGKILL of the frozen
         # rank is what made this collective fail): a second, different diagnosis would only mislead
         time.sleep(120)

@@ -1,21 +1,21 @@
 """The one owner of the distributed runtime inside a training process.
 
-Order in a run (:func:`sft.app.train.train`): parse -> validate -> :func:`setup_runtime` -> train.
+Order in a run (:func:`sft.app.train.train`): parse -> validate -> :func:`start_runtime` -> plan -> train -> save.
 
 * :func:`prepare_training_args` -- while parsing: the CPU/gloo choice (pure).
-* :func:`start_runtime` -- after validation (or at the first use of ``training_args.device``): a process group
-  with ``--ddp_timeout``, then transformers' device setup on it. transformers 5.24's ``__post_init__`` evaluates
-  ``self.device`` (its step "8. Device Init"), which would start the process group through accelerate 1.15's
-  ``PartialState`` -- on CPU without a timeout (torch's default: 30 minutes) -- so
-  :class:`sft.config.arguments.TrainingArguments` defers it: parsing starts nothing, under torchrun too.
-* :func:`setup_runtime` -- under ``--deepspeed``: ``deepspeed.comm`` on that process group, before the
-  model is built (ZeRO-3 partitions parameters as they are created), with DeepSpeed's CPU shm-op build
-  skipped (:func:`sft.compat.deepspeed.skip_shm_comm_op_build`).
+* :func:`start_runtime` -- after validation, once per process, called by :func:`sft.app.train.begin`: a process group
+  with ``--ddp_timeout`` under torchrun, then transformers' device setup on it, DeepSpeed's communication under
+  ``--deepspeed``; returns the frozen :class:`Runtime` the run passes down. Until then nothing has started:
+  transformers 5.24's ``__post_init__`` evaluates ``self.device`` (its step "8. Device Init"), which would start
+  the process group through accelerate 1.15's ``PartialState`` -- on CPU without a timeout (torch's default:
+  30 minutes) --, so :class:`sft.config.deferred.DeferredRuntime` answers ``device`` with None and the world size
+  and ranks from torchrun's environment until the runtime has started.
 * :func:`enable_fsdp` -- under ``--fsdp`` on CPU: the FSDP2 plugin that accelerate 1.15 drops for CPU
   process groups, given back as the Trainer creates its ``Accelerator`` (:mod:`sft.compat.accelerate`).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import signal
@@ -24,6 +24,44 @@ import sys
 from typing import Mapping, Optional
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """This process's place in the job, once the runtime has started (:func:`start_runtime`).
+
+    Fields:
+        world_size: processes of the job (1 without a process group).
+        rank: this process's global rank (0..world_size-1).
+        local_rank: its rank on this node (torchrun's ``LOCAL_RANK``; 0 in one process).
+        device: the device it trains on, as torch spells it (``"cpu"``, ``"cuda:0"``).
+        backend: the process group's backend (``"gloo"``, ``"nccl"``), or None without one.
+    """
+
+    world_size: int
+    rank: int
+    local_rank: int
+    device: str
+    backend: Optional[str]
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that writes what one process writes (logs of the job, the final model)."""
+        return self.rank == 0
+
+
+_STARTED: dict = {"runtime": None, "starting": False}  # this process's runtime: started once (start_runtime)
+
+
+def current_runtime() -> Optional[Runtime]:
+    """The :class:`Runtime` :func:`start_runtime` returned in this process, or None before it ran."""
+    return _STARTED["runtime"]
+
+
+def runtime_starting() -> bool:
+    """True from the moment :func:`start_runtime` begins the device setup (transformers' ``device`` may then be
+    evaluated: :class:`sft.config.deferred.DeferredRuntime`)."""
+    return _STARTED["starting"] or _STARTED["runtime"] is not None
 
 
 def die_with_agent(env: Mapping[str, str] = os.environ) -> bool:
@@ -135,59 +173,73 @@ def finish_process_group() -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from sft.distributed import progress
+    from sft.distributed import watchdog
 
-    with progress.RECORD.wait("collective barrier (the end of the run)"):
+    with watchdog.RECORD.wait("collective barrier (the end of the run)"):
         dist.barrier()
-    progress.stop()  # says "finished": a rank that leaves first is never named while the others close
+    watchdog.stop()  # says "finished": a rank that leaves first is never named while the others close
     dist.destroy_process_group()
 
 
-def prepare_training_args(args) -> None:
+def prepare_training_args(args) -> bool:
     """The device and backend choice while parsing (pure: nothing starts; see :func:`start_runtime`).
 
     On a machine without CUDA: ``use_cpu = True`` and ``ddp_backend`` defaults to ``gloo`` when several
     processes run (otherwise ``torchrun --nproc_per_node 2`` would start two independent trainings);
-    ``--fp16`` is switched off and remembered in ``args.fp16_requested_without_cuda`` so that
-    :func:`sft.app.validation.validate` reports it with every other problem.
+    ``--fp16`` is switched off. Returns True when ``--fp16 True`` was switched off for want of CUDA (recorded in
+    ``training_args.parsed`` and reported by :func:`sft.app.validation.validate` with every other problem).
     """
     import torch
 
-    args.fp16_requested_without_cuda = False
-    if not torch.cuda.is_available():
-        args.use_cpu = True
-        if args.ddp_backend is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            args.ddp_backend = "gloo"
-        if args.fp16:
-            args.fp16, args.fp16_requested_without_cuda = False, True
+    if torch.cuda.is_available():
+        return False
+    args.use_cpu = True
+    if args.ddp_backend is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        args.ddp_backend = "gloo"
+    fp16_without_cuda, args.fp16 = bool(args.fp16), False
+    return fp16_without_cuda
 
 
-def start_runtime(training_args) -> None:
-    """Start this process's runtime, once (a no-op afterwards, and for arguments not parsed by sft): workers that
-    die with their torchrun agent (:func:`die_with_agent`), the process group under torchrun with ``--ddp_timeout``
+def start_runtime(training_args) -> Runtime:
+    """Start this process's runtime and return it as a frozen :class:`Runtime`. The first call starts: workers that
+    die with their torchrun agent (:func:`die_with_agent`), the hang watcher (before the group where the agent's
+    store allows, after it otherwise), the process group under torchrun with ``--ddp_timeout``
     (:func:`init_process_group`), then transformers' device setup on it (accelerate's ``PartialState`` reuses the
-    group). Called by :func:`setup_runtime`, or at the first use of ``training_args.device``
-    (:class:`sft.config.arguments.TrainingArguments` defers it while parsing).
+    group). Every call sets up ``training_args``' device on that runtime and, under ``--deepspeed``, DeepSpeed's
+    communication (:func:`init_deepspeed_comm`); later calls return the same :class:`Runtime`.
 
     Raises:
         ConfigError: torchrun's variables are incomplete or garbled (e.g. ``LOCAL_RANK`` set without
-            ``MASTER_ADDR``): the library's own sentence, exit code 2, as when parsing started the group.
+            ``MASTER_ADDR``): the library's own sentence, exit code 2.
     """
-    if training_args.__dict__.get("runtime_started", True):
-        return
     from sft.errors import ConfigError
 
-    die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0":
-        start_progress_watcher(training_args)  # the agent's store is up: a rank frozen before it joins is named too
+    runtime = current_runtime()
+    if runtime is None:
+        die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
+        if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0"):
+            start_progress_watcher(training_args)  # the agent's store is up: a rank frozen before it joins is named
     try:
-        init_process_group(training_args.ddp_backend, training_args.ddp_timeout, training_args.output_dir)
-        training_args.runtime_started = True
-        _ = training_args.device  # transformers' _setup_devices, now on our process group
-    except ValueError as e:  # torchrun's variables incomplete or garbled (torch's / accelerate's text), as parsing did
-        training_args.runtime_started = False
+        if runtime is None:
+            init_process_group(training_args.ddp_backend, training_args.ddp_timeout, training_args.output_dir)
+        _STARTED["starting"] = True
+        device = training_args.device  # transformers' _setup_devices, now on our process group
+    except ValueError as e:  # torchrun's variables incomplete or garbled (torch's / accelerate's text)
         raise ConfigError([str(e).strip()]) from None
-    start_progress_watcher(training_args)
+    finally:
+        _STARTED["starting"] = False
+    if runtime is None:
+        import torch.distributed as dist
+
+        grouped = dist.is_available() and dist.is_initialized()
+        runtime = Runtime(world_size=dist.get_world_size() if grouped else 1, rank=dist.get_rank() if grouped else 0,
+                          local_rank=int(os.environ.get("LOCAL_RANK", "0")) if grouped else 0, device=str(device),
+                          backend=dist.get_backend() if grouped else None)
+        _STARTED["runtime"] = runtime
+        start_progress_watcher(training_args)
+    init_deepspeed_comm(training_args)
+    return runtime
 
 
 def hang_timeout_s(hang_timeout: Optional[float], ddp_timeout: float) -> float:
@@ -199,7 +251,7 @@ def hang_timeout_s(hang_timeout: Optional[float], ddp_timeout: float) -> float:
 
 
 def start_progress_watcher(training_args, env: Mapping[str, str] = os.environ):
-    """Under torchrun with several processes: the progress watcher (:mod:`sft.distributed.progress`) with
+    """Under torchrun with several processes: the progress watcher (:mod:`sft.distributed.watchdog`) with
     ``--hang_timeout`` and the straggler report's beats (``--straggler_factor`` > 0), on the job's store
     (``MASTER_ADDR:MASTER_PORT``). Returns it, or None (one process, not torchrun -- Ray Train owns its group --,
     or both switched off). On the agent's store of a job that never restarts (a static rendezvous) it starts before
@@ -209,14 +261,14 @@ def start_progress_watcher(training_args, env: Mapping[str, str] = os.environ):
         return None
     import uuid
 
-    from sft.distributed import collectives, progress
+    from sft.distributed import collectives, watchdog
 
-    timeout = hang_timeout_s(getattr(training_args, "hang_timeout", None), training_args.ddp_timeout)
-    running = progress.current()
+    timeout = hang_timeout_s(training_args.hang_timeout, training_args.ddp_timeout)
+    running = watchdog.current()
     if running is not None and running.is_alive():
         return running
     world, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
-    if world <= 1 or (timeout <= 0 and not getattr(training_args, "straggler_factor", 0)):
+    if world <= 1 or (timeout <= 0 and not training_args.straggler_factor):
         return None
     import torch.distributed as dist
 
@@ -224,15 +276,15 @@ def start_progress_watcher(training_args, env: Mapping[str, str] = os.environ):
         token = collectives.broadcast_object(uuid.uuid4().hex if collectives.rank() == 0 else None)
     else:  # before the group, on the agent's store of a job that never restarts: one round, named by its run id
         token = f"{env.get('TORCHELASTIC_RUN_ID', 'none')}-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    interval = progress.interval_for(timeout)
+    interval = watchdog.interval_for(timeout)
     host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
     store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,  # a connection of its own
                           timeout=datetime.timedelta(seconds=max(2.0, 2 * interval)))
     identity = {"host": socket.gethostname(), "pid": os.getpid(),
                 "node_rank": int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))),
                 "local_rank": int(env.get("LOCAL_RANK", "0"))}
-    watcher = progress.Watcher(store, token, rank, world, timeout, interval, identity, store_name=f"{host}:{port}")
-    progress.set_current(watcher)
+    watcher = watchdog.Watcher(store, token, rank, world, timeout, interval, identity, store_name=f"{host}:{port}")
+    watchdog.set_current(watcher)
     watcher.start()
     return watcher
 
@@ -256,7 +308,7 @@ def init_deepspeed_comm(training_args) -> None:
     GPU, with ``--ddp_timeout``); ``init_distributed`` then reuses it. A single process started without
     torchrun gets a one-process world on loopback (DeepSpeed would otherwise look for MPI).
     """
-    if not getattr(training_args, "deepspeed", None):
+    if not training_args.deepspeed:
         return
     import torch
 
@@ -291,11 +343,3 @@ def enable_fsdp(trainer) -> None:
 
     if enable_fsdp_on_cpu(trainer.accelerator, trainer.args.fsdp_plugin_args):
         trainer.is_fsdp_enabled = True
-
-
-def setup_runtime(training_args) -> None:
-    """The explicit runtime-setup step between validation and training (idempotent): :func:`start_runtime` (the
-    process group when several processes run), then what a run needs beyond it: DeepSpeed's communication under
-    ``--deepspeed``."""
-    start_runtime(training_args)
-    init_deepspeed_comm(training_args)

@@ -28,7 +28,7 @@ outcomes print:
   with the fix instead of torchrun's traceback.
 
 - A worker of this node that stopped answering (SIGSTOP, a frozen process): sft's progress watchers in the
-  other workers name it and write its host and pid to the job's store (:data:`sft.distributed.progress.
+  other workers name it and write its host and pid to the job's store (:data:`sft.distributed.watchdog.
   VERDICT_KEY`); this launcher's guard thread (:class:`WorkerGuard`, static rendezvous: ``--master_addr``)
   ends it with SIGKILL, which a stopped process cannot ignore (torchrun would send SIGTERM and wait
   ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``), and when the store itself stops answering for
@@ -182,7 +182,7 @@ def _option(argv: list, name: str) -> Optional[str]:
 
 def _children() -> list:
     """Pids of this process's children (torchrun's workers), from /proc."""
-    from sft.distributed.progress import parent_pid
+    from sft.distributed.watchdog import parent_pid
 
     me, out = os.getpid(), []
     for name in os.listdir("/proc"):
@@ -222,7 +222,7 @@ class WorkerGuard(threading.Thread):
 
         from torch.distributed import TCPStore
 
-        from sft.distributed.progress import HOST, VERDICT_KEY
+        from sft.distributed.watchdog import HOST, VERDICT_KEY
 
         try:
             if self.store is None:

@@ -9,6 +9,7 @@ import transformers
 
 from sft.data.chat import ENDOFTEXT, chat_token_ids, end_of_turn_id, ensure_chat_template
 from sft.errors import SFTError, explain_load_errors
+from sft.model.spec import LoadSpec, LoraSpec
 
 logger = logging.getLogger(__name__)
 
@@ -186,18 +187,16 @@ def pre_quantized_kwargs(q, config, device: torch.device) -> dict:
     return {"config": config, "device_map": {"": device.index if device.type == "cuda" else str(device)}}
 
 
-def load_model(path: str, tok, vocab_grew: bool, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-               cache_dir: Optional[str] = None, quantize_4bit: bool = False, device: Optional[torch.device] = None,
-               activation_checkpointing: bool = False, activation_checkpointing_kwargs: Optional[dict] = None,
-               load_on_device: bool = False):
+def load_model(path: str, tok, vocab_grew: bool, spec: LoadSpec = LoadSpec(), device: Optional[torch.device] = None):
     """Load ``AutoModelForCausalLM`` from ``path`` in ``dtype`` (on a CUDA ``device`` with ``load_on_device``: straight
     onto it, as the Trainer would place it; not under DeepSpeed or FSDP, which place it themselves; with
     ``quantize_4bit``: a 4-bit NF4 base on
     ``device``, or, when the folder is pre-quantized (GPTQ, bitsandbytes 4-bit; :mod:`sft.model.quantized`), the base
     as saved; then prepared for k-bit training); resize the embeddings if the vocabulary grew.
 
-    Under DeepSpeed, :func:`sft.distributed.process_group.setup_runtime` must have run first (ZeRO-3 builds the
-    model partitioned). Returns ``(model, vocab_grew)``.
+    ``spec`` says how (:class:`LoadSpec`); ``device``: this process's device (default CPU). Under DeepSpeed,
+    :func:`sft.distributed.process_group.start_runtime` must have run first (ZeRO-3 builds the model partitioned).
+    Returns ``(model, vocab_grew)``.
 
     Raises:
         SFTError: the folder cannot be loaded (the library's one-line reason is quoted, with the fix for a plain or
@@ -212,25 +211,25 @@ def load_model(path: str, tok, vocab_grew: bool, *, dtype: torch.dtype = torch.f
                              "(model.safetensors), as save_pretrained writes them")
     with explain_load_errors("model", path, fix):
         extra = {}
-        if quantize_4bit and q is not None:
-            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                                             cache_dir=cache_dir)
+        if spec.quantize_4bit and q is not None:
+            config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code,
+                                                             cache_dir=spec.cache_dir)
             extra = pre_quantized_kwargs(q, config, device)
-        elif quantize_4bit:
-            extra = quantization_kwargs(dtype, device)
-        elif device.type == "cuda" and load_on_device:
+        elif spec.quantize_4bit:
+            extra = quantization_kwargs(spec.dtype, device)
+        elif device.type == "cuda" and spec.load_on_device:
             # straight into the training dtype on this process's GPU: no full copy in host memory first
             extra = {"device_map": {"": device.index if device.index is not None else torch.cuda.current_device()}}
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, cache_dir=cache_dir, **extra,
+            path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code, cache_dir=spec.cache_dir, **extra,
         )
-    if quantize_4bit and extra:
+    if spec.quantize_4bit and extra:
         from peft import prepare_model_for_kbit_training
 
         # fp32 layer norms and lm_head, frozen base, input grads for checkpointing (peft's Q-LoRA recipe)
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=bool(activation_checkpointing),
-            gradient_checkpointing_kwargs=activation_checkpointing_kwargs)
+            model, use_gradient_checkpointing=bool(spec.activation_checkpointing),
+            gradient_checkpointing_kwargs=spec.activation_checkpointing_kwargs)
     if len(tok) > embedding_rows(model):
         model.resize_token_embeddings(len(tok), mean_resizing=True)
         vocab_grew = True
@@ -272,12 +271,10 @@ def linear_module_names(model, exclude_output: bool = False) -> list[str]:
                    if (isinstance(m, torch.nn.Linear) or id(m) in quant) and m is not out and n})
 
 
-def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dropout: float = 0.05,
-               target_modules: Optional[list[str]] = None, bias: str = "none", train_embeddings: str = "auto",
-               activation_checkpointing: bool = False):
-    """Wrap ``model`` in a peft LoRA model (rank ``r``, scale ``alpha / r``, ``target_modules`` default: every
-    linear projection, peft's ``all-linear``). Base weights are frozen; only adapters (and, when the chat tokens
-    are new or ``train_embeddings == "true"``, the embeddings and lm_head) are trained.
+def apply_lora(model, tok, vocab_grew: bool, spec: LoraSpec = LoraSpec(), activation_checkpointing: bool = False):
+    """Wrap ``model`` in a peft LoRA model as ``spec`` says (:class:`LoraSpec`). Base weights are frozen; only
+    adapters (and, when the chat tokens are new or ``spec.train_embeddings == "true"``, the embeddings and lm_head)
+    are trained.
 
     Raises:
         SFTError: a target module name the model lacks (its linear module names are listed).
@@ -286,7 +283,7 @@ def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dr
 
     from sft.compat.peft import without_gptqmodel
 
-    mode = train_embeddings
+    mode = spec.train_embeddings
     if mode == "auto":
         train_emb, reason = chat_tokens_are_new(model, tok, vocab_grew)
         logger.info("train embeddings: %s (auto: %s)", train_emb, reason)
@@ -303,7 +300,8 @@ def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dr
     # peft's "all-linear" finds torch.nn.Linear (and bitsandbytes' subclasses) only, not GPTQ's quantized linears
     default_targets = linear_module_names(model, exclude_output=True) if _quant_linears(model) else "all-linear"
     config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules or default_targets, bias=bias,
+        r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules or ()) or default_targets, bias=spec.bias,
         task_type="CAUSAL_LM", modules_to_save=modules_to_save,
         ensure_weight_tying=bool(train_emb and tied),
     )
@@ -314,12 +312,12 @@ def apply_lora(model, tok, vocab_grew: bool, *, r: int = 64, alpha: int = 16, dr
             model = get_peft_model(model, config)
     except ValueError as e:
         names = linear_module_names(model)
-        raise SFTError(f"--lora_target_modules {' '.join(target_modules or ['all-linear'])}: "
+        raise SFTError(f"--lora_target_modules {' '.join(spec.target_modules or ['all-linear'])}: "
                        f"{str(e).splitlines()[0][:200]}; linear modules of this model: {', '.join(names)}") from None
     hooked = keep_lora_inputs_in_autocast_dtype(model)
     trainable, total = model.get_nb_trainable_parameters()
     logger.info("LoRA r=%d alpha=%d dropout=%.3g targets=%s: %d trainable of %d parameters (%.3f%%)",
-                r, alpha, dropout,
+                spec.r, spec.alpha, spec.dropout,
                 sorted({n.rsplit(".", 1)[-1] for n in config.target_modules}) if isinstance(config.target_modules, (set, list)) else config.target_modules,
                 trainable, total, 100.0 * trainable / total)
     logger.debug("LoRA inputs stay in the autocast dtype in %d layers", hooked)

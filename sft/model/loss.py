@@ -50,6 +50,15 @@ def supports_supervised_head(model) -> bool:
             and getattr(model, "get_output_embeddings", lambda: None)() is not None)
 
 
+
+def use_supervised_head(model, requested: bool, fsdp: bool) -> bool:
+    """Whether training runs the LM head and loss at supervised positions only: ``--lm_head_supervised_only``
+    (``requested``), a model with a plain LM head (:func:`supports_supervised_head`), and not under FSDP2, whose
+    head module runs outside the root module's forward, where FSDP2 has resharded its weight again (a 2-process FSDP2
+    run died with SIGSEGV); FSDP keeps the full path. The one decision the Trainer, the memory plan and the
+    throughput figures follow."""
+    return bool(requested) and not fsdp and supports_supervised_head(model)
+
 def _chunk_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
     logits = head(hidden).float()  # fp32 as transformers' ForCausalLMLoss
     return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")

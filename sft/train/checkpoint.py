@@ -33,6 +33,7 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
+from sft.config.settings import RunSettings
 from sft.distributed.collectives import barrier, gather_objects
 from sft.distributed.process_group import NCCL_TRACE_DIR
 from sft.errors import SFTError
@@ -202,27 +203,23 @@ class AtomicCheckpoints(TrainerCallback):
             rotate(args.output_dir, self.save_total_limit, state.best_model_checkpoint, verified=path)
 
 
-def run_info(training_args, configured_grad_accum: Optional[int] = None) -> dict:
-    """What a checkpoint records about the run that wrote it (compared on resume), read from the Trainer's
-    arguments: world size, micro batch, gradient accumulation, global batch (their product, samples per optimizer
-    step; kept when resuming at another world size, :mod:`sft.train.world_size`), seed, LoRA or not, and
-    ``configured_grad_accum``: the ``--gradient_accumulation_steps`` given, before a resume at another world size
-    replaced it (default: the one in ``training_args``)."""
-    return {"world_size": training_args.world_size,
-            "per_device_train_batch_size": training_args.per_device_train_batch_size,
-            "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-            "configured_gradient_accumulation_steps": configured_grad_accum or training_args.gradient_accumulation_steps,
-            "global_batch": training_args.world_size * training_args.per_device_train_batch_size
-            * training_args.gradient_accumulation_steps,
-            "seed": training_args.seed, "use_lora": bool(getattr(training_args, "use_lora", False))}
+def run_info(settings: RunSettings, seed: int, use_lora: bool) -> dict:
+    """What a checkpoint records about the run that wrote it (compared on resume), from the run's
+    :class:`~sft.config.settings.RunSettings`: world size, micro batch, gradient accumulation, the configured one
+    (``--gradient_accumulation_steps`` as given, before a resume at another world size replaced it), global batch
+    (samples per optimizer step; kept when resuming at another world size, :mod:`sft.train.world_size`), ``seed``
+    and whether the run trains a LoRA adapter."""
+    return {"world_size": settings.world_size, "per_device_train_batch_size": settings.micro_batch,
+            "gradient_accumulation_steps": settings.grad_accum,
+            "configured_gradient_accumulation_steps": settings.configured_grad_accum,
+            "global_batch": settings.global_batch, "seed": seed, "use_lora": bool(use_lora)}
 
 
-def install(training_args, configured_grad_accum: Optional[int] = None,
-            save_total_limit: Optional[int] = None) -> AtomicCheckpoints:
-    """The callback for ``transformers.Trainer(callbacks=[...])``, rotating to ``save_total_limit`` checkpoints
-    (the user's ``--save_total_limit``; None: keep all). ``configured_grad_accum``: see :func:`run_info`.
-    ``training_args`` is read, not written: turn the Trainer's own rotation off (:func:`sft.app.settings.apply`)."""
-    return AtomicCheckpoints(save_total_limit, run_info(training_args, configured_grad_accum))
+def callback(settings: RunSettings, seed: int, use_lora: bool) -> AtomicCheckpoints:
+    """The checkpoint callback for ``transformers.Trainer(callbacks=[...])``: every checkpoint marked complete with
+    the run's :func:`run_info`, rotated to ``settings.save_total_limit`` once complete (None: keep all). The
+    Trainer's own rotation is turned off by :func:`sft.app.settings.apply_run_shape` (``settings.sft_rotation``)."""
+    return AtomicCheckpoints(settings.save_total_limit, run_info(settings, seed, use_lora))
 
 
 def resolve_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool) -> Optional[str]:

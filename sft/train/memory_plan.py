@@ -36,8 +36,8 @@ over what forward keeps, measured.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -245,12 +245,31 @@ def measure_saved_bytes(model, tokens: int = PROBE_TOKENS) -> Optional[tuple[flo
     return total, total / max(1, layers)
 
 
-def plan(model, *, tokens: int, checkpointing: bool, optim: str, world_size: int = 1, zero_stage: int = 0,
-         deepspeed: bool = False, fsdp: bool = False, supervised_head: bool = True, lora_dropout: bool = False,
-         device: Optional[torch.device] = None, local_world_size: int = 1,
+@dataclasses.dataclass(frozen=True)
+class ParallelShape:
+    """How the job spreads a step's memory over its processes, as the memory plan counts it.
+
+    Attributes:
+        world_size: processes of the job (default 1).
+        local_world_size: processes on this node, which share its host memory (default 1).
+        zero_stage: DeepSpeed's ZeRO stage (0: no DeepSpeed, the default).
+        deepspeed: DeepSpeed trains the model (fp32 master weights and moments; default False).
+        fsdp: FSDP2 shards parameters, gradients and optimizer state (default False).
+    """
+
+    world_size: int = 1
+    local_world_size: int = 1
+    zero_stage: int = 0
+    deepspeed: bool = False
+    fsdp: bool = False
+
+
+def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: ParallelShape = ParallelShape(),
+         supervised_head: bool = True, lora_dropout: bool = False, device: Optional[torch.device] = None,
          held_available: Optional[tuple[int, int, str]] = None,
          measured: Optional[tuple[float, float]] = None) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``model`` (loaded, adapters applied) for a largest micro batch of ``tokens``.
+    """The :class:`MemoryPlan` of ``model`` (loaded, adapters applied) for a largest micro batch of ``tokens``,
+    spread over the processes as ``parallel`` says (:class:`ParallelShape`).
 
     ``held_available``: ``(held, available, what)`` as :func:`held_and_available` returns it (measured when None).
     ``measured``: :func:`measure_saved_bytes`'s result; the activations per token are then that total (checkpointing
@@ -258,13 +277,14 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, world_size: int
     shape; either times the backward factor (module docstring).
     """
     device = torch.device(device or "cpu")
-    held, available, where = held_available or held_and_available(device, local_world_size)
+    held, available, where = held_available or held_and_available(device, parallel.local_world_size)
+    zero_stage, deepspeed, fsdp = parallel.zero_stage, parallel.deepspeed, parallel.fsdp
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     numel = lambda p: int(getattr(p, "ds_numel", 0) or p.numel())  # noqa: E731  (ZeRO-3: the full size)
     n_trainable = sum(numel(p) for p in trainable)
     trainable_bytes = sum(numel(p) * p.element_size() for p in trainable)
-    w = max(1, int(world_size))
+    w = max(1, int(parallel.world_size))
     gradients = trainable_bytes // w if (fsdp or zero_stage >= 2) else trainable_bytes
     if deepspeed:  # fp32 master weights and fp32 moments (ZeRO's mixed precision), partitioned from stage 1
         optimizer = (4 * n_trainable + optimizer_state_bytes(optim, 4 * n_trainable, n_trainable))
@@ -378,39 +398,10 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
     raise SFTError(message)
 
 
-def plan_run(model, tokens: int, training_args, lora_args,
-             budget_floor: Optional[int] = None) -> tuple[Optional[int], bool]:
-    """Log this run's memory plan. Returns ``(budget, turn_on_checkpointing)``: the token budget per micro batch an
-    unset budget (``budget_floor`` given) is lowered to, or None (:func:`choose_checkpointing`), and whether an unset
-    ``--gradient_checkpointing`` must be turned on (non-reentrant) for the run to fit. ``training_args`` is read,
-    not written (:func:`sft.app.settings.apply` writes the outcome).
-    Raises SFTError where the plan does not fit on some rank and ``--memory_check refuse`` (the default)."""
-    from sft.model.loss import supports_supervised_head
-
-    t = training_args
-    fsdp_own = bool(t.fsdp and isinstance(t.fsdp_config, dict) and t.fsdp_config.get("activation_checkpointing"))
-    requested = True if fsdp_own else getattr(t, "activation_checkpointing_requested", t.activation_checkpointing)
-    world = max(1, t.world_size)
-    head = bool(t.lm_head_supervised_only and supports_supervised_head(model) and not t.fsdp)
-    fixes = []
-    if not t.use_lora:
-        fixes.append("--use_lora True (adapters only: no gradients or optimizer state for the base weights)")
-    if world > 1 and not t.deepspeed and not t.fsdp:
-        fixes.append(f"--deepspeed finetune/ds_config_zero2.json (optimizer state and gradients sharded over the "
-                     f"{world} processes)")
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    held = held_and_available(torch.device(t.device), local)  # before the probe, whose memory the step reuses
-    probe = measure_saved_bytes(model) if not (t.deepspeed and t.zero_stage == 3) else None
-    if probe is not None:
+def probe_logged(model) -> Optional[tuple[float, float]]:
+    """:func:`measure_saved_bytes` of ``model``, logged (per token, in KiB); None where the probe fails."""
+    measured = measure_saved_bytes(model)
+    if measured is not None:
         logger.info("memory plan: autograd keeps %.0f KiB per token for backward (measured over %d tokens)",
-                    probe[0] / 2 ** 10, PROBE_TOKENS)
-
-    def make(on: bool, micro_batch_tokens: Optional[int] = None):
-        return plan(model, tokens=micro_batch_tokens or tokens, checkpointing=on, optim=t.optim, world_size=world, measured=probe,
-                    zero_stage=t.zero_stage if t.deepspeed else 0, deepspeed=bool(t.deepspeed), fsdp=bool(t.fsdp),
-                    supervised_head=head, lora_dropout=bool(t.use_lora and lora_args.lora_dropout > 0),
-                    device=t.device, local_world_size=local, held_available=held)
-
-    on, _, budget = choose_checkpointing(make, requested, t.memory_check, tuple(fixes), budget_floor)
-    return budget, bool(on and not fsdp_own and not t.activation_checkpointing)
+                    measured[0] / 2 ** 10, PROBE_TOKENS)
+    return measured

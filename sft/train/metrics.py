@@ -354,13 +354,12 @@ def plot_loss_curve(log_history: list[dict], output_dir: str, name: str = "loss_
     return path
 
 
-def install(trainer, peak_tflops: Optional[float] = None) -> ThroughputCallback:
+def attach(trainer, peak_tflops: Optional[float] = None) -> ThroughputCallback:
     """Add a :class:`ThroughputCallback` to ``trainer`` ahead of the reporters, so that its figures reach the
     console printer and TensorBoard in the same log line. Returns the callback."""
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else torch.float32
-    supervised_head = bool(getattr(trainer, "supervised_head", False))
-    cb = ThroughputCallback(trainer.model, peak_tflops * 1e12 if peak_tflops else None, dtype, supervised_head)
-    if supervised_head:
+    cb = ThroughputCallback(trainer.model, peak_tflops * 1e12 if peak_tflops else None, dtype, trainer.supervised_head)
+    if trainer.supervised_head:
         trainer.supervised_counter = cb.counter
     trainer.callback_handler.callbacks.insert(0, cb)  # on_log runs in list order
     return cb

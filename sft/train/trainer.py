@@ -169,9 +169,9 @@ class Trainer(TrainerHooks):
     ``supervised_head`` on, the LM head and loss at supervised positions only (:mod:`sft.model.loss`).
 
     Args:
-        supervised_head: use :func:`sft.model.loss.compute_supervised_loss` for training steps when the model has a plain
-            LM head (:func:`sft.model.loss.supports_supervised_head`) and FSDP is off; evaluation, label smoothing and a
-            ``compute_loss_func`` keep the Trainer's own loss.
+        supervised_head: use :func:`sft.model.loss.compute_supervised_loss` for training steps, as decided by
+            :func:`sft.model.loss.use_supervised_head`; evaluation, label smoothing and a ``compute_loss_func`` keep the
+            Trainer's own loss.
         train_batch_sampler: the training data's batch sampler (a :class:`TokenBudgetBatchSampler`), or None for the
             Trainer's own choice (random, or ``--group_by_length``).
         **kwargs: ``transformers.Trainer``'s.
@@ -181,12 +181,8 @@ class Trainer(TrainerHooks):
                  train_batch_sampler: Optional[TokenBudgetBatchSampler] = None, **kwargs):
         self.train_batch_sampler = train_batch_sampler
         super().__init__(*args, **kwargs)
-        from sft.model.loss import supports_supervised_head
-
-        # Not under FSDP2: the head module runs outside the root module's forward, where FSDP2 has resharded its
-        # weight again (measured here: the 2-process FSDP2 run died with SIGSEGV); FSDP keeps the full path.
-        self.supervised_head = bool(supervised_head) and supports_supervised_head(self.model) and not self.is_fsdp_enabled
-        self.supervised_counter = None  # set by sft.train.metrics.install: counts the supervised targets it sees
+        self.supervised_head = bool(supervised_head)  # decided by sft.model.loss.use_supervised_head
+        self.supervised_counter = None  # set by sft.train.metrics.attach: counts the supervised targets it sees
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # transformers 5.24 Trainer.compute_loss(model, inputs, return_outputs, num_items_in_batch) with a causal LM

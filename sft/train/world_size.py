@@ -31,7 +31,7 @@ from sft.fsio import atomic_write
 from sft.train.integrity import MARKER, read_marker
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class WorldSizeChange:
     """A resume at another world size: ``old_world_size`` -> ``world_size`` processes, gradient accumulation
     ``old_grad_accum`` (the checkpoint's) -> ``grad_accum``, with ``micro_batch`` and ``global_batch`` (samples)
@@ -45,12 +45,12 @@ class WorldSizeChange:
     old_grad_accum: int
     grad_accum: int
     global_batch: int
-    universal: Optional[str] = None  # DeepSpeed ZeRO: the universal checkpoint folder its state is read from
 
-    def line(self) -> str:
-        """The one line logged on resume."""
-        via = (f" (ZeRO's optimizer state re-partitioned from the universal checkpoint {self.universal})"
-               if self.universal else "")
+    def line(self, universal: Optional[str] = None) -> str:
+        """The one line logged on resume; ``universal``: the universal checkpoint DeepSpeed ZeRO's state is read
+        from, if any."""
+        via = (f" (ZeRO's optimizer state re-partitioned from the universal checkpoint {universal})"
+               if universal else "")
         if self.old_world_size == self.world_size:
             return (f"resuming {self.checkpoint} at the world size {self.world_size} it was written at, with its "
                     f"gradient accumulation {self.grad_accum} (set by an earlier resume at another world size) instead "

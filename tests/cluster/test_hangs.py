@@ -1,4 +1,4 @@
-"""Hangs and slow nodes named (sft/distributed/progress.py, sft/train/progress.py, the launcher's worker guard in
+"""Hangs and slow nodes named (sft/distributed/watchdog.py, sft/train/stragglers.py, the launcher's worker guard in
 sft/distributed/torchrun.py), with the real launcher:
 
 * two namespace hosts (one process each): an even stretch names no straggler; rank 1 slowed to about half speed
@@ -161,7 +161,7 @@ def test_a_frozen_rank_0_is_named_by_rank_1(job, tmp_path, tiny_model_dir, data)
 
 
 def _descendants(pid: int) -> list:
-    from sft.distributed.progress import parent_pid
+    from sft.distributed.watchdog import parent_pid
 
     parents = {int(n): parent_pid(int(n)) for n in os.listdir("/proc") if n.isdigit()}
     out, todo = [], [pid]

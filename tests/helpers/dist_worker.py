@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from sft.app.train import build_trainer, save
+from sft.app.train import save, trainer_for
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
-from sft.distributed.process_group import finish_process_group, setup_runtime
+from sft.distributed.process_group import finish_process_group
 from sft.logs import setup_logging
 
 PROBE = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
@@ -27,9 +27,8 @@ def main():
     report_dir, argv = os.environ["SFT_TEST_REPORT_DIR"], sys.argv[1:]
     args = parse_args(argv)
     validate(*args)
-    setup_runtime(args[2])
     setup_logging()
-    trainer, tok, eot = build_trainer(*args)
+    trainer, tok, eot = trainer_for(*args)
     seen = []
     collate = trainer.data_collator
 
@@ -46,7 +45,7 @@ def main():
         ids = torch.tensor([tok(PROBE)["input_ids"]])
         logits = model(input_ids=ids).logits.float()
     fsdp2 = any(type(p).__name__ == "DTensor" for p in model.parameters())  # fully_shard's sharded parameters
-    sharded = args[2].zero_stage == 3 or fsdp2
+    sharded = args[2].parsed.zero_stage == 3 or fsdp2
     h = hashlib.sha256()
     if not sharded:  # under ZeRO-3 and FSDP2 every rank holds a different shard
         for name, p in sorted(model.named_parameters()):
@@ -58,7 +57,7 @@ def main():
     log = trainer.state.log_history
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world_size": args[2].world_size, "seen": seen, "digest": h.hexdigest(),
-                   "deepspeed": trainer.is_deepspeed_enabled, "zero_stage": args[2].zero_stage,
+                   "deepspeed": trainer.is_deepspeed_enabled, "zero_stage": args[2].parsed.zero_stage,
                    "linear_kinds": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
                    "fsdp": trainer.is_fsdp_enabled, "fsdp2_sharded": fsdp2,
                    "losses": [x["loss"] for x in log if "loss" in x],

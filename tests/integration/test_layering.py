@@ -41,7 +41,7 @@ import importlib, sys
 from sft.config.arguments import parse_args
 args = parse_args(["--output_dir", {str(tmp_path / 'o')!r}, "--deepspeed", "finetune/ds_config_zero2.json",
                    "--report_to", "none"])
-assert args[2].zero_stage == 2 and args[2].use_cpu
+assert args[2].parsed.zero_stage == 2 and args[2].use_cpu
 import torch.distributed as dist
 assert not dist.is_initialized(), "a process group was started while parsing"
 comm = importlib.import_module("deepspeed.comm.torch")
@@ -72,7 +72,9 @@ import torch.distributed as dist
 assert not dist.is_initialized(), "a process group was started while parsing"
 assert (t.world_size, t.process_index, t.local_process_index, t.should_save) == (2, 0, 0, True)
 assert t.hf_deepspeed_config.config["train_batch_size"] == 2 * 3 * 2  # the job's world size, not 1
-assert t.runtime_started is False and time.monotonic() - t0 < 60
+from sft.distributed.process_group import current_runtime
+assert current_runtime() is None and t.device is None  # reading a property starts nothing
+assert not dist.is_initialized() and time.monotonic() - t0 < 60
 print("ok")
 """
     p = _run(code, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",

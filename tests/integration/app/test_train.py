@@ -7,7 +7,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from sft.app.train import build_trainer, save
+from sft.app.train import save, trainer_for
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from tests.helpers import assets
@@ -20,7 +20,7 @@ def train(model_dir, data, out, *extra):
                        "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--seed", "0",
                        "--disable_tqdm", "True", *extra])
     validate(*args)
-    trainer, tok, eot = build_trainer(*args)
+    trainer, tok, eot = trainer_for(*args)
     trainer.train()
     save(trainer, tok, eot, str(out))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

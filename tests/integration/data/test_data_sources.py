@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from sft.app.train import build_trainer
+from sft.app.train import trainer_for
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from tests.helpers.data import TOY, write_jsonl
@@ -29,7 +29,7 @@ def test_parquet_compressed_jsonl_and_alpaca_sources_train_together(tiny_model_d
                        "--max_steps", "2", "--per_device_train_batch_size", "2", "--report_to", "none",
                        "--save_strategy", "no", "--disable_tqdm", "True"])
     validate(*args)
-    trainer, _, _ = build_trainer(*args)
+    trainer, _, _ = trainer_for(*args)
     assert len(trainer.train_dataset) == len(TOY) + 4
     assert trainer.train().training_loss > 0
     assert len(os.listdir(tmp_path / "cache")) == 3  # one cache folder per source

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from sft.app.train import build_trainer
+from sft.app.train import trainer_for
 from sft.data.chat import IGNORE_INDEX, encode_conversations
 from sft.data.dataset import make_collator
 from sft.data.packing import PackedCollator, PaddingFreeCollator, pack_dataset, split_row
@@ -76,7 +76,7 @@ def test_per_conversation_losses_equal_unpacked_run(smol_model, smol_tok, chitch
 def test_trainer_with_packing_matches_unpacked_loss(tiny_model_dir, toy_data, tmp_path):
     args = train_args(tiny_model_dir, toy_data, tmp_path / "p", "--packing", "True", "--model_max_length", "64",
                       "--per_device_train_batch_size", "2", "--max_steps", "2")
-    trainer, tok, _ = build_trainer(*args)
+    trainer, tok, _ = trainer_for(*args)
     assert trainer.model.get_base_model().config._attn_implementation == PACKED_ATTENTION
     ds = trainer.train_dataset
     assert len(ds) < len(TOY) and sum(len(r["input_ids"]) for r in ds) == sum(
@@ -103,7 +103,7 @@ def test_padding_free_default_learns_as_padded_batches(tiny_model_dir, toy_data,
     gradients, fp32). --padding_free False restores the padded batches."""
     args = train_args(tiny_model_dir, toy_data, tmp_path / "f", "--per_device_train_batch_size", "4",
                       "--max_steps", "1")
-    trainer, tok, _ = build_trainer(*args)
+    trainer, tok, _ = trainer_for(*args)
     assert trainer.model.get_base_model().config._attn_implementation == PACKED_ATTENTION
     batch = next(iter(trainer.get_train_dataloader()))
     assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch
@@ -124,7 +124,7 @@ def test_padding_free_default_learns_as_padded_batches(tiny_model_dir, toy_data,
     assert [h["loss"] for h in trainer.state.log_history if "loss" in h][0] > 0
     args = train_args(tiny_model_dir, toy_data, tmp_path / "p", "--per_device_train_batch_size", "4",
                       "--max_steps", "1", "--padding_free", "False")
-    trainer, _, _ = build_trainer(*args)
+    trainer, _, _ = trainer_for(*args)
     assert "attention_mask" in next(iter(trainer.get_train_dataloader()))
     assert trainer.model.get_base_model().config._attn_implementation == "sdpa"
 
@@ -137,7 +137,7 @@ def test_the_trainer_feeds_the_budgeted_micro_batches_largest_first(tiny_model_d
     args = train_args(tiny_model_dir, toy_data, tmp_path / "o", "--per_device_train_batch_size", "8",
                       "--model_max_length", "64", "--max_tokens_per_micro_batch", "64", "--max_steps", "1")
     with caplog.at_level(logging.INFO, logger="sft"):
-        trainer, _, _ = build_trainer(*args)
+        trainer, _, _ = trainer_for(*args)
     sampler = trainer.train_batch_sampler
     assert isinstance(sampler, TokenBudgetBatchSampler) and sampler.max_tokens == 64
     rows = [b["input_ids"] for b in trainer.get_train_dataloader()]
@@ -158,7 +158,7 @@ def test_an_unset_budget_is_micro_batch_x_max_length_and_lowered_when_memory_is_
 
     args = train_args(tiny_model_dir, toy_data, tmp_path / "a", "--per_device_train_batch_size", "8",
                       "--model_max_length", "64", "--max_steps", "1")
-    trainer, _, _ = build_trainer(*args)
+    trainer, _, _ = trainer_for(*args)
     assert trainer.train_batch_sampler.max_tokens == 8 * 64 and trainer.train_batch_sampler.largest_tokens > 100
     real_plan = mp.plan
 
@@ -170,7 +170,7 @@ def test_an_unset_budget_is_micro_batch_x_max_length_and_lowered_when_memory_is_
     args = train_args(tiny_model_dir, toy_data, tmp_path / "b", "--per_device_train_batch_size", "8",
                       "--model_max_length", "64", "--max_steps", "1")
     with caplog.at_level(logging.INFO, logger="sft"):
-        trainer, _, _ = build_trainer(*args)
+        trainer, _, _ = trainer_for(*args)
     sampler = trainer.train_batch_sampler
     assert 64 <= sampler.max_tokens <= 101 and args[2].max_tokens_per_micro_batch == sampler.max_tokens
     assert any(r.getMessage().startswith(f"token budget {sampler.max_tokens} per micro batch") for r in caplog.records)

@@ -26,11 +26,11 @@ def test_launcher_rejects_a_loopback_master_for_several_nodes():
 DDP_TIMEOUT_WORKER = r"""
 import os, sys, time
 from sft.config.arguments import parse_args
-from sft.distributed.process_group import setup_runtime
+from sft.distributed.process_group import start_runtime
 import torch, torch.distributed as dist
 args = parse_args(["--output_dir", sys.argv[1], "--ddp_timeout", "3", "--report_to", "none"])
 assert not dist.is_initialized()  # parsing starts nothing; the runtime step starts the group
-setup_runtime(args[2])
+start_runtime(args[2])
 assert dist.is_initialized() and dist.get_backend() == "gloo"
 if dist.get_rank() == 1:
     time.sleep(60)  # never joins the all-reduce
@@ -46,7 +46,7 @@ except Exception as e:
 
 def test_ddp_timeout_bounds_gloo_collectives_on_cpu(tmp_path):
     """transformers/accelerate would start gloo with torch's 30-minute default; our process group (started by the
-    runtime step after parsing: sft.distributed.process_group.setup_runtime) has --ddp_timeout."""
+    runtime step after parsing: sft.distributed.process_group.start_runtime) has --ddp_timeout."""
     worker = tmp_path / "w.py"
     worker.write_text(DDP_TIMEOUT_WORKER)
     env = pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})

@@ -184,7 +184,8 @@ def test_rebuilt_deepspeed_config_takes_the_recomputed_accumulation_and_leaves_t
     objects on the arguments (the one writer)."""
     from transformers import TrainingArguments
 
-    from sft.app.settings import apply_run_shape, derive
+    from sft.app.settings import apply_run_shape
+    from sft.config.settings import DeepSpeedRebuild, RunSettings
     from sft.train.world_size import deepspeed_config_objects
 
     path = os.path.join(FT, "ds_config_zero2.json")
@@ -192,8 +193,8 @@ def test_rebuilt_deepspeed_config_takes_the_recomputed_accumulation_and_leaves_t
     args = TrainingArguments(output_dir=str(tmp_path), deepspeed=path, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, use_cpu=True, report_to="none")
     assert args.hf_deepspeed_config.config["gradient_accumulation_steps"] == 2
-    args.max_tokens_per_micro_batch, args.activation_checkpointing = None, None  # sft's own fields
-    apply_run_shape(args, derive(args, grad_accum=3, deepspeed_rebuild="accumulation"))
+    apply_run_shape(args, RunSettings(world_size=1, micro_batch=2, configured_grad_accum=2, grad_accum=3,
+                                      deepspeed_rebuild=DeepSpeedRebuild.ACCUMULATION, bf16=bool(args.bf16)))
     config = args.hf_deepspeed_config.config
     assert args.gradient_accumulation_steps == 3 and args.deepspeed_plugin.hf_ds_config is args.hf_deepspeed_config
     assert (config["gradient_accumulation_steps"], config["train_batch_size"]) == (3, 6)

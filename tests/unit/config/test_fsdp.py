@@ -111,7 +111,7 @@ def test_valid_fsdp2_settings_pass(fsdp, tiny_model_dir, tmp_path):
     validate(*args)  # raises ConfigError on any problem
     t = args[2]
     assert t.fsdp is True and t.fsdp_plugin_args["fsdp_version"] == 2 and "cpu_offload" not in t.fsdp_plugin_args
-    assert t.fsdp_requested == (fsdp[0] if fsdp else True)  # as typed, for messages
+    assert t.parsed.fsdp == (fsdp[0] if fsdp else True)  # as typed, for messages
 
 
 @pytest.mark.parametrize("path", [FULL_SHARD, OFFLOAD], ids=os.path.basename)
@@ -129,7 +129,7 @@ def test_shipped_configs_become_accelerates_fsdp2_plugin(path):
     assert problems == [] and config["version"] == 2
     assert json.load(open(path)) == config  # nothing to strip or rename in the shipped files
     args = TrainingArguments(output_dir="unused", fsdp=True, fsdp_config=path, report_to="none")
-    assert args.fsdp_problems == [] and args.fsdp_plugin_args["fsdp_version"] == 2
+    assert args.parsed.fsdp_problems == () and args.fsdp_plugin_args["fsdp_version"] == 2
     plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     assert plugin.auto_wrap_policy is not None and "transformer" in str(plugin.auto_wrap_policy)

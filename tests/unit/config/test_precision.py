@@ -60,9 +60,9 @@ def test_parse_values(text, value):
 
 def test_command_line_auto_becomes_the_machines_choice(tmp_path):
     *_, t, _ = parse_args(["--output_dir", str(tmp_path / "o"), "--bf16", "auto"])
-    assert t.bf16 is auto_bf16()[0] and t.bf16_requested == "auto" and t.bf16_reason
+    assert t.bf16 is auto_bf16()[0] and t.parsed.bf16 == "auto" and t.parsed.bf16_reason
     *_, t, _ = parse_args(["--output_dir", str(tmp_path / "o"), "--bf16"])  # bare flag: True, as transformers parses it
-    assert t.bf16 is True and t.bf16_reason is None
+    assert t.bf16 is True and t.parsed.bf16_reason is None
     *_, t, _ = parse_args(["--output_dir", str(tmp_path / "o")])
     assert t.bf16 is False
 

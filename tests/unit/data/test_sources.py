@@ -136,7 +136,7 @@ def test_yaml_list_of_sources_with_weights(tmp_path, tiny_model_dir):
 
 
 def test_preparation_spec_maps_the_flags(tmp_path, tiny_model_dir):
-    from sft.app.train import preparation_spec
+    from sft.app.specs import preparation_spec
     from sft.config.arguments import parse_args
 
     base = ["--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "o"), "--data_path", "a", "b"]

@@ -52,8 +52,8 @@ def _rank_main(rank: int, tmp: str) -> None:
                 "any": [c.any_rank(rank == 1), c.any_rank(False)], "all": [c.all_ranks(rank == 1), c.all_ranks(True)]}
         c.barrier()
         seen["bf16"] = agree_across_ranks(rank == 0)  # one rank without fast bf16: neither uses it
-        auto = types.SimpleNamespace(bf16=rank == 0, bf16_requested="auto", bf16_reason="r")  # --bf16 auto, as parsed
-        seen["agreed"] = list(agreed_bf16(auto))
+        auto = (rank == 0, "auto", "r")  # this rank's choice under --bf16 auto, as parsed, and its reason
+        seen["agreed"] = list(agreed_bf16(*auto))
         handler = PreemptionHandler()
         handler.signum = 15 if rank == 1 else None  # SIGTERM reached rank 1 only
         seen["stop"] = handler._agreed(types.SimpleNamespace(device=torch.device("cpu")))

@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sft.model.loading import apply_lora
+from sft.model.spec import LoraSpec
 
 
 class CountOps(TorchDispatchMode):
@@ -26,8 +27,8 @@ def lora_model(hooked: bool, dropout: float):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256)
-    model = apply_lora(LlamaForCausalLM(cfg).to(torch.bfloat16), None, False, r=8, alpha=16, dropout=dropout,
-                       train_embeddings="false")
+    model = apply_lora(LlamaForCausalLM(cfg).to(torch.bfloat16), None, False,
+                       LoraSpec(r=8, alpha=16, dropout=dropout, train_embeddings="false"))
     with torch.no_grad():  # B starts at zero: give the adapters a path that changes the loss and A's gradients
         for name, p in model.named_parameters():
             if "lora_B" in name:

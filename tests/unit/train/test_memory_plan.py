@@ -11,7 +11,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sft.errors import ConfigError, SFTError
-from sft.train.memory_plan import GIB, activation_bytes_per_token, choose_checkpointing, fitting_tokens, plan
+from sft.train.memory_plan import (
+    GIB,
+    ParallelShape,
+    activation_bytes_per_token,
+    choose_checkpointing,
+    fitting_tokens,
+    plan,
+)
 from sft.train.trainer import TokenBudgetBatchSampler
 from tests.unit.data.test_packing import train_args
 
@@ -94,8 +101,8 @@ def test_plan_counts_gradients_and_adam_state_and_shards_them(llama):
     p1 = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch", held_available=(GIB, 8 * GIB, "test"))
     assert (p1.gradients, p1.optimizer, p1.weights) == (4 * n, 12 * n, GIB)  # two moments and the step's temporary
     assert p1.activations == 1000 * p1.per_token and p1.peak > GIB
-    p2 = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch", world_size=4, zero_stage=2,
-              deepspeed=True, held_available=(GIB, 8 * GIB, "test"))
+    p2 = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch",
+              parallel=ParallelShape(world_size=4, zero_stage=2, deepspeed=True), held_available=(GIB, 8 * GIB, "test"))
     assert p2.gradients == n and p2.optimizer == (4 + 12) * n // 4  # fp32 master, moments, temporary; partitioned
     assert plan(llama, tokens=1000, checkpointing=False, optim="adamw_bnb_8bit",
                 held_available=(GIB, 8 * GIB, "test")).optimizer == 2 * n
@@ -184,6 +191,7 @@ def test_weights_load_straight_onto_the_gpu_unless_a_sharder_places_them(tiny_mo
     import transformers
 
     from sft.model.loading import load_model
+    from sft.model.spec import LoadSpec
 
     seen = {}
 
@@ -193,7 +201,7 @@ def test_weights_load_straight_onto_the_gpu_unless_a_sharder_places_them(tiny_mo
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake)
     with pytest.raises(Exception):
-        load_model(tiny_model_dir, qwen_tok, False, dtype=torch.bfloat16, device=device, load_on_device=on_device)
+        load_model(tiny_model_dir, qwen_tok, False, LoadSpec(dtype=torch.bfloat16, load_on_device=on_device), device)
     assert seen["dtype"] == torch.bfloat16 and seen.get("device_map") == expected
 
 

@@ -128,14 +128,14 @@ def test_group_by_length_order_depends_on_seed_and_epoch_only(tiny_model_dir, to
     import torch
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    from sft.app.train import build_trainer
+    from sft.app.train import trainer_for
     from sft.config.arguments import parse_args
     from sft.train.trainer import EpochSeededLengthGroupedSampler
 
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
                        str(tmp_path / "o"), "--group_by_length", "True", "--per_device_train_batch_size", "2",
                        "--report_to", "none", "--use_lora", "True", "--lora_r", "2"])
-    trainer, _, _ = build_trainer(*args)
+    trainer, _, _ = trainer_for(*args)
     sampler = trainer._get_train_sampler()
     assert isinstance(sampler, EpochSeededLengthGroupedSampler)
     lengths = sampler.lengths
@@ -236,14 +236,12 @@ def test_the_same_command_at_the_checkpoints_world_size_keeps_the_accumulation_a
     at 2 (accumulation 3), then resumed again at 2 by the same command (accumulation 2 as given). The checkpoint of
     world size 2 must be continued with accumulation 3, not the configured 2 (global batch 4: found by
     bench/fault_drill.py, whose next round at 3 nodes was then refused)."""
-    from types import SimpleNamespace
-
+    from sft.config.settings import RunSettings
     from sft.train.world_size import plan_world_size_change
 
     path = fake_checkpoint(tmp_path / "out", 44, complete=False)
-    args = SimpleNamespace(world_size=2, per_device_train_batch_size=1, gradient_accumulation_steps=3, seed=1,
-                           use_lora=True)
-    info = ck.run_info(args, configured_grad_accum=2)
+    settings = RunSettings(world_size=2, micro_batch=1, configured_grad_accum=2, grad_accum=3)
+    info = ck.run_info(settings, seed=1, use_lora=True)
     assert (info["gradient_accumulation_steps"], info["configured_gradient_accumulation_steps"], info["global_batch"]) \
         == (3, 2, 6)
     ck.mark_complete(path, info)
@@ -257,7 +255,6 @@ def test_the_same_command_at_the_checkpoints_world_size_keeps_the_accumulation_a
     assert plan_world_size_change(path, 3, 1, 2).grad_accum == 2  # back at 3 nodes
     assert plan_world_size_change(path, 2, 1, 3) is None  # configured as it trained: nothing to change
     assert plan_world_size_change(path, 2, 1, 4) is None  # another accumulation than configured: the user's choice
-    assert ck.run_info(args)["configured_gradient_accumulation_steps"] == 3  # none given: the one it trains with
     old = shaped_checkpoint(tmp_path / "old", 5, world_size=2, micro_batch=1, grad_accum=3)  # a marker without it
     assert plan_world_size_change(old, 2, 1, 2) is None
 

@@ -1,8 +1,8 @@
 """The training loop's progress beats and the straggler report (issue 33; the watcher is
-:mod:`sft.distributed.progress`).
+:mod:`sft.distributed.watchdog`).
 
 :class:`ProgressCallback` marks the phase of every optimizer step in this process's
-:data:`sft.distributed.progress.RECORD` (loading the next batch, forward and backward -- each micro batch is
+:data:`sft.distributed.watchdog.RECORD` (loading the next batch, forward and backward -- each micro batch is
 progress --, optimizer step, logging, evaluation -- each batch is progress --, saving a checkpoint), from the
 Trainer's callbacks and a forward pre-hook on the model. It sits last among the callbacks, so that it sees the
 final ``should_log`` / ``should_evaluate`` / ``should_save`` of a step.
@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 from transformers import TrainerCallback
 
-from sft.distributed import progress
-from sft.distributed.progress import EVALUATION, FORWARD_BACKWARD, LOADING_BATCH, LOGGING, OPTIMIZER, RECORD, SAVING
+from sft.distributed import watchdog
+from sft.distributed.watchdog import EVALUATION, FORWARD_BACKWARD, LOADING_BATCH, LOGGING, OPTIMIZER, RECORD, SAVING
 
 logger = logging.getLogger("sft")
 # optimizer steps after each start left out of the straggler window: measured in the cluster tier under load, the
@@ -230,7 +230,7 @@ class ProgressCallback(TrainerCallback):
             h.remove()
         self.handles = []
         RECORD.set("finishing (final evaluation and save)", state.global_step)
-        if state.is_world_process_zero and self.factor and progress.current() is not None:
+        if state.is_world_process_zero and self.factor and watchdog.current() is not None:
             if self.named:
                 logger.warning("stragglers named during training: %s", "; ".join(
                     f"rank {r} (host {n['host']}) {n['times']} time(s), at most {n['worst']:.2f}x the median of the "
@@ -242,7 +242,7 @@ class ProgressCallback(TrainerCallback):
     # ---- the report (global rank 0, at every logging step) ---------------------------------------------------
     def figures(self, state) -> Optional[dict]:
         """Compare the ranks' latest windows; log a line per straggler; return the figures for the log line."""
-        watcher = progress.current()
+        watcher = watchdog.current()
         if watcher is None or not self.factor:
             return None
         beats = watcher.beats()
@@ -284,7 +284,7 @@ class _FiguresFirst(TrainerCallback):
                 state.log_history[-1].update(out)
 
 
-def install(trainer, factor: float, window: int) -> ProgressCallback:
+def attach(trainer, factor: float, window: int) -> ProgressCallback:
     """Add the :class:`ProgressCallback` last among ``trainer``'s callbacks (it reads the step's final flags) and
     its figures' hook first (ahead of the reporters). Returns the callback."""
     cb = ProgressCallback(trainer.model, factor, window)

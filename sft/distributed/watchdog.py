@@ -78,7 +78,7 @@ class Record:
         waiting: the collective or wait it is blocked in (e.g. "barrier", "waiting for data shards"), or None.
         since: ``time.time()`` when the phase (or wait) began, shown to the user as "N s ago".
         seq: moves on every phase change and :meth:`advance`; the progress that is judged.
-        work: the straggler window this rank publishes (:mod:`sft.train.progress`), or None.
+        work: the straggler window this rank publishes (:mod:`sft.train.stragglers`), or None.
     """
 
     def __init__(self) -> None:

@@ -1,5 +1,5 @@
-"""Progress beats and the hang verdict (sft/distributed/progress.py), the straggler comparison and the phase marks
-of a training step (sft/train/progress.py), and the new flags' errors. The real runs (a frozen rank, node and a
+"""Progress beats and the hang verdict (sft/distributed/watchdog.py), the straggler comparison and the phase marks
+of a training step (sft/train/stragglers.py), and the new flags' errors. The real runs (a frozen rank, node and a
 slowed rank across torchrun processes) are in tests/cluster/test_hangs.py and tests/cluster/test_elastic.py."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from sft.distributed import progress
-from sft.distributed.progress import (
+from sft.distributed import watchdog
+from sft.distributed.watchdog import (
     FINISHED,
     FORWARD_BACKWARD,
     LOADING_BATCH,
@@ -136,19 +136,19 @@ def test_end_frozen_sibling_kills_only_a_worker_of_the_same_parent(tmp_path):
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.kill(frozen.pid, signal.SIGSTOP)
-        stranger = {"host": progress.HOST, "pid": os.getpid()}  # this process: never
-        code = (f"import sys; from sft.distributed.progress import end_frozen_sibling as e; "
-                f"sys.exit(10 * e({stranger!r}) + e({{'host': {progress.HOST!r}, 'pid': {frozen.pid}}}))")
+        stranger = {"host": watchdog.HOST, "pid": os.getpid()}  # this process: never
+        code = (f"import sys; from sft.distributed.watchdog import end_frozen_sibling as e; "
+                f"sys.exit(10 * e({stranger!r}) + e({{'host': {watchdog.HOST!r}, 'pid': {frozen.pid}}}))")
         rc = subprocess.run([sys.executable, "-c", code], cwd=os.getcwd()).returncode
         assert rc == 1  # the sibling ended, its parent (this process) not
         assert frozen.wait(timeout=10) == -signal.SIGKILL
-        assert not progress.end_frozen_sibling({"host": "elsewhere", "pid": frozen.pid})  # another host: never
+        assert not watchdog.end_frozen_sibling({"host": "elsewhere", "pid": frozen.pid})  # another host: never
     finally:
         frozen.kill()
 
 
 def test_straggler_comparison_against_the_median_of_the_others():
-    from sft.train.progress import compare
+    from sft.train.stragglers import compare
 
     # two ranks: each against the other's figure (a median including itself would hide a 2x straggler: 1.33x)
     r = compare({0: {"rate": 100.0}, 1: {"rate": 200.0}}, factor=1.5)
@@ -163,10 +163,10 @@ def test_phase_marks_of_a_step_and_the_published_window(monkeypatch):
     """The callback's marks through one optimizer step with logging and a save, and the forward timer's window."""
     from transformers import TrainerControl, TrainerState
 
-    from sft.train.progress import ProgressCallback
+    from sft.train.stragglers import ProgressCallback
 
     record = Record()
-    monkeypatch.setattr("sft.train.progress.RECORD", record)
+    monkeypatch.setattr("sft.train.stragglers.RECORD", record)
     model = torch.nn.Linear(4, 4)
     cb = ProgressCallback(model, factor=1.5, window=3)
     state, control = TrainerState(), TrainerControl()
@@ -231,8 +231,8 @@ def test_the_launchers_guard_ends_a_stopped_worker_the_store_names():
     """sft/distributed/torchrun.py's WorkerGuard, as in a launcher: the store names a stopped child of this process
     (standing for a worker of the agent): the guard ends it with SIGKILL; a named process that is not its child is
     left alone. And the options it reads from torchrun's arguments."""
-    from sft.distributed.progress import VERDICT_KEY
     from sft.distributed.torchrun import WorkerGuard, _option
+    from sft.distributed.watchdog import VERDICT_KEY
 
     argv = ["--nproc_per_node", "1", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
             "--master_port", "6001", "/x/finetune.py", "--master_port", "7"]
@@ -246,8 +246,8 @@ def test_the_launchers_guard_ends_a_stopped_worker_the_store_names():
         os.kill(frozen.pid, signal.SIGSTOP)
         import json
 
-        server.set(VERDICT_KEY, json.dumps([{"host": progress.HOST, "pid": frozen.pid},
-                                            {"host": progress.HOST, "pid": os.getpid()}]))
+        server.set(VERDICT_KEY, json.dumps([{"host": watchdog.HOST, "pid": frozen.pid},
+                                            {"host": watchdog.HOST, "pid": os.getpid()}]))
         guard = WorkerGuard("127.0.0.1", server.port, serves=False)
         guard.poll(time.monotonic())
         assert frozen.wait(timeout=10) == -signal.SIGKILL
@@ -264,7 +264,7 @@ def test_a_torch_timeout_message_says_where_each_rank_was_last_seen(monkeypatch)
     w.seen[0].update(beat(0, 40, "collective barrier", 1, 1), 0.0)
     w.seen[1].update(dict(beat(1, 40, SAVING, 1, 1), since=time.time() - 612), 0.0)
     w.seen[2].update(beat(2, 40, "collective barrier", 1, 1), 0.0)
-    monkeypatch.setattr(progress, "_WATCHER", w)
+    monkeypatch.setattr(watchdog, "_WATCHER", w)
     text = explain_collective_failure(RuntimeError("[gloo] Timed out waiting 600000ms for recv operation"), 600)
     assert "a collective got no answer within --ddp_timeout 600 s" in text
     assert "Last progress seen: rank(s) 0, 2 in collective barrier of step 40" in text
