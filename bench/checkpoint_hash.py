@@ -44,7 +44,8 @@ def build(model: str, out: str) -> float:
     gen = torch.Generator().manual_seed(0)
     state = {i: {"step": torch.tensor(10.0), "exp_avg": torch.randn(s, generator=gen),
                  "exp_avg_sq": torch.rand(s, generator=gen)} for i, s in enumerate(shapes.values())}
-    torch.save({"state": state, "param_groups": [{"lr": 1e-5, "params": list(state)}]}, os.path.join(out, "optimizer.pt"))
+    torch.save({"state": state, "param_groups": [{"lr": 1e-5, "params": list(state)}]},
+               os.path.join(out, "optimizer.pt"))
     return time.perf_counter() - t0
 
 
@@ -56,7 +57,8 @@ def timed(fn) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="a model folder with model.safetensors (default: the example's)")
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="a model folder with model.safetensors (default: the example's)")
     ap.add_argument("--repeat", type=int, default=2, help="times each hash is measured (the best is printed)")
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temporary folder)")
     a = ap.parse_args(argv)

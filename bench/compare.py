@@ -223,7 +223,8 @@ def worker(a) -> int:
         "real": real, "total": total, "supervised": sum(w["supervised"] for w in wins), "seconds": sum(t),
         "median_step_s": statistics.median(t), "peak_mem_gib": mem, "threads": torch.get_num_threads(),
         "load_peak_gib": (cb.load_peak or 0) / 2 ** 30,  # CUDA: peak_mem_gib is the training peak (reset after loading)
-        "flops_per_token": model_flops_per_token(trainer.model), "head_flops_per_token": head_flops_per_token(trainer.model),
+        "flops_per_token": model_flops_per_token(trainer.model),
+        "head_flops_per_token": head_flops_per_token(trainer.model),
         "callback_tokens_per_s": real / sum(w["seconds"] for w in wins),
         "batch": trainer.args.per_device_train_batch_size, "first_step_s": timer.times[0], **extra,
     }
@@ -354,7 +355,8 @@ def best_peaks(path: str, device, reuse: bool) -> dict:
         peaks = {k: max(v, json.load(open(path)).get(k, 0.0)) for k, v in peaks.items()}
     with open(path, "w") as f:
         json.dump(peaks, f)
-    print(f"matmul peak used (best seen): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s")
+    print(f"matmul peak used (best seen): fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, "
+          f"bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s")
     return peaks
 
 
@@ -552,7 +554,8 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     got = run_system(a, system, tag=f"-round{rnd + 1}" if a.rounds > 1 else "")
                     rounds.setdefault((dtype, a.max_length, system), []).append(got)
-                    print(f"  ran {system} ({dtype}, length {a.max_length}{f', round {rnd + 1}' if a.rounds > 1 else ''})"
+                    print(f"  ran {system} ({dtype}, length {a.max_length}"
+                          f"{f', round {rnd + 1}' if a.rounds > 1 else ''})"
                           f" in {time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
     a.data = full_data  # preprocessing figures: every --max_conversations conversation
     print(f"all systems ran in {time.perf_counter() - t_all:.0f} s")

@@ -7,7 +7,8 @@ temporary folder, then prepares them as training does (stream + validate + token
 
 * ``one``: 1 process; ``many``: P processes (``--processes``) on this host sharing one cache folder (ranks of one
   job: each prepares its shard, then waits for the others' completion markers and memory-maps all shards);
-* ``hosts``: P network-namespace hosts x 1 process (``tests/helpers/netns.py``: needs root and ``PYTHONPATH=.``), sharing one cache
+* ``hosts``: P network-namespace hosts x 1 process (``tests/helpers/netns.py``: needs root and \
+``PYTHONPATH=.``), sharing one cache
   folder as a P-node job does: on each host the real launcher (``python -m sft.distributed.torchrun
   --nnodes P --node_rank i --nproc_per_node 1``, which sets RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK) starts
   one rank that joins the process group (gloo, :func:`sft.distributed.process_group.init_process_group`), agrees
@@ -175,8 +176,8 @@ def run_ranks(world: int, data: str, model: str, cache: str, max_len: int, mode:
     # session share one CPU share, so on a machine shared with other work P ranks of one session get no more CPU
     # than one (measured: 0.98x); separate sessions get what separate jobs get, as ranks do on their own cores.
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), data, model, cache, "bench",
-                               str(max_len), mode, long_conversations], env=env, stdout=subprocess.PIPE, text=True, cwd=pythonpath,
-                              start_new_session=True)
+                               str(max_len), mode, long_conversations], env=env, stdout=subprocess.PIPE, text=True,
+                              cwd=pythonpath, start_new_session=True)
              for r in range(world)]
     outs = [p.communicate()[0] for p in procs]
     wall = time.perf_counter() - t0
@@ -345,7 +346,8 @@ def main() -> int:
                 what = f"hosts, {world} namespace hosts x 1 process, shared cache"
                 ranks = "; ".join(f"rank {x['rank']} (node {x['node_rank']}, {x['host']}): shards {x['mine']}, "
                                   f"agree {x['agree_s']:.1f} s, preparing {x['prepare_s']:.0f} s, peak RSS "
-                                  f"{x['peak_rss_gib']:.2f} GiB, cache seen as shared: {x['shared']}" for x in r["ranks"])
+                                  f"{x['peak_rss_gib']:.2f} GiB, cache seen as shared: {x['shared']}"
+                                  for x in r["ranks"])
             else:
                 what = f"{mode} ({repo}), {world} process(es)"
                 ranks = "; ".join(f"rank {x['rank']}: preparing {x['prepare_s']:.0f} s, peak RSS "

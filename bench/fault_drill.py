@@ -232,7 +232,8 @@ def results(out: str):
 
 def train_flags(out: str, steps: int, grad_accum: int, seed: int, cache: str) -> list[str]:
     # dropout 0: dropout masks come from each rank's generator, which differs between world sizes
-    return ["--output_dir", out, "--data_cache_dir", cache, "--max_steps", str(steps), "--lora_r", "4", "--lora_dropout", "0",
+    return ["--output_dir", out, "--data_cache_dir", cache, "--max_steps", str(steps),
+            "--lora_r", "4", "--lora_dropout", "0",
             "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", str(grad_accum),
             "--save_strategy", "steps", "--save_steps", str(SAVE_STEPS), "--save_total_limit", "3",
             "--disable_tqdm", "True", "--seed", str(seed), "--ddp_timeout", "30"]
@@ -313,8 +314,9 @@ def drill(a, hosts, job: Job, out: str, tmpfs: str, faults: dict[str, Fault]) ->
             found = [i for i in job.procs if pattern.search(job.text(i))]
             cf.ok = bool(found) and ok
             cf.evidence = (f"byte {off} of {os.path.basename(bad)}/adapter_model.safetensors flipped after kill {k}; "
-                           + (f"host {found[0]}'s log: 'not resuming from {os.path.basename(bad)}: ... checksum differs "
-                              f"...; resuming from the previous complete checkpoint {os.path.basename(str(expect))}'"
+                           + (f"host {found[0]}'s log: 'not resuming from {os.path.basename(bad)}: "
+                              "... checksum differs ...; resuming from the previous complete checkpoint "
+                              f"{os.path.basename(str(expect))}'"
                               if found else "no fallback line in any log")
                            + f"; resumed {resumed}")
         if replacement is not None:
@@ -381,12 +383,14 @@ def drill(a, hosts, job: Job, out: str, tmpfs: str, faults: dict[str, Fault]) ->
     df.ok = bool(intact is None and resumed and os.path.realpath(resumed) == os.path.realpath(previous) and one_line)
     # sft.train.world_size's line when the checkpoint's own world size keeps its accumulation (not the configured 2)
     kept_shape = re.compile(rf"resuming {re.escape(previous)} at the world size 2 it was written at, with its gradient "
-                            r"accumulation 3 \(set by an earlier resume at another world size\) instead of the configured 2")
+                            r"accumulation 3 \(set by an earlier resume at another world size\) "
+                            r"instead of the configured 2")
     job.wait_for(lambda: any(kept_shape.search(job.text(h)) for h in job.procs) or job.logged > fresh,
                  "the resume line after the full disk", a.limit)
     shape = any(kept_shape.search(job.text(h)) for h in job.procs)
     df.evidence = (f"filler at step {start}; host {i}'s log: 'out of disk space while writing "
-                   f"{os.path.relpath(m.group(1), out)} ... the previous complete checkpoint {os.path.basename(previous)} "
+                   f"{os.path.relpath(m.group(1), out)} ... the previous complete checkpoint "
+                   f"{os.path.basename(previous)} "
                    f"is intact'; it verified: {intact is None}{'' if intact is None else f' ({intact})'}; after the "
                    f"filler was deleted the next round (world size {world}) resumed {resumed}"
                    + (" with its gradient accumulation 3 (global batch 6), not the configured 2" if shape else
@@ -488,9 +492,10 @@ def main(argv: list[str] | None = None) -> int:
                          default=float("inf"))
                 same = (step == ref_step == a.steps and len(losses) == len(ref_losses) == a.steps
                         and weights.keys() == ref_weights.keys() and dl <= ATOL_LOSS and dw <= ATOL_WEIGHTS)
-                compare = (f"final step {step} of {a.steps}, {len(losses)} logged losses (reference {len(ref_losses)}); "
-                           f"largest loss difference {dl:.2e} (tolerance {ATOL_LOSS:g}), largest adapter difference "
-                           f"{dw:.2e} over {len(weights)} tensors (tolerance {ATOL_WEIGHTS:g}); reference: one process, "
+                compare = (f"final step {step} of {a.steps}, {len(losses)} logged losses "
+                           f"(reference {len(ref_losses)}); largest loss difference {dl:.2e} "
+                           f"(tolerance {ATOL_LOSS:g}), largest adapter difference {dw:.2e} over {len(weights)} "
+                           f"tensors (tolerance {ATOL_WEIGHTS:g}); reference: one process, "
                            f"micro batch 1 x accumulation 6, uninterrupted, {ref_s:.0f} s")
                 if not same:
                     compare = "NO: " + compare

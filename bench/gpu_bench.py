@@ -64,7 +64,8 @@ ROWS = {  # name -> (what it measures, compare.py worker, sft flags on top of co
     "bf16": ("our defaults: padding-free, one attention call per layer", "ours", "", False),
     "packing": ("--packing True: rows of --max_length", "ours-packing", "", False),
     "qwen-style": ("Qwen's finetune.py: every sample padded to --max_length", "qwen-style", "", False),
-    "bf16-padded-sdpa": ("--padding_free False: padded batches, transformers' SDPA", "ours", "--padding_free False", False),
+    "bf16-padded-sdpa": ("--padding_free False: padded batches, transformers' SDPA", "ours", "--padding_free False",
+                         False),
     "qlora-4bit": ("Q-LoRA: 4-bit NF4 base (bitsandbytes)", "ours", "--q_lora True", False),
     "zero2": ("DeepSpeed ZeRO-2, one process", "ours", f"--deepspeed {os.path.join(CONFIGS, 'ds_config_zero2.json')}",
               True),
@@ -78,15 +79,18 @@ PROFILE_STEP = 2
 
 # Public configs (config.json on the Hugging Face hub, read 2026-12-04) of the shapes --shape builds.
 SHAPES = {
-    "qwen2.5-0.5b": ("Qwen2Config", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                          num_attention_heads=14, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6,
-                                          max_position_embeddings=32768, tie_word_embeddings=True)),
-    "qwen2.5-7b": ("Qwen2Config", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                        num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6, rms_norm_eps=1e-6,
-                                        max_position_embeddings=32768, tie_word_embeddings=False)),
-    "llama-3-8b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                        num_attention_heads=32, num_key_value_heads=8, rope_theta=5e5, rms_norm_eps=1e-5,
-                                        max_position_embeddings=8192, tie_word_embeddings=False)),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                          rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                          tie_word_embeddings=True)),
+    "qwen2.5-7b": ("Qwen2Config", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                        rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                        tie_word_embeddings=False)),
+    "llama-3-8b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                        rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                                        tie_word_embeddings=False)),
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -173,8 +177,10 @@ def row_command(a, row: str, json_path: str, peak_tflops: float) -> list[str]:
     _, system, flags, distributed = ROWS[row]
     worker = [COMPARE, "--worker", system, "--json", json_path, "--model", a.model, "--data", a.data, "--bf16",
               "--timing", "steps", "--max_steps", str(a.max_steps), "--batch", str(a.batch),
-              "--packing_batch", str(a.packing_batch), *(["--profile_step", str(PROFILE_STEP)] if row == "profile" else []),
-              "--max_length", str(a.max_length), "--lora_r", "16", "--cache", os.path.join(tempfile.gettempdir(), "sft-gpu-bench-cache"),
+              "--packing_batch", str(a.packing_batch),
+              *(["--profile_step", str(PROFILE_STEP)] if row == "profile" else []),
+              "--max_length", str(a.max_length), "--lora_r", "16",
+              "--cache", os.path.join(tempfile.gettempdir(), "sft-gpu-bench-cache"),
               "--peak_tflops", f"{peak_tflops:.3f}", f"--train_flags={flags}",
               *(["--compile_layers"] if row == "compiled" else [])]
     if distributed:
@@ -183,7 +189,8 @@ def row_command(a, row: str, json_path: str, peak_tflops: float) -> list[str]:
 
 
 # Issue 30's targets: (name, shape, row, reference row or "mfu", least ratio of real tokens/s, or least MFU measured).
-TARGETS = (("ours default >= 1.5x --padding_free False (SmolLM2-135M)", "smollm2-135m", "bf16", "bf16-padded-sdpa", 1.5),
+TARGETS = (("ours default >= 1.5x --padding_free False (SmolLM2-135M)", "smollm2-135m", "bf16", "bf16-padded-sdpa",
+            1.5),
            ("ours default >= 3x Qwen-style real tokens/s (Qwen2.5-7B shape)", "qwen2.5-7b", "bf16", "qwen-style", 3.0),
            ("ours default >= 40% MFU of the measured bf16 peak (Qwen2.5-7B shape)", "qwen2.5-7b", "bf16", "mfu", 0.40))
 
@@ -221,17 +228,20 @@ def verdicts(rates: dict[str, float], shape: str = "smollm2-135m", mfu: dict[str
 
 
 def attention_path() -> str:
-    """The padding-free attention path bf16 rows take on this machine's GPU (:func:`sft.model.attention.varlen_kernel`)."""
+    """The padding-free attention path bf16 rows take on this machine's GPU \
+(:func:`sft.model.attention.varlen_kernel`)."""
     import torch
 
     from sft.model.attention import varlen_kernel
 
-    return {"flash_attn": "one flash-attn varlen call per layer", "torch_varlen": "one torch varlen_attn call per layer",
+    return {"flash_attn": "one flash-attn varlen call per layer",
+            "torch_varlen": "one torch varlen_attn call per layer",
             "sdpa_loop": "SDPA per document (flash/memory-efficient backends)"}[varlen_kernel("cuda", torch.bfloat16)]
 
 
 def plan(a) -> None:
-    print(f"model {a.model} ({a.shape}{', tiny' if a.tiny else ''})\ndata {a.data}\nLoRA r 16 / alpha 32 / dropout 0.05 (0 in lora-dropout0) "
+    print(f"model {a.model} ({a.shape}{', tiny' if a.tiny else ''})\ndata {a.data}\n"
+          "LoRA r 16 / alpha 32 / dropout 0.05 (0 in lora-dropout0) "
           f"on all linear layers, bf16, max length {a.max_length}, micro batch {a.batch} (packing: {a.packing_batch} "
           f"rows), {a.max_steps} optimizer steps per row (step 1 not timed), at most {a.time_limit_s:.0f} s in all")
     for row in a.rows:
@@ -259,13 +269,14 @@ def run_row(a, row: str, work: str, peak: float, left: float) -> tuple[dict | No
 
 def table(results: list[dict], failed: list[tuple[str, str]], sheet: float | None, peaks: str) -> list[str]:
     """The printed table: one line per row that ran, then the failed rows and the profile."""
-    lines = [f"{'row':<18}{'real tok/s':>12}{'median step':>13}{'step 1':>10}{'load peak':>13}{'step peak':>13}{'TFLOP/s':>9}"
-             f"{'MFU measured':>14}{'MFU datasheet':>15}   (peaks: {peaks})"]
+    lines = [f"{'row':<18}{'real tok/s':>12}{'median step':>13}{'step 1':>10}{'load peak':>13}{'step peak':>13}"
+             f"{'TFLOP/s':>9}{'MFU measured':>14}{'MFU datasheet':>15}   (peaks: {peaks})"]
     for r in results:
         lines.append(f"{r['row']:<18}{r['real_tokens_per_s']:>12.0f}{r['median_step_s']:>11.3f} s"
                      f"{r.get('first_step_s', 0.0):>8.1f} s"
                      f"{r.get('load_peak_gib', 0.0):>9.2f} GiB{r['peak_mem_gib']:>9.2f} GiB{r['tflops']:>9.1f}"
-                     f"{100 * r['mfu_measured']:>13.1f}%" + (f"{100 * r['tflops'] / sheet:>14.1f}%" if sheet else f"{'-':>15}"))
+                     f"{100 * r['mfu_measured']:>13.1f}%"
+                     + (f"{100 * r['tflops'] / sheet:>14.1f}%" if sheet else f"{'-':>15}"))
     lines += [f"{row:<18}failed: {why}" for row, why in failed]
     for r in results:
         pr = r.get("profile")

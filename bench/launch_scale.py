@@ -120,9 +120,9 @@ def elastic(n: int, steps: int) -> None:
         total = time.monotonic() - t0
         state = json.load(open(os.path.join(out, "trainer_state.json")))
         print(f"elastic run on {n} namespace hosts (NNODES={n - 1}:{n}, DDP LoRA, tiny model): first round after "
-              f"{first_round:.1f} s; host {n - 1} killed after the first checkpoint; next round {next_round:.1f} s after "
-              f"the kill; finished in {total:.1f} s; survivors' exit codes {sorted(set(rcs))}; global step "
-              f"{state['global_step']} of {steps}")
+              f"{first_round:.1f} s; host {n - 1} killed after the first checkpoint; "
+              f"next round {next_round:.1f} s after the kill; finished in {total:.1f} s; survivors' exit codes "
+              f"{sorted(set(rcs))}; global step {state['global_step']} of {steps}")
     finally:
         netns.kill_groups(procs, wait=False)
         hosts.close()

@@ -115,7 +115,8 @@ def main(argv=None) -> int:
     plan = {k: v for k, v in layouts(samples, a.batch, a.rows, a.max_length, tok).items() if k in a.layouts}
     n_real = sum(len(s["input_ids"]) for s in samples)
     for name, (_, batches) in plan.items():
-        assert sum(real_tokens(b, tok.pad_token_id) for b in batches) == n_real, name  # every layout carries the same tokens
+        # every layout carries the same tokens
+        assert sum(real_tokens(b, tok.pad_token_id) for b in batches) == n_real, name
     print(f"{len(samples)} samples, {n_real} tokens (mean {n_real / len(samples):.0f}), length {a.max_length}, "
           f"LoRA r {a.lora_r}, {'bf16 autocast' if a.bf16 else 'fp32'}, {torch.get_num_threads()} threads", flush=True)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16)

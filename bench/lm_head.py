@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The LM head only at supervised positions (sft/model/loss.py) against logits at every position (a benchmark, not a test).
+"""The LM head only at supervised positions (sft/model/loss.py) against logits at every position (a benchmark, \
+not a test).
 
 For each model and mode, in its own process (so that peak RSS is that configuration's): a LoRA model (r 16, all
 linear projections but the head, as bench/compare.py) runs ``--steps`` forward + backward passes (no optimizer
@@ -93,7 +94,8 @@ def main() -> int:
             out = subprocess.run([sys.executable, __file__, "--one", model, mode, *flags], capture_output=True,
                                  text=True, check=True)
             r = rows[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{model:<11} {r['vocab']:>7} {mode:<11} {r['step_s']:>7.2f} {r['peak_rss_gib']:>12.2f} {r['loss']:>8.4f}")
+            print(f"{model:<11} {r['vocab']:>7} {mode:<11} {r['step_s']:>7.2f} "
+                  f"{r['peak_rss_gib']:>12.2f} {r['loss']:>8.4f}")
         print(f"{model:<11} supervised/all: step time x{rows['supervised']['step_s'] / rows['all']['step_s']:.2f}, "
               f"peak RSS x{rows['supervised']['peak_rss_gib'] / rows['all']['peak_rss_gib']:.2f}")
     print(f"load after: {os.getloadavg()[0]:.2f} (1 min)")

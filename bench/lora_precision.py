@@ -117,7 +117,8 @@ def main(argv=None) -> int:
     lines = open(a.data, encoding="utf-8").read().splitlines()
     n_train = a.max_steps * a.batch
     if len(lines) < n_train + a.eval_conversations:
-        print(f"error: {a.data} has {len(lines)} conversations; {n_train + a.eval_conversations} needed", file=sys.stderr)
+        print(f"error: {a.data} has {len(lines)} conversations; {n_train + a.eval_conversations} needed",
+              file=sys.stderr)
         return 2
     train_path, eval_path = os.path.join(work, "train.jsonl"), os.path.join(work, "eval.jsonl")
     with open(train_path, "w", encoding="utf-8") as f:
@@ -127,7 +128,8 @@ def main(argv=None) -> int:
     results = {name: run_arm(a, name == "bf16 storage", train_path, eval_path) for name in ("fp32", "bf16 storage")}
     print(f"\nLoRA r 16 / alpha 32 on {a.model}, lr {a.learning_rate:g} constant, micro batch {a.batch}, "
           f"{a.max_steps} steps, fp32 compute")
-    print(f"{'arm':<14}{'first loss':>11}{f'last {a.window} steps':>15}{'eval loss':>11}   updates lost to bf16 rounding")
+    print(f"{'arm':<14}{'first loss':>11}{f'last {a.window} steps':>15}{'eval loss':>11}"
+          "   updates lost to bf16 rounding")
     for name, r in results.items():
         lost = "; ".join(f"{k} {100 * v[0] / v[1]:.1f}% of {v[1]:,}" for k, v in r["lost"].items() if v[1])
         print(f"{name:<14}{r['losses'][0]:>11.4f}{statistics.mean(r['losses'][-a.window:]):>15.4f}"

@@ -74,7 +74,8 @@ def main(argv=None) -> int:
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
-    print(f"documents of {a.doc_length} tokens ({'one [1, tokens] row' if a.shape == 'row' else 'one row each'}), LoRA r {a.lora_r}, {'bf16 autocast' if a.bf16 else 'fp32'}, "
+    print(f"documents of {a.doc_length} tokens ({'one [1, tokens] row' if a.shape == 'row' else 'one row each'}), "
+          f"LoRA r {a.lora_r}, {'bf16 autocast' if a.bf16 else 'fp32'}, "
           f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.2f}", flush=True)
     for b in rows.values():
         step(b)  # untimed

@@ -122,7 +122,8 @@ def main() -> int:
     med = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in steps[0]}
     ta = args[2]
     print(f"\nconfig: {os.path.basename(args[0].model_name_or_path.rstrip('/'))}, "
-          f"{'LoRA r=' + str(args[3].lora_r) if ta.use_lora else 'full'}, micro batch {ta.per_device_train_batch_size}, "
+          f"{'LoRA r=' + str(args[3].lora_r) if ta.use_lora else 'full'}, "
+          f"micro batch {ta.per_device_train_batch_size}, "
           f"max length {ta.model_max_length}, {'bf16' if ta.bf16 else 'fp32'}, LM head "
           f"{'at supervised positions' if trainer.supervised_head else 'at every position'}, {len(steps)} timed steps, "
           f"torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f} (1 min)")

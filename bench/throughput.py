@@ -81,9 +81,11 @@ def main() -> int:
     ta = args[2]
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"config: {os.path.basename(args[0].model_name_or_path.rstrip('/'))}, "
-          f"{'LoRA r=' + str(args[3].lora_r) if ta.use_lora else 'full'}, micro batch {ta.per_device_train_batch_size}, "
+          f"{'LoRA r=' + str(args[3].lora_r) if ta.use_lora else 'full'}, "
+          f"micro batch {ta.per_device_train_batch_size}, "
           f"grad accumulation {ta.gradient_accumulation_steps}, max length {ta.model_max_length}, "
-          f"{'bf16' if ta.bf16 else 'fp32'}, {len(times) - 1} timed steps, torch threads {__import__('torch').get_num_threads()}")
+          f"{'bf16' if ta.bf16 else 'fp32'}, {len(times) - 1} timed steps, "
+          f"torch threads {__import__('torch').get_num_threads()}")
     print(f"real tokens/s:        {real / t:10.1f}")
     print(f"supervised tokens/s:  {sup / t:10.1f}")
     print(f"padding ratio:        {1 - real / total:10.3f}  ({total - real} pad of {total} tokens)")

@@ -167,7 +167,8 @@ def kill_at_random(cmd, out, log_path, rng, steps, sig=signal.SIGKILL) -> str:
                 os.killpg(p.pid, signal.SIGKILL)
                 rc = p.wait()
             how = f"{sig.name} -> exit {rc}"
-    state = ", ".join(f"{os.path.basename(c)}{'' if is_complete(c) else ' (incomplete)'}" for _, c in checkpoint_dirs(out))
+    state = ", ".join(f"{os.path.basename(c)}{'' if is_complete(c) else ' (incomplete)'}"
+                      for _, c in checkpoint_dirs(out))
     when = "appeared" if phase == "save" else "was complete"
     return f"{how} {delay:.2f}s after checkpoint-{k} {when}; left: {state or 'nothing'}"
 
@@ -193,7 +194,8 @@ def differences(a: dict, b: dict) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per run (8 samples, 2 per step: 4 per epoch)")
+    ap.add_argument("--steps", type=int, default=12,
+                    help="optimizer steps per run (8 samples, 2 per step: 4 per epoch)")
     ap.add_argument("--save_steps", type=int, default=1)
     ap.add_argument("--nproc", type=int, default=1, help="processes (torchrun when > 1)")
     ap.add_argument("--launcher", action="store_true", help="start runs through finetune/launch.sh "

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Print one rendered training sample with its supervised tokens marked «like this».
 
-Usage: python scripts/show_sample.py MODEL_DIR DATA_FILE [--index 0] [--model_max_length N] [--system_message S]   (= sft-show-sample)
+Usage: python scripts/show_sample.py MODEL_DIR DATA_FILE [--index 0] [--model_max_length N] [--system_message S] \
+  (= sft-show-sample)
 """
 from _entry import run
 

@@ -34,7 +34,8 @@ class ContractError(SFTError):
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         super().__init__("\n  ".join(problems) if len(problems) == 1 else
-                         f"invalid launch environment ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems))
+                         f"invalid launch environment ({len(problems)} problems):\n"
+                         + "\n".join(f"  - {p}" for p in problems))
 
 
 class PreflightError(SFTError):

@@ -104,7 +104,8 @@ def missing_dependency(err: ModuleNotFoundError) -> Optional[SFTError]:
 
 
 def run_cli(body: Callable[[], Optional[int]]) -> int:
-    """Run ``body()`` under the policy (module docstring). Returns the exit code: ``body``'s when it returns an int, else 0.
+    """Run ``body()`` under the policy (module docstring). Returns the exit code: ``body``'s when it returns an int, \
+else 0.
 
     Raises:
         Whatever ``body`` raises that is not an SFTError, a missing package or an interrupt, and those too when

@@ -1,1 +1,2 @@
-"""The ONLY importer of private names of transformers / peft / DeepSpeed / accelerate / torch: one function per use, each naming the version it was checked against."""
+"""The ONLY importer of private names of transformers / peft / DeepSpeed / accelerate / torch: one function per use, \
+each naming the version it was checked against."""

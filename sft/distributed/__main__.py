@@ -1,6 +1,7 @@
 """The launcher's CLI (stdlib only, so ``finetune/launch.sh`` does not pay for importing torch)::
 
-    python -m sft.distributed plan --gpus N   # validate, print the node's start line (stderr) and shell assignments (stdout)
+    python -m sft.distributed plan --gpus N   # validate, print the node's start line (stderr) and shell \
+assignments (stdout)
     python -m sft.distributed rendezvous      # the preflight node rendezvous, from the (validated) environment
     python -m sft.distributed nodes --allocated N --source TEXT   # NNODES for a scheduler's N nodes (stdout)
 
@@ -27,8 +28,8 @@ def _cli_plan(args) -> int:
     exports.update(preload)
     print(f"{start_line(c, iface)}, allocator {allocator}", file=sys.stderr, flush=True)
     # an elastic job keeps NNODES=MIN:MAX (the rendezvous step reads it again from the environment)
-    values = {"NNODES": f"{c.elastic.min_nodes}:{c.nnodes}" if c.elastic else c.nnodes, "NODE_RANK": c.node_rank, "MASTER_ADDR": c.master_addr,
-              "MASTER_PORT": c.master_port, "NPROC": c.nproc_per_node, "DEVICE": c.device,
+    values = {"NNODES": f"{c.elastic.min_nodes}:{c.nnodes}" if c.elastic else c.nnodes, "NODE_RANK": c.node_rank,
+              "MASTER_ADDR": c.master_addr, "MASTER_PORT": c.master_port, "NPROC": c.nproc_per_node, "DEVICE": c.device,
               "RDZV_TIMEOUT": c.rdzv_timeout, "WORLD": c.world_size}
     e = c.elastic
     values.update({"ELASTIC": int(e is not None), "MIN_NODES": e.min_nodes if e else c.nnodes, "MAX_NODES": c.nnodes,
@@ -54,7 +55,9 @@ def _cli_nodes(args) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sft.distributed", description="The launcher's environment contract and preflight rendezvous (finetune/launch.sh).")
+    parser = argparse.ArgumentParser(prog="python -m sft.distributed",
+                                     description="The launcher's environment contract and preflight rendezvous "
+                                                 "(finetune/launch.sh).")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, fn, text in (("plan", _cli_plan, "validate the environment, print the start line and shell assignments"),
                            ("rendezvous", _cli_rendezvous, "the preflight node rendezvous before torchrun")):

@@ -128,4 +128,5 @@ def choose_allocator(env: Mapping[str, str], device: str) -> tuple[str, dict[str
 
 def _quiet(env: Mapping[str, str]) -> dict[str, str]:
     """tcmalloc's large-alloc report threshold, unless the user set one."""
-    return {} if "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD" in env else {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": QUIET_THRESHOLD}
+    return {} if "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD" in env else \
+        {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": QUIET_THRESHOLD}

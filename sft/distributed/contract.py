@@ -255,7 +255,8 @@ def _check_master(master: str, node_rank: int, nnodes: int) -> list[str]:
     local = any(is_local_address(a) for a in addrs)
     if node_rank == 0 and not local:
         return [f"NODE_RANK=0 on {socket.gethostname()}, but MASTER_ADDR={master} is not an address of this host: "
-                "node rank 0 must run on MASTER_ADDR. Start this node with another NODE_RANK, or point MASTER_ADDR here"]
+                "node rank 0 must run on MASTER_ADDR. "
+                "Start this node with another NODE_RANK, or point MASTER_ADDR here"]
     if node_rank != 0 and local:
         return [f"NODE_RANK={node_rank}, but MASTER_ADDR={master} is this host ({socket.gethostname()}): the host "
                 "of MASTER_ADDR must be node rank 0. Give this node NODE_RANK=0, or MASTER_ADDR the master's address"]
@@ -347,7 +348,8 @@ def start_line(c: Contract, iface: str) -> str:
         role = "serves the rendezvous store" if e.store_host else "joins the rendezvous store"
         return (f"launch: elastic job {e.rdzv_id}: {e.min_nodes} to {c.nnodes} nodes (node ranks given by the "
                 f"rendezvous), {c.nproc_per_node} process(es) per node, up to {e.max_restarts} restart(s); this node "
-                f"{role} at {c.master_addr}:{c.master_port}, interface {iface}, backend {c.backend} (device {c.device})")
+                f"{role} at {c.master_addr}:{c.master_port}, interface {iface}, backend {c.backend} "
+                f"(device {c.device})")
     return (f"launch: node rank {c.node_rank} of {c.nnodes} nodes, {c.nproc_per_node} process(es) per node, "
             f"world size {c.world_size}, master {c.master_addr}:{c.master_port}, interface {iface}, "
             f"backend {c.backend} (device {c.device})")

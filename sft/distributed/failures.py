@@ -39,7 +39,8 @@ def explain_collective_failure(err: BaseException, timeout_s: Optional[float] = 
         who = (f"the peer at {m.group(1)} is node rank {peer['node_rank']} ({peer['host']}, global rank(s) "
                f"{', '.join(map(str, peer['ranks']))}); " if peer else f"the peer was {m.group(1)}; ")
     if "timed out" in lowered or "timeout" in lowered:
-        cause = f"a collective got no answer within --ddp_timeout {timeout_s:g} s" if timeout_s else "a collective timed out"
+        cause = (f"a collective got no answer within --ddp_timeout {timeout_s:g} s" if timeout_s
+                 else "a collective timed out")
     else:
         cause = "another process of the job went away"
     seen = ""
@@ -60,7 +61,8 @@ def last_seen(seen: dict, now_wall: float) -> str:
     for r, s in sorted(seen.items()):
         if s.beat is not None:
             groups.setdefault(watchdog.where(s.beat), []).append((r, s.beat["since"]))
-    return "; ".join(f"rank(s) {watchdog.rank_ranges([r for r, _ in rs])} in {w} (since {max(0.0, now_wall - min(t for _, t in rs)):.0f} s)"
+    return "; ".join(f"rank(s) {watchdog.rank_ranges([r for r, _ in rs])} in {w} "
+                     f"(since {max(0.0, now_wall - min(t for _, t in rs)):.0f} s)"
                      for w, rs in groups.items())
 
 

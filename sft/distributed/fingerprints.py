@@ -59,7 +59,8 @@ def input_fingerprint(model_path: str, data_files: dict[str, str]) -> dict:
 
 
 def _rank_info() -> dict:
-    node_rank = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))  # torchrun sets GROUP_RANK, Ray Train NODE_RANK
+    # torchrun sets GROUP_RANK, Ray Train NODE_RANK
+    node_rank = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
     return {"rank": int(os.environ.get("RANK", "0")), "node_rank": int(node_rank),
             "host": socket.gethostname(),
             "addr": route_source(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "1")))}
@@ -111,11 +112,13 @@ def check_same_inputs(model_path: str, data_files: dict[str, Optional[str]]) -> 
     if world_size() == 1:
         return {}
     files = {flag: path for flag, path in data_files.items() if path}
-    mine = {**_rank_info(), "fp": input_fingerprint(model_path, files), "where": {f"{f} file": p for f, p in files.items()}}
+    mine = {**_rank_info(), "fp": input_fingerprint(model_path, files),
+            "where": {f"{f} file": p for f, p in files.items()}}
     infos = gather_objects(mine)
     peers: dict[str, dict] = {}
     for info in infos:
-        peer = peers.setdefault(info["addr"] or "?", {"node_rank": info["node_rank"], "host": info["host"], "ranks": []})
+        peer = peers.setdefault(info["addr"] or "?",
+                                {"node_rank": info["node_rank"], "host": info["host"], "ranks": []})
         peer["ranks"].append(info["rank"])
     problems = compare_fingerprints(infos)
     if problems:

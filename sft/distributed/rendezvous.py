@@ -123,15 +123,16 @@ def _hello_problems(me: dict, nodes: dict, hello: dict) -> list[str]:
     r = hello["node_rank"]
     if r in nodes:
         first = nodes[r]
-        return [f"two nodes were started with NODE_RANK={r}: {first['host']}{' (' + first['addr'] + ')' if first.get('addr') else ''} "
+        return [f"two nodes were started with NODE_RANK={r}: "
+                f"{first['host']}{' (' + first['addr'] + ')' if first.get('addr') else ''} "
                 f"and {hello['host']} ({hello['addr']}); give every node its own NODE_RANK in 0..{me['nnodes'] - 1}"]
     p = []
     if hello.get("nnodes") != me["nnodes"]:
-        p.append(f"{_who(hello)} was started with NNODES={hello.get('nnodes')}, node rank 0 with NNODES={me['nnodes']}; "
-                 "give every node the same NNODES")
+        p.append(f"{_who(hello)} was started with NNODES={hello.get('nnodes')}, "
+                 f"node rank 0 with NNODES={me['nnodes']}; give every node the same NNODES")
     if hello.get("nproc_per_node") != me["nproc_per_node"]:
-        p.append(f"{_who(hello)} runs {hello.get('nproc_per_node')} process(es), node rank 0 runs {me['nproc_per_node']}; "
-                 "give every node the same GPUS_PER_NODE / NPROC_PER_NODE")
+        p.append(f"{_who(hello)} runs {hello.get('nproc_per_node')} process(es), "
+                 f"node rank 0 runs {me['nproc_per_node']}; give every node the same GPUS_PER_NODE / NPROC_PER_NODE")
     if hello.get("version") != me["version"]:
         p.append(f"{_who(hello)} runs sft {hello.get('version')}, node rank 0 runs {me['version']}; install the same "
                  "version on every node")
@@ -160,7 +161,8 @@ def _connect(c: Contract, deadline: float, unreachable, waiting=None) -> socket.
             return socket.create_connection((addrs[0], c.master_port),
                                             timeout=max(0.1, min(3.0, deadline - time.monotonic())))
         except OSError as e:
-            last = e.strerror or ("no answer (connection timed out)" if isinstance(e, TimeoutError) else type(e).__name__)
+            last = e.strerror or ("no answer (connection timed out)" if isinstance(e, TimeoutError)
+                                  else type(e).__name__)
         if time.monotonic() >= deadline:
             raise PreflightError(unreachable(last)) from None
         if waiting is not None and not said:

@@ -1,4 +1,5 @@
-"""torchrun (``torch.distributed.run``) as ``finetune/launch.sh`` starts it, with quiet ends on a signal or a failed worker.
+"""torchrun (``torch.distributed.run``) as ``finetune/launch.sh`` starts it, with quiet ends on a signal or a \
+failed worker.
 
 ``python -m sft.distributed.torchrun ARGS`` is ``python -m torch.distributed.run ARGS`` except for what two
 outcomes print:
@@ -240,7 +241,8 @@ class WorkerGuard(threading.Thread):
             return
         ranks = {pid: _rank_of(pid) for pid in _children()}  # a rank never heard from is named by its rank only
         self.end([pid for pid, rank in ranks.items() for n in named
-                  if (n.get("host") == HOST and int(n.get("pid", -1)) == pid) or ("pid" not in n and n.get("rank") == rank)],
+                  if (n.get("host") == HOST and int(n.get("pid", -1)) == pid)
+                  or ("pid" not in n and n.get("rank") == rank)],
                  "sft's progress watchers named it as not responding")
 
     def end(self, pids: list, why: str) -> None:

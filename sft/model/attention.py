@@ -19,7 +19,8 @@ the interface uses it: Llama/SmolLM2, Qwen2, Mistral, ...) instead cuts each row
 
 Document boundaries come from the batch when the collator gives them (``cu_seq_lens_q`` and ``max_length_q``, the
 keyword arguments of ``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` that transformers
-passes down to every attention call: :class:`sft.data.packing.PaddingFreeCollator`, :class:`sft.data.packing.PackedCollator`),
+passes down to every attention call: :class:`sft.data.packing.PaddingFreeCollator`, \
+:class:`sft.data.packing.PackedCollator`),
 so a layer on the GPU does not copy position ids to the host; otherwise from the position ids, as before.
 
 The matching mask function (``transformers.masking_utils.AttentionMaskInterface``) returns no mask when the model
@@ -51,7 +52,8 @@ from sft.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-PACKING_ATTENTION = ("sdpa", "flash_attention_2", "eager", "flex_attention")  # implementations that keep packed rows apart
+# implementations that keep packed rows apart
+PACKING_ATTENTION = ("sdpa", "flash_attention_2", "eager", "flex_attention")
 PACKED_ATTENTION = "sft_packed_sdpa"  # "sdpa" in the name: transformers checks that the model supports SDPA
 
 
@@ -274,7 +276,8 @@ def _base(model):
 
 def use_packed_attention(model) -> bool:
     """Switch ``model`` (a transformers model, or a peft model around one) to :data:`PACKED_ATTENTION` when it runs
-    ``sdpa`` or ``flash_attention_2`` and has no soft cap and no sliding window in use; turn its KV cache off either way.
+    ``sdpa`` or ``flash_attention_2`` and has no soft cap and no sliding window in use; turn its KV cache off \
+either way.
 
     Returns:
         True when switched; False when the model keeps its implementation (packed rows then get transformers'
@@ -287,7 +290,8 @@ def use_packed_attention(model) -> bool:
     impl = attn_implementation(config)
     windowed = getattr(text, "use_sliding_window", False) or (
         getattr(text, "sliding_window", None) is not None and "use_sliding_window" not in text.to_dict())
-    if impl not in ("sdpa", "flash_attention_2") or windowed or getattr(text, "attn_logit_softcapping", None) is not None:
+    if (impl not in ("sdpa", "flash_attention_2") or windowed
+            or getattr(text, "attn_logit_softcapping", None) is not None):
         return False
     register()
     try:

@@ -72,7 +72,8 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
         if foreign:
             raise SFTError(f"{out_dir}: --overwrite replaces a model folder, but this one also holds "
                            f"{', '.join(foreign[:5])}; choose another folder")
-    with explain_load_errors("tokenizer", adapter_dir, "the adapter folder should hold the tokenizer finetune.py saved"):
+    with explain_load_errors("tokenizer", adapter_dir,
+                             "the adapter folder should hold the tokenizer finetune.py saved"):
         tok = transformers.AutoTokenizer.from_pretrained(adapter_dir)
     require_vocabulary(tok, adapter_dir, "the adapter folder should hold the tokenizer finetune.py saved")
     with explain_load_errors("base model", base, "give the base model's folder with --base"):

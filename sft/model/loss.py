@@ -97,7 +97,8 @@ def supervised_lm_loss(hidden: torch.Tensor, shift_labels: torch.Tensor, head: t
         else:
             from torch.utils.checkpoint import checkpoint
 
-            total = sum(checkpoint(_chunk_loss_sum, states[i:i + chunk], targets[i:i + chunk], head, use_reentrant=False)
+            total = sum(checkpoint(_chunk_loss_sum, states[i:i + chunk], targets[i:i + chunk], head,
+                                   use_reentrant=False)
                         for i in range(0, states.shape[0], chunk))
     if num_items_in_batch is None:
         return total / torch.tensor(float(where.numel()), device=total.device)

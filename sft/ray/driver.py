@@ -58,9 +58,9 @@ def reserve_placement(strategy: str, num_workers: int, bundle: dict, timeout_s: 
     try:
         if not pg.wait(timeout_seconds=timeout_s):
             raise SFTError(f"Ray could not reserve {num_workers} x {bundle} with --placement_strategy {strategy} "
-                           f"within --placement_timeout {timeout_s:g} s, although the alive nodes can hold them: they are in use by "
-                           "other jobs (see `ray status`), or the timeout is too short for Ray to place them; free "
-                           "them, wait, or raise --placement_timeout")
+                           f"within --placement_timeout {timeout_s:g} s, although the alive nodes can hold them: "
+                           "they are in use by other jobs (see `ray status`), or the timeout is too short for Ray to "
+                           "place them; free them, wait, or raise --placement_timeout")
     finally:
         remove_placement_group(pg)
 
@@ -185,7 +185,8 @@ class _Signals:
             os.write(2, (f"ray: received {signal.Signals(signum).name}: asking every worker to finish its step, save a "
                          f"checkpoint and stop (exit {PREEMPTED_EXIT_CODE})\n").encode())
         else:
-            os.write(2, b"ray: already stopping: waiting for the workers' checkpoint (--preemption_timeout bounds it)\n")
+            os.write(2, b"ray: already stopping: waiting for the workers' checkpoint "
+                        b"(--preemption_timeout bounds it)\n")
 
 
 def _fit(trainer, coordinator, preemption_timeout: float):
@@ -284,7 +285,8 @@ def _train(ray_args: RayArguments, training_args, argv: list[str]) -> tuple[int,
     if problem:
         raise SFTError(problem)
     worker_argv = (["--bf16", "True"] if use_gpu else []) + argv
-    _print(f"ray: {len(nodes)} alive node(s); {num_workers} worker(s) x {bundle}, placement {ray_args.placement_strategy}")
+    _print(f"ray: {len(nodes)} alive node(s); {num_workers} worker(s) x {bundle}, "
+           f"placement {ray_args.placement_strategy}")
     reserve_placement(ray_args.placement_strategy, num_workers, bundle, ray_args.placement_timeout)
 
     # print() in the workers as-is (Ray Train's print patch would show every Trainer log line twice).

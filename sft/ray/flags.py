@@ -41,7 +41,8 @@ class RayArguments:
     gpus_per_worker: float = field(default=1.0, metadata={"help": "GPUs Ray reserves for each worker (with GPUs)."})
     placement_strategy: str = field(
         default="PACK",
-        metadata={"help": "How Ray places the workers on nodes: " + "; ".join(f"{k}: {v}" for k, v in STRATEGIES.items())
+        metadata={"help": "How Ray places the workers on nodes: "
+                  + "; ".join(f"{k}: {v}" for k, v in STRATEGIES.items())
                   + " (Ray placement group strategies)."},
     )
     placement_timeout: float = field(

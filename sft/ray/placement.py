@@ -8,7 +8,8 @@ from sft.ray.flags import RayArguments
 
 
 def worker_resources(r: RayArguments, use_gpu: bool) -> dict:
-    """One worker's Ray resources (one placement-group bundle), e.g. ``{"CPU": 1.0}`` or ``{"CPU": 1.0, "GPU": 1.0}``."""
+    """One worker's Ray resources (one placement-group bundle), e.g. ``{"CPU": 1.0}`` or \
+``{"CPU": 1.0, "GPU": 1.0}``."""
     bundle = {"CPU": float(r.cpus_per_worker)}
     if use_gpu:
         bundle["GPU"] = float(r.gpus_per_worker)
@@ -32,7 +33,8 @@ def _node_line(n: dict) -> str:
 def placement_problem(nodes: list[dict], strategy: str, num_workers: int, bundle: dict) -> Optional[str]:
     """Why the alive ``nodes`` can never hold ``num_workers`` bundles under ``strategy``, or None when they can.
 
-    ``nodes``: entries of ``ray.nodes()`` (``Alive``, ``Resources`` = total, not free, resources, ``NodeManagerHostname``,
+    ``nodes``: entries of ``ray.nodes()`` (``Alive``, ``Resources`` = total, not free, resources, \
+``NodeManagerHostname``,
     ``NodeManagerAddress``). Rules follow Ray's placement group strategies: STRICT_SPREAD needs ``num_workers``
     distinct nodes that each fit one bundle; STRICT_PACK one node that fits all; PACK and SPREAD only the total.
     Resources used by other jobs are not counted here (that wait is bounded by ``--placement_timeout``).
@@ -41,8 +43,8 @@ def placement_problem(nodes: list[dict], strategy: str, num_workers: int, bundle
     seen = "; the cluster's alive nodes: " + (", ".join(_node_line(n) for n in alive) or "none")
     need = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
     if bundle.get("GPU", 0) > 0 and not any(n.get("Resources", {}).get("GPU", 0) > 0 for n in alive):
-        return (f"--use_gpu True: each of the {num_workers} worker(s) needs GPU {bundle['GPU']:g}, but no alive node of "
-                f"the cluster has a GPU{seen}. Fix: --use_gpu False (or leave --use_gpu out: GPUs are used when the "
+        return (f"--use_gpu True: each of the {num_workers} worker(s) needs GPU {bundle['GPU']:g}, but no alive node "
+                f"of the cluster has a GPU{seen}. Fix: --use_gpu False (or leave --use_gpu out: GPUs are used when the "
                 "cluster has them), or start Ray on GPU nodes")
     if strategy == "STRICT_SPREAD":
         ok = [n for n in alive if _fits(n.get("Resources", {}), bundle)]

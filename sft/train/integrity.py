@@ -106,7 +106,8 @@ def verify_entries(path: str, files: dict, rank: Optional[int] = None, saver: bo
             problems.append(f"{rel}{who} is missing")
             continue
         if size != entry["size"]:
-            problems.append(f"{rel}{who} has {size} bytes, the marker recorded {entry['size']} (truncated or rewritten)")
+            problems.append(f"{rel}{who} has {size} bytes, the marker recorded {entry['size']} "
+                            "(truncated or rewritten)")
         elif HASH in entry and file_digest(full) != entry[HASH]:
             problems.append(f"{rel}{who}: its {HASH} checksum differs from the one recorded when it was saved (the "
                             "bytes changed on disk)")

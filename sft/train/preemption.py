@@ -116,7 +116,8 @@ class PreemptionHandler(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.stopped_at is None:
-            for check in self.step_checks:  # on every rank at every step, even once signalled: a check may be a collective
+            # on every rank at every step, even once signalled: a check may be a collective
+            for check in self.step_checks:
                 reason = check()
                 if reason and self.signum is None:
                     logger.warning("preemption notice (rank %s): %s", os.environ.get("RANK", "0"), reason)
