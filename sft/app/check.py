@@ -5,6 +5,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from sft.app.specs import control_tokens_for, data_sources, preparation_spec
+from sft.app.validation import validate
+from sft.config.arguments import parse_args
+from sft.data.eval_split import empty_side_error, in_eval, record_key
+from sft.data.records import RecordCheck, iter_conversations, template_problem
+from sft.data.samples import encode_samples, lazy_refusal
 from sft.model.loading import load_tokenizer
 
 
@@ -17,12 +22,10 @@ def check_data(model_args, data_args, training_args) -> list[str]:
         SFTError: as :func:`control_tokens_for`, :func:`sft.data.records.RecordCheck.finish` and
             :func:`sft.model.loading.load_tokenizer`.
     """
-    from sft.data.records import RecordCheck, iter_conversations
 
     tok, eot, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir,
                                  model_args.chat_template)
     control = control_tokens_for(tok, data_args.system_message)
-    from sft.data.eval_split import empty_side_error, in_eval, record_key
 
     lines, ratio = [], data_args.eval_split_ratio
     split = ratio is not None and not data_args.eval_data_path
@@ -58,8 +61,6 @@ CHECK_ENCODED = 1000  # records per source that sft-check encodes unless --check
 def _encode(tok, eot: int, spec, path: str, check, batch: list) -> None:
     """Encode ``batch`` (conversations) as training does; the chat template's refusals become record problems in
     ``check``. Empties ``batch``."""
-    from sft.data.records import template_problem
-    from sft.data.samples import encode_samples, lazy_refusal
 
     if not batch:
         return
@@ -82,7 +83,6 @@ def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:
     Raises:
         SFTError: the first kind of problem found (every problem of that kind is listed).
     """
-    from sft.app.validation import validate
 
     validate(model_args, data_args, training_args, lora_args)
     return check_data(model_args, data_args, training_args) + ["configuration and data OK"]
@@ -90,6 +90,5 @@ def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:
 
 def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
     """Parse ``argv`` and :func:`check_parsed` it. Returns the summary lines."""
-    from sft.config.arguments import parse_args
 
     return check_parsed(*parse_args(argv, extra)[:4])

@@ -9,9 +9,14 @@ import math
 import os
 from typing import TYPE_CHECKING, Optional
 
+from sft.config.deepspeed import EXAMPLE, mismatch_problems
+from sft.data.sources import folder_problem
 from sft.distributed.process_group import NCCL_TRACE_DIR
-from sft.errors import ConfigError
-from sft.model.quantized import HUB_ID as _HUB_ID, importable
+from sft.errors import ConfigError, SFTError
+from sft.model.loading import read_chat_template
+from sft.model.quantized import HUB_ID as _HUB_ID, importable, model_folder, read_quantization, training_problems
+from sft.train.checkpoint import check_resume, check_zero_world_size, resolve_resume
+from sft.train.world_size import plan_world_size_change
 
 if TYPE_CHECKING:  # pragma: no cover
     from sft.config.arguments import DataArguments, LoraArguments, ModelArguments, TrainingArguments
@@ -46,8 +51,6 @@ def _check_chat_template(path: Optional[str]) -> list[str]:
     """``--chat_template``: a readable Jinja file (:func:`sft.model.loading.read_chat_template`)."""
     if path is None:
         return []
-    from sft.errors import SFTError
-    from sft.model.loading import read_chat_template
 
     try:
         read_chat_template(path)
@@ -57,8 +60,6 @@ def _check_chat_template(path: Optional[str]) -> list[str]:
 
 
 def _check_source(flag: str, path: str) -> list[str]:
-    from sft.data.sources import folder_problem
-
     if os.path.isdir(path):
         why = folder_problem(path)
         return [f"{flag} {path}: {why}"] if why else []
@@ -203,8 +204,6 @@ def _check_training(t) -> list[str]:
     p += t.parsed.deepspeed_problems
     hf_ds = t.hf_deepspeed_config if t.deepspeed else None  # transformers sets it under --deepspeed
     if hf_ds is not None and hf_ds.mismatches:
-        from sft.config.deepspeed import mismatch_problems
-
         p += mismatch_problems(t.parsed.deepspeed, hf_ds.mismatches)
     for name in t.report_to or []:
         if name in _REPORTERS and not importable(*_REPORTERS[name]):
@@ -216,7 +215,6 @@ def _check_training(t) -> list[str]:
 
 def _check_quantized_base(model_args, t, lora_args):
     """Problems of a pre-quantized base (:mod:`sft.model.quantized`) and its kind (None: not pre-quantized)."""
-    from sft.model.quantized import model_folder, read_quantization, training_problems
 
     folder = model_folder(model_args.model_name_or_path)
     q = read_quantization(folder) if folder else None
@@ -228,8 +226,6 @@ def _check_quantized_base(model_args, t, lora_args):
 def _check_lora(model_args, t, lora_args) -> list[str]:
     p, prequantized = _check_quantized_base(model_args, t, lora_args)
     if lora_args.q_lora:
-        from sft.config.deepspeed import EXAMPLE
-
         if not t.use_lora:
             p.append("--q_lora True: Q-LoRA trains a LoRA adapter on the 4-bit base model; add --use_lora True")
         if not importable("bitsandbytes") and (prequantized is None or prequantized.bnb_4bit):
@@ -276,7 +272,6 @@ def _check_output(t) -> list[str]:
         p.append(f"--output_dir {out}: {parent} is a file, so the folder cannot be created; choose another path")
     elif not os.access(parent, os.W_OK | os.X_OK):
         p.append(f"--output_dir {out}: {parent} is not writable; choose a folder you can write to")
-    from sft.train.checkpoint import check_resume
 
     # under torchrun each rank verifies the files it wrote (sft.train.integrity); a lone check verifies all of them
     rank = t.process_index if "WORLD_SIZE" in os.environ else None
@@ -284,13 +279,10 @@ def _check_output(t) -> list[str]:
                                                   rank, t.should_save)
     p += resume_problems
     if t.deepspeed and "WORLD_SIZE" in os.environ:  # a training process (torchrun, Ray); a lone check cannot know
-        from sft.train.checkpoint import check_zero_world_size
 
         p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]),
                                    t.parsed.zero_stage)
     if "WORLD_SIZE" in os.environ and not resume_problems:  # the global batch kept at another world size
-        from sft.train.checkpoint import resolve_resume
-        from sft.train.world_size import plan_world_size_change
 
         try:
             plan_world_size_change(resolve_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir),

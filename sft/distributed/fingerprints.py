@@ -12,6 +12,7 @@ import re
 import socket
 from typing import Optional
 
+from sft import __version__
 from sft.distributed.collectives import gather_objects, world_size
 from sft.distributed.contract import route_source
 from sft.errors import PreflightError
@@ -41,7 +42,6 @@ def input_fingerprint(model_path: str, data_files: dict[str, str]) -> dict:
 
     ``data_files`` maps a flag (``--data_path``) to the file it names on this node; the contents are compared,
     not the paths."""
-    from sft import __version__
 
     fp = {f"{flag} file": file_sha256(path) for flag, path in data_files.items()}
     cfg = _model_file(model_path, "config.json")

@@ -23,6 +23,12 @@ import socket
 import sys
 from typing import Mapping, Optional
 
+from sft.compat.accelerate import enable_fsdp_on_cpu
+from sft.compat.deepspeed import skip_shm_comm_op_build
+from sft.distributed import collectives, watchdog
+from sft.errors import ConfigError
+from sft.logs import release_import_notices
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -132,9 +138,9 @@ def init_process_group(backend: str | None, timeout_s: float, output_dir: Option
     GPUs but not for ``use_cpu`` runs, and accelerate 1.15 ``PartialState`` (MULTI_CPU branch) then calls
     ``init_process_group`` without it: a lost peer would block gloo for torch's 30-minute default.
     CUDA: accelerate 1.15 calls ``init_process_group`` without ``device_id``; NCCL then warns "Guessing device ID
-    based on global rank. This can cause a hang if rank to GPU mapping is heterogeneous" at the first barrier (seen
-    on an H200, issue 30). Here the group is bound to ``cuda:LOCAL_RANK`` (``torch.cuda.set_device`` first, as
-    torchrun's convention maps local rank to device), backend ``--ddp_backend`` or ``nccl``.
+    based on global rank. This can cause a hang if rank to GPU mapping is heterogeneous" at the first barrier.
+    Here the group is bound to ``cuda:LOCAL_RANK`` (``torch.cuda.set_device`` first, as torchrun's convention maps
+    local rank to device), backend ``--ddp_backend`` or ``nccl``.
     On CUDA the NCCL flight recorder is turned on first (:func:`flight_recorder_defaults`, dumps under
     ``output_dir``).
     Calling this first makes accelerate (and DeepSpeed) reuse our group. Returns True when it initialised the group.
@@ -164,16 +170,14 @@ def finish_process_group() -> None:
     """After a run that trained and saved: destroy the default process group, as torch asks before a process exits.
 
     Without it torch warns "destroy_process_group() was not called before program exit", and under gloo a rank
-    that leaves first was seen to abort at exit ("terminate called without an active exception", SIGABRT, exit
-    134: its communication threads were torn down with the interpreter; once in a full test run, FSDP2 full
-    fine-tuning, 2 processes). Every rank meets at a barrier first, so none destroys its group while another still
-    uses it. A no-op without a process group, and in a Ray worker (Ray Train owns that group: :mod:`sft.ray.worker`
+    that leaves first can abort at exit ("terminate called without an active exception", SIGABRT, exit 134: its
+    communication threads torn down with the interpreter). Every rank meets at a barrier first, so none destroys its
+    group while another still uses it. A no-op without a process group, and in a Ray worker (Ray Train owns that group: :mod:`sft.ray.worker`
     calls :func:`sft.app.train.train`, not this)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from sft.distributed import watchdog
 
     with watchdog.RECORD.wait("collective barrier (the end of the run)"):
         dist.barrier()
@@ -212,7 +216,6 @@ def start_runtime(training_args) -> Runtime:
         ConfigError: torchrun's variables are incomplete or garbled (e.g. ``LOCAL_RANK`` set without
             ``MASTER_ADDR``): the library's own sentence, exit code 2.
     """
-    from sft.errors import ConfigError
 
     runtime = current_runtime()
     if runtime is None:
@@ -260,8 +263,6 @@ def start_progress_watcher(training_args, env: Mapping[str, str] = os.environ):
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
     import uuid
-
-    from sft.distributed import collectives, watchdog
 
     timeout = hang_timeout_s(training_args.hang_timeout, training_args.ddp_timeout)
     running = watchdog.current()
@@ -312,9 +313,6 @@ def init_deepspeed_comm(training_args) -> None:
         return
     import torch
 
-    from sft.compat.deepspeed import skip_shm_comm_op_build
-    from sft.logs import release_import_notices
-
     release_import_notices("deepspeed")  # this run uses DeepSpeed: its import-time notices concern it
     deepspeed_cpu_default()
     skip_shm_comm_op_build()
@@ -339,7 +337,6 @@ def enable_fsdp(trainer) -> None:
     ``Accelerator`` (:class:`sft.train.trainer.Trainer`), before the model is prepared. GPU runs are untouched."""
     if trainer.args.fsdp_plugin_args is None or trainer.is_fsdp_enabled or not trainer.args.use_cpu:
         return
-    from sft.compat.accelerate import enable_fsdp_on_cpu
 
     if enable_fsdp_on_cpu(trainer.accelerator, trainer.args.fsdp_plugin_args):
         trainer.is_fsdp_enabled = True

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Mapping, Optional
 
+from sft import __version__
 from sft.distributed.contract import Contract, resolve
 from sft.errors import PreflightError
 
@@ -29,8 +30,6 @@ def preflight_enabled(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def _hello(c: Contract) -> dict:
-    from sft import __version__
-
     return {"node_rank": c.node_rank, "nnodes": c.nnodes, "nproc_per_node": c.nproc_per_node,
             "host": socket.gethostname(), "version": __version__}
 

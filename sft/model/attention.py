@@ -15,7 +15,8 @@ the interface uses it: Llama/SmolLM2, Qwen2, Mistral, ...) instead cuts each row
 * otherwise (CPU, fp32, dropout with torch's varlen, or neither kernel):
   ``torch.nn.functional.scaled_dot_product_attention`` with ``is_causal=True`` once per document, with no mask; on
   CUDA pinned to the flash and memory-efficient SDPA backends (``torch.nn.attention.sdpa_kernel``), never cuDNN's,
-  which plans anew for every new document length (measured on an H200: ~2.5 ms of host time per call, issue 30).
+  which plans anew for every new document length (~2.5 ms of host time per call on an H200: docs/benchmarks.md).
+
 
 Document boundaries come from the batch when the collator gives them (``cu_seq_lens_q`` and ``max_length_q``, the
 keyword arguments of ``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` that transformers

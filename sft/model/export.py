@@ -16,6 +16,7 @@ import transformers
 
 from sft.compat.peft import without_gptqmodel
 from sft.errors import SFTError, explain_load_errors
+from sft.logs import quiet_libraries
 from sft.model.loading import require_vocabulary
 from sft.model.quantized import loading_fix, merge_problem, read_quantization
 
@@ -40,8 +41,6 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
             or ``out_dir`` not empty without ``overwrite``.
     """
     from peft import PeftModel
-
-    from sft.logs import quiet_libraries
 
     quiet_libraries()
     cfg_path = os.path.join(adapter_dir, "adapter_config.json")
@@ -112,7 +111,6 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
 
 def generate_reply(model_dir: str, prompt: str, max_new_tokens: int = 48, system: Optional[str] = None) -> str:
     """Greedy reply of a saved model folder to one user message, rendered with its chat template."""
-    from sft.logs import quiet_libraries
 
     quiet_libraries()
     fix = "give a model folder written by finetune.py or scripts/merge_adapter.py"

@@ -7,8 +7,11 @@ from typing import Optional
 import torch
 import transformers
 
+from sft.compat.peft import without_gptqmodel
 from sft.data.chat import ENDOFTEXT, chat_token_ids, end_of_turn_id, ensure_chat_template
 from sft.errors import SFTError, explain_load_errors
+from sft.logs import release_import_notices
+from sft.model.quantized import loading_fix, model_folder, read_quantization
 from sft.model.spec import LoadSpec, LoraSpec
 
 logger = logging.getLogger(__name__)
@@ -162,7 +165,6 @@ def quantization_kwargs(compute_dtype: torch.dtype, device: torch.device) -> dic
     kernels are far slower). ``device_map`` puts the whole model on this process's own ``device``: under
     torchrun each rank loads its own replica (``{"": local_rank}`` on GPU), never ``"auto"`` sharding.
     """
-    from sft.logs import release_import_notices
 
     release_import_notices("bitsandbytes")
     q = transformers.BitsAndBytesConfig(
@@ -202,7 +204,6 @@ def load_model(path: str, tok, vocab_grew: bool, spec: LoadSpec = LoadSpec(), de
         SFTError: the folder cannot be loaded (the library's one-line reason is quoted, with the fix for a plain or
             a pre-quantized folder).
     """
-    from sft.model.quantized import loading_fix, model_folder, read_quantization
 
     folder = model_folder(path)
     q = read_quantization(folder) if folder else None
@@ -281,8 +282,6 @@ def apply_lora(model, tok, vocab_grew: bool, spec: LoraSpec = LoraSpec(), activa
     """
     from peft import LoraConfig, get_peft_model
 
-    from sft.compat.peft import without_gptqmodel
-
     mode = spec.train_embeddings
     if mode == "auto":
         train_emb, reason = chat_tokens_are_new(model, tok, vocab_grew)
@@ -345,8 +344,7 @@ def keep_lora_inputs_in_autocast_dtype(model) -> int:
     """Hook every LoRA layer of ``model`` so that, under autocast (``--bf16`` / ``--fp16`` outside DeepSpeed),
     its input (micro-batch tokens x hidden size, bf16) is not copied to fp32 and back where that is exact
     (:func:`_lora_input_cast`: ``--lora_dropout 0``, or evaluation): two full-size casts per targeted linear per
-    forward and two more in backward, ~800 copies a step at 30 layers x 7 projections (issue 30's profile counted
-    965). The adapter weights stay fp32 (the optimizer's master copy; autocast casts the small ``r x hidden``
+    forward and two more in backward, ~800 copies a step at 30 layers x 7 projections. The adapter weights stay fp32 (the optimizer's master copy; autocast casts the small ``r x hidden``
     matrices): ``tests/unit/model/test_lora_precision.py`` checks loss and gradients bitwise equal to peft's casting. Uses peft's ``cast_input_dtype_enabled`` switch (peft >= 0.15,
     ``peft.helpers.disable_input_dtype_casting``), set per call by :func:`_lora_input_cast`.
 

@@ -173,8 +173,8 @@ class AtomicCheckpoints(TrainerCallback):
     """Marks each checkpoint complete once every rank has saved it, then applies ``save_total_limit``.
 
     Construct with the user's ``--save_total_limit``; the Trainer's own rotation, which runs before the marker
-    exists, must be off (``save_total_limit`` None on its arguments: :func:`sft.app.settings.apply`), so that it
-    never deletes anything.
+    exists, must be off (``save_total_limit`` None on its arguments: :func:`sft.app.settings.apply_run_shape`), so
+    that it never deletes anything.
     """
 
     def __init__(self, save_total_limit: Optional[int], info: dict):

@@ -15,6 +15,7 @@ The planned peak (bytes) is the sum of
 * ``head``: the LM head's logits, upcast and gradient for every position when the head does not run at supervised
   positions only (:mod:`sft.model.loss`), else one chunk.
 
+
 Available (bytes): CUDA: free device memory + what this process already allocated (``torch.cuda.mem_get_info``);
 CPU: the resident set + ``MemAvailable`` (``/proc/meminfo``, or the cgroup's ``memory.max - memory.current`` when
 smaller) divided among the processes of this node. A plan fits when it is at most :data:`FIT` of available; the
@@ -45,6 +46,7 @@ import torch
 
 from sft.distributed.collectives import gather_objects, rank as global_rank
 from sft.errors import SFTError
+from sft.model.loss import MAX_LOGIT_ELEMENTS
 
 logger = logging.getLogger("sft")
 
@@ -317,7 +319,6 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
                     else saved_off * factor)
     vocab = _dim(config, "vocab_size", default=0)
     if supervised_head:  # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS fp32 logits, doubled by the softmax backward
-        from sft.model.loss import MAX_LOGIT_ELEMENTS
 
         head = 2 * 4 * min(int(tokens) * vocab, MAX_LOGIT_ELEMENTS)
     else:  # every position: logits, their fp32 upcast and the fp32 gradient of the log-softmax

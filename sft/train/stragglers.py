@@ -1,4 +1,4 @@
-"""The training loop's progress beats and the straggler report (issue 33; the watcher is
+"""The training loop's progress beats and the straggler report (the watcher that reads the beats is
 :mod:`sft.distributed.watchdog`).
 
 :class:`ProgressCallback` marks the phase of every optimizer step in this process's
@@ -42,7 +42,6 @@ logger = logging.getLogger("sft")
 # optimizer steps after each start left out of the straggler window: measured in the cluster tier under load, the
 # first window (steps 1-5) named an even run's rank at 1.53x; its later windows stayed at or under 1.28x
 WARMUP_STEPS = 2
-
 
 _SCHEDSTAT: dict = {}  # thread id -> an open descriptor of that thread's /proc/thread-self/schedstat (or -1)
 

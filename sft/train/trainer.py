@@ -15,6 +15,8 @@ import torch
 from transformers.trainer_pt_utils import BatchRebalanceSampler, LengthGroupedSampler
 
 from sft.compat.trainer import TrainerHooks
+from sft.distributed.process_group import enable_fsdp
+from sft.model.loss import compute_supervised_loss, shifted_labels
 
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
@@ -192,7 +194,6 @@ class Trainer(TrainerHooks):
         if (not self.supervised_head or return_outputs or not model.training or self.label_smoother is not None
                 or self.compute_loss_func is not None or "labels" not in inputs):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        from sft.model.loss import compute_supervised_loss, shifted_labels
 
         if self.supervised_counter is not None:
             self.supervised_counter.add_supervised(shifted_labels(inputs))
@@ -209,7 +210,6 @@ class Trainer(TrainerHooks):
         # transformers 5.24 calls this from __init__; the checks that follow in __init__ read is_fsdp_enabled,
         # and the model is prepared (fully_shard) only in train(), so the FSDP2 state is complete before both.
         super().create_accelerator_and_postprocess()
-        from sft.distributed.process_group import enable_fsdp
 
         enable_fsdp(self)
 

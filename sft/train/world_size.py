@@ -26,6 +26,7 @@ import json
 import os
 from typing import Optional
 
+from sft.compat.deepspeed import convert_to_universal, trainer_deepspeed_config
 from sft.errors import ConfigError
 from sft.fsio import atomic_write
 from sft.train.integrity import MARKER, read_marker
@@ -180,7 +181,6 @@ def _convert(checkpoint: str) -> None:
     step = os.path.basename(steps[-1])
     tmp = os.path.join(checkpoint, f".universal-tmp-{os.getpid()}")
     out = os.path.join(tmp, f"{step}_universal")
-    from sft.compat.deepspeed import convert_to_universal
 
     said = io.StringIO()
     try:
@@ -205,10 +205,8 @@ def deepspeed_config_objects(training_args, load_universal: bool = False):
     partitioned at another world size: :func:`ensure_universal`; install
     :func:`sft.compat.deepspeed.separate_zero3_universal_steps` too, without which ZeRO-3 full fine-tuning resumed
     with Adam's bias correction of a later step). Returns ``(hf_deepspeed_config, deepspeed_plugin)``, which
-    :func:`sft.app.settings.apply` puts on ``training_args`` before the Trainer is built."""
+    :func:`sft.app.settings.apply_run_shape` puts on ``training_args`` before the Trainer is built."""
     import copy
-
-    from sft.compat.deepspeed import trainer_deepspeed_config
 
     value = training_args.deepspeed  # the user's file path or dict: left unmodified
     if isinstance(value, dict):
