@@ -92,8 +92,8 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
 def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
     """``sft-show-sample MODEL_DIR DATA_FILE [--index 0] [--model_max_length N] [--system_message S]
     [--long_conversations split|truncate] [--mask_history] [--allow_dropped_content] [--chat_template FILE]``: print
-    the rendered training sample(s) of one record with the supervised tokens marked «like this» (several when a long conversation is split
-    or the chat template renders earlier turns differently once later turns exist)."""
+    the rendered training sample(s) of one record with the supervised tokens marked «like this» (several when a long
+    conversation is split or the chat template renders earlier turns differently once later turns exist)."""
     ap = argparse.ArgumentParser(prog="sft-show-sample", description=show_sample_main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("model_dir")
     ap.add_argument("data_file")
@@ -130,7 +130,8 @@ def _boolean(text: str) -> bool:
 
 
 def ray_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``sft-ray``: the Ray launcher (:func:`sft.ray.driver.main`; its import needs torch, so it runs under the policy)."""
+    """``sft-ray``: the Ray launcher (:func:`sft.ray.driver.main`; its import needs torch, so it runs under the
+    policy)."""
     def body():
         from sft.ray.driver import main
 

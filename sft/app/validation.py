@@ -182,8 +182,8 @@ def _check_training(t) -> list[str]:
         p.append(f"--hang_timeout {hang}: must be 0 (off) or a number of seconds >= 2 (e.g. 300)")
     elif hang and hang >= t.ddp_timeout:
         p.append(f"--hang_timeout {hang:g} with --ddp_timeout {t.ddp_timeout:g}: torch's timeout would end the job "
-                 "first, without naming the stuck rank; set --hang_timeout below --ddp_timeout (or leave it unset: 300, at "
-                 "most half of it)")
+                 "first, without naming the stuck rank; set --hang_timeout below --ddp_timeout (or leave it unset: "
+                 "300, at most half of it)")
     factor = t.straggler_factor
     if not (math.isfinite(factor) and (factor == 0 or factor > 1)):
         p.append(f"--straggler_factor {factor}: must be 0 (off) or a ratio > 1 (e.g. 1.5: 50% slower than the other "

@@ -1,1 +1,2 @@
-"""Configuration: the flags' dataclasses and YAML (parsing starts nothing), DeepSpeed / FSDP / JSON config checks, --bf16 auto."""
+"""Configuration: the flags' dataclasses and YAML (parsing starts nothing), DeepSpeed / FSDP / JSON config checks,
+--bf16 auto."""

@@ -114,8 +114,8 @@ class DataArguments:
                   "choices": ["split", "truncate"]},
     )
     mask_history: bool = field(default=False, metadata={
-        "help": "Train only the last assistant reply of each conversation; earlier replies are context (LLaMA-Factory's "
-                "mask_history). Default: every reply not marked \"train\": false / \"weight\": 0."})
+        "help": "Train only the last assistant reply of each conversation; earlier replies are context "
+                "(LLaMA-Factory's mask_history). Default: every reply not marked \"train\": false / \"weight\": 0."})
     allow_dropped_content: bool = field(default=False, metadata={
         "help": "Train a conversation even when the chat template drops part of it (e.g. reasoning it strips, or the "
                 "record's tools under a template that ignores tools); what it drops is counted in the log. Default: "
@@ -235,8 +235,8 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
     )
     hang_timeout: Optional[float] = field(default=None, metadata={"help": "Seconds without progress after which a "
         "stuck or frozen rank is named (rank, host, last step and phase) and the job ends with code 1 "
-        "(sft/distributed/watchdog.py; several processes under torchrun). Unset: 300, at most half of --ddp_timeout, at "
-        "least 30. 0: off."})
+        "(sft/distributed/watchdog.py; several processes under torchrun). Unset: 300, at most half of --ddp_timeout, "
+        "at least 30. 0: off."})
     straggler_factor: float = field(default=1.5, metadata={"help": "Name a rank whose forward time per token over "
         "the last --straggler_window steps is this many times the median of the other ranks' (sft/train/stragglers.py; "
         "checked at every logging step). 0: off."})
@@ -245,15 +245,17 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
     bf16: bool = field(default=False, metadata={"help": "Train in bfloat16: True, False (fp32) or auto (bf16 on a GPU "
                        "with it or a CPU with avx512_bf16 / amx_bf16, else fp32; sft/config/precision.py)."})
     lm_head_supervised_only: bool = field(default=True, metadata={"help": "Training: the LM head and loss only at "
-        "supervised positions (labels not -100), chunked (sft/model/loss.py); same loss and gradients. False: every position."})
+        "supervised positions (labels not -100), chunked (sft/model/loss.py); same loss and gradients. False: every "
+        "position."})
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={"help": "Padding-free micro batches: "
         "at most this many tokens each (the largest runs first; sft/train/trainer.py). Unset: micro batch x "
         "--model_max_length, lowered by the memory plan (sft/train/memory_plan.py) only when that does not fit."})
     memory_check: str = field(default="refuse", metadata={"choices": ["refuse", "warn", "off"], "help": "A memory plan "
-        "over 90%% of what is available (sft/train/memory_plan.py): exit 2 with the fixes, warn, or only log it. An unset "
-        "budget is lowered, then an unset --gradient_checkpointing turned on, when the plan does not fit."})
+        "over 90%% of what is available (sft/train/memory_plan.py): exit 2 with the fixes, warn, or only log it. An "
+        "unset budget is lowered, then an unset --gradient_checkpointing turned on, when the plan does not fit."})
     peak_tflops: Optional[float] = field(default=None, metadata={"help": "Peak TFLOP/s of one device, the denominator "
-        "of the logged MFU (e.g. 989 for an H100 SXM in dense bf16). Unset: a torch.matmul peak measured at the start."})
+        "of the logged MFU (e.g. 989 for an H100 SXM in dense bf16). Unset: a torch.matmul peak measured at the "
+        "start."})
 
     parsed: Parsed = field(init=False, default_factory=lambda: Parsed(), repr=False, metadata={
         "help": "What parsing learned beyond the flags' values (set by __post_init__; not a flag)."})
@@ -350,7 +352,8 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
         raise ConfigError([f"{message}; see finetune.py -h (sft-train -h) for the flags"])
 
     parser.error = error
-    next(a for a in parser_actions(parser) if a.dest == "bf16").type = parse_bf16  # True / False / auto (sft.config.precision)
+    # True / False / auto (sft.config.precision)
+    next(a for a in parser_actions(parser) if a.dest == "bf16").type = parse_bf16
     if config_path is not None:
         argv = yaml_to_argv(config_path, read_yaml(config_path, _flag_names(extra)), parser) + argv
     try:
@@ -361,6 +364,7 @@ def parse_args(argv: Optional[list[str]] = None, extra: tuple = ()):
             names = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
             unknown = [u for u in names if u[2:] not in known and not (u.startswith("--no_") and u[5:] in known)]
             raise ConfigError([f"unknown flag {u}" + suggest(u[2:], known).replace("'", "'--", 1)
-                               + "; see finetune.py -h (sft-train -h) for the flags" for u in unknown] or [str(e).strip()]) from None
+                               + "; see finetune.py -h (sft-train -h) for the flags" for u in unknown]
+                              or [str(e).strip()]) from None
         raise ConfigError([str(e).strip()]) from None
     return tuple(parsed[:len(ALL_DATACLASSES)]) + tuple(parsed[len(ALL_DATACLASSES):len(ALL_DATACLASSES) + len(extra)])

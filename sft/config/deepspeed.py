@@ -110,9 +110,9 @@ def read_ds_config(value: str, lr_scheduler_type: str) -> tuple[Optional[dict], 
     offload = (zero or {}).get("offload_optimizer") if isinstance(zero, dict) else None
     if (isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme") and "optimizer" not in config
             and config.get("zero_force_ds_cpu_optimizer", True) is not False):
-        problems.append(f"{flag}: offload_optimizer with transformers' optimizer needs \"zero_force_ds_cpu_optimizer\": "
-                        "false (as in ds_config_zero3_offload.json); or add an \"optimizer\" block to use "
-                        "DeepSpeedCPUAdam, which compiles C++ on first use")
+        problems.append(f"{flag}: offload_optimizer with transformers' optimizer needs "
+                        "\"zero_force_ds_cpu_optimizer\": false (as in ds_config_zero3_offload.json); or add an "
+                        "\"optimizer\" block to use DeepSpeedCPUAdam, which compiles C++ on first use")
     return (config if not problems else None), problems
 
 

@@ -42,7 +42,8 @@ def read_yaml(path: str, known: set[str]) -> dict:
     if not path or not os.path.exists(path):
         raise ConfigError([f"--config {path}: no such file; give the path of a YAML file of flag: value pairs"])
     if not os.path.isfile(path):
-        raise ConfigError([f"--config {path}: not a file (a directory?); give the path of a YAML file of flag: value pairs"])
+        raise ConfigError([f"--config {path}: not a file (a directory?); give the path of a YAML file of flag: "
+                           "value pairs"])
     try:
         with open(path, encoding="utf-8-sig") as f:
             data = yaml.safe_load(f)
@@ -54,7 +55,8 @@ def read_yaml(path: str, known: set[str]) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError([f"--config {path}: not UTF-8 text (byte {e.start}); save it as UTF-8"]) from None
     except OSError as e:  # unreadable: permissions, an I/O error
-        raise ConfigError([f"--config {path}: cannot be read ({e.strerror or e}); check the path and permissions"]) from None
+        raise ConfigError([f"--config {path}: cannot be read ({e.strerror or e}); check the path and "
+                           "permissions"]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -172,8 +172,8 @@ def finish_process_group() -> None:
     Without it torch warns "destroy_process_group() was not called before program exit", and under gloo a rank
     that leaves first can abort at exit ("terminate called without an active exception", SIGABRT, exit 134: its
     communication threads torn down with the interpreter). Every rank meets at a barrier first, so none destroys its
-    group while another still uses it. A no-op without a process group, and in a Ray worker (Ray Train owns that group: :mod:`sft.ray.worker`
-    calls :func:`sft.app.train.train`, not this)."""
+    group while another still uses it. A no-op without a process group, and in a Ray worker (Ray Train owns that
+    group: :mod:`sft.ray.worker` calls :func:`sft.app.train.train`, not this)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):

@@ -207,9 +207,9 @@ def verdict_lines(v: Verdict, seen: dict, now_wall: float, timeout_s: float, sto
             continue
         state = "and stopped answering (not responding)" if v.kind == "not responding" else "while its process runs"
         lines.append(f"hang: rank {b['rank']} (host {b['host']}, node rank {b['node_rank']}, pid {b['pid']}) made no "
-                     f"progress for {v.stalled_s:.0f} s {state}: its last beat ({max(0.0, now_wall - b.get('at', b['since'])):.0f}"
-                     f" s ago) had it in {where(b)} for {max(0.0, b.get('at', b['since']) - b['since']):.0f} s "
-                     f"(--hang_timeout {timeout_s:g})")
+                     f"progress for {v.stalled_s:.0f} s {state}: its last beat "
+                     f"({max(0.0, now_wall - b.get('at', b['since'])):.0f} s ago) had it in {where(b)} for "
+                     f"{max(0.0, b.get('at', b['since']) - b['since']):.0f} s (--hang_timeout {timeout_s:g})")
     return lines
 
 
@@ -240,9 +240,9 @@ def verdict_paragraph(v: Verdict, seen: dict, timeout_s: float, store: str) -> s
                 "fault, ranks calling different collectives) or a deadlock that every rank meets. Each rank's Python "
                 "stack above shows where it waits.")
     else:
-        head = (f"training stopped: rank(s) {rank_ranges(v.ranks)} made no progress for {v.stalled_s:.0f} s (--hang_timeout "
-                f"{timeout_s:g}) while their processes ran, behind the others: look at the stack the named rank(s) "
-                "wrote just above (a data loader that never returns, a deadlock, a hung file system).")
+        head = (f"training stopped: rank(s) {rank_ranges(v.ranks)} made no progress for {v.stalled_s:.0f} s "
+                f"(--hang_timeout {timeout_s:g}) while their processes ran, behind the others: look at the stack the "
+                "named rank(s) wrote just above (a data loader that never returns, a deadlock, a hung file system).")
     tail = (f" The other ranks waited: {waited}." if waited else "") + flight + (
         " Every process exits with code 1; an elastic job (NNODES=MIN:MAX) restarts from the last complete "
         "checkpoint without a node that stopped answering. --hang_timeout sets the wait (0: off).")

@@ -104,7 +104,8 @@ def choose_pad_token(tok, eot_id: int) -> bool:
     for cand in (ENDOFTEXT, tok.unk_token, tok.eos_token, tok.bos_token):
         if cand and cand in vocab and vocab[cand] != eot_id:
             tok.pad_token = cand
-            logger.info("pad token: %r (id %d) (was %r; it must not be the end-of-turn token)", cand, vocab[cand], before)
+            logger.info("pad token: %r (id %d) (was %r; it must not be the end-of-turn token)", cand, vocab[cand],
+                        before)
             return False
     tok.add_special_tokens({"pad_token": "<|pad|>"})
     logger.warning("pad token: added '<|pad|>' (id %d); no existing token could serve", tok.pad_token_id)
@@ -317,7 +318,8 @@ def apply_lora(model, tok, vocab_grew: bool, spec: LoraSpec = LoraSpec(), activa
     trainable, total = model.get_nb_trainable_parameters()
     logger.info("LoRA r=%d alpha=%d dropout=%.3g targets=%s: %d trainable of %d parameters (%.3f%%)",
                 spec.r, spec.alpha, spec.dropout,
-                sorted({n.rsplit(".", 1)[-1] for n in config.target_modules}) if isinstance(config.target_modules, (set, list)) else config.target_modules,
+                sorted({n.rsplit(".", 1)[-1] for n in config.target_modules})
+                if isinstance(config.target_modules, (set, list)) else config.target_modules,
                 trainable, total, 100.0 * trainable / total)
     logger.debug("LoRA inputs stay in the autocast dtype in %d layers", hooked)
     return model
@@ -344,9 +346,11 @@ def keep_lora_inputs_in_autocast_dtype(model) -> int:
     """Hook every LoRA layer of ``model`` so that, under autocast (``--bf16`` / ``--fp16`` outside DeepSpeed),
     its input (micro-batch tokens x hidden size, bf16) is not copied to fp32 and back where that is exact
     (:func:`_lora_input_cast`: ``--lora_dropout 0``, or evaluation): two full-size casts per targeted linear per
-    forward and two more in backward, ~800 copies a step at 30 layers x 7 projections. The adapter weights stay fp32 (the optimizer's master copy; autocast casts the small ``r x hidden``
-    matrices): ``tests/unit/model/test_lora_precision.py`` checks loss and gradients bitwise equal to peft's casting. Uses peft's ``cast_input_dtype_enabled`` switch (peft >= 0.15,
-    ``peft.helpers.disable_input_dtype_casting``), set per call by :func:`_lora_input_cast`.
+    forward and two more in backward, ~800 copies a step at 30 layers x 7 projections. The adapter weights stay fp32
+    (the optimizer's master copy; autocast casts the small ``r x hidden`` matrices):
+    ``tests/unit/model/test_lora_precision.py`` checks loss and gradients bitwise equal to peft's casting. Uses peft's
+    ``cast_input_dtype_enabled`` switch (peft >= 0.15, ``peft.helpers.disable_input_dtype_casting``), set per call by
+    :func:`_lora_input_cast`.
 
     Returns:
         The number of layers hooked.

@@ -70,7 +70,8 @@ def _node_drain_notice() -> Optional[str]:
     if info is None:
         return None
     deadline = f", deadline in {max(0.0, info.deadline_ms / 1000 - time.time()):.0f} s" if info.deadline_ms else ""
-    return f"Ray is draining node(s) {', '.join(n[:12] for n in info.preempted_node_ids)} (ranks {info.preempted_ranks}{deadline})"
+    return (f"Ray is draining node(s) {', '.join(n[:12] for n in info.preempted_node_ids)} "
+            f"(ranks {info.preempted_ranks}{deadline})")
 
 
 def train_worker(config: dict) -> None:

@@ -140,11 +140,10 @@ def rotate(output_dir: str, limit: Optional[int], best: Optional[str], verified:
 
     Kept: the newest complete checkpoint, the newest verified one and ``best`` always (so up to ``limit`` or 3,
     whichever is larger), then the newest complete others up to ``limit``. ``verified``: a checkpoint known to be
-    verified (the one just marked, whose files were hashed just now); without it the complete checkpoints are
-    verified newest first (:func:`verify`, reading their files) until one passes. Incomplete folders are deleted whenever
-    a complete one exists (they can only be leftovers of a killed write; call this only right after
-    :func:`mark_complete`, while no other process writes checkpoints here). ``limit`` None or <= 0
-    deletes nothing.
+    verified (the one just marked, whose files were hashed just now); without it the complete checkpoints are verified
+    newest first (:func:`verify`, reading their files) until one passes. Incomplete folders are deleted whenever a
+    complete one exists (they can only be leftovers of a killed write; call this only right after :func:`mark_complete`,
+    while no other process writes checkpoints here). ``limit`` None or <= 0 deletes nothing.
     """
     if not limit or limit <= 0:
         return []
@@ -331,7 +330,8 @@ def zero_world_size(path: str) -> Optional[int]:
     return len(ranks) or None
 
 
-UNIVERSAL_STAGES = (2, 3)  # ZeRO stages resumed at another world size through a universal checkpoint (sft.train.world_size)
+# ZeRO stages resumed at another world size through a universal checkpoint (sft.train.world_size)
+UNIVERSAL_STAGES = (2, 3)
 
 
 def check_zero_world_size(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool,

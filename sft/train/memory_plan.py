@@ -28,12 +28,12 @@ modules, casts, LoRA dropout and attention kernel); with gradient checkpointing,
 (the one recomputed and its gradients), but at least :data:`CHECKPOINTED_SHARE` of the plan without it. Elsewhere
 (DeepSpeed ZeRO-3, whose weights are partitioned, or a forward that fails) they are counted from the model's shape,
 after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4.1: the tensors
-each layer saves for backward, per token), redone for transformers' Llama / Qwen2 / Mistral layers (RMSNorm in fp32, rotary q and k, grouped KV heads, SwiGLU MLP,
-SDPA or flash kernels that keep no score matrix) and peft's LoRA (each adapted layer's input cast to the adapter's
-dtype, a dropout mask and output when ``lora_dropout > 0``); on SmolLM2-135M the count is within 4% of the
-measurement (1,360 vs 1,311 KiB per token; with LoRA r 16, dropout 0.05: 2,091 vs 2,033). Either is multiplied by
-:data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen): the peak of a step's activations
-over what forward keeps, measured.
+each layer saves for backward, per token), redone for transformers' Llama / Qwen2 / Mistral layers (RMSNorm in fp32,
+rotary q and k, grouped KV heads, SwiGLU MLP, SDPA or flash kernels that keep no score matrix) and peft's LoRA (each
+adapted layer's input cast to the adapter's dtype, a dropout mask and output when ``lora_dropout > 0``); on SmolLM2-135M
+the count is within 4% of the measurement (1,360 vs 1,311 KiB per token; with LoRA r 16, dropout 0.05: 2,091 vs 2,033).
+Either is multiplied by :data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen): the peak of a
+step's activations over what forward keeps, measured.
 """
 from __future__ import annotations
 
@@ -102,7 +102,8 @@ def activation_bytes_per_token(config, act_bytes: int, checkpointing: bool, lora
     layer = 2 * norm + attention + mlp
     if lora_in_bytes:  # q, k, v, gate, up read the normed hidden state; o reads q-sized, down reads i-sized inputs
         inputs = 5 * h + q + i
-        layer += (lora_in_bytes if lora_in_bytes != p else 0) * inputs + ((lora_in_bytes + 1) * inputs if lora_dropout else 0)
+        layer += ((lora_in_bytes if lora_in_bytes != p else 0) * inputs
+                  + ((lora_in_bytes + 1) * inputs if lora_dropout else 0))
     final = norm + p * h
     if checkpointing:
         return layers * p * h + layer + final
@@ -311,14 +312,16 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
         layers = _dim(config, "num_hidden_layers", "n_layer", default=1)
         saved_off, saved_on = total, layers * act_bytes * h + 2 * layer
     else:
-        saved_off, saved_on = (activation_bytes_per_token(config, act_bytes, on, lora_bytes, lora_dropout and bool(lora))
+        saved_off, saved_on = (activation_bytes_per_token(config, act_bytes, on, lora_bytes,
+                                                          lora_dropout and bool(lora))
                                for on in (False, True))
     frozen_base = sum(numel(p) for p in params) > 2 * n_trainable  # adapters, not the weights, are trained
     factor = BACKWARD_FACTOR_FROZEN if frozen_base else BACKWARD_FACTOR
     per_token = int(max(saved_on * factor, CHECKPOINTED_SHARE * saved_off * factor) if checkpointing
                     else saved_off * factor)
     vocab = _dim(config, "vocab_size", default=0)
-    if supervised_head:  # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS fp32 logits, doubled by the softmax backward
+    # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS fp32 logits, doubled by the softmax backward
+    if supervised_head:
 
         head = 2 * 4 * min(int(tokens) * vocab, MAX_LOGIT_ELEMENTS)
     else:  # every position: logits, their fp32 upcast and the fp32 gradient of the log-softmax
@@ -330,7 +333,8 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
 
 def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
     """The rank whose plan leaves the least room (its index and plan)."""
-    return min(enumerate(plans), key=lambda rp: (rp[1].available * FIT - rp[1].peak) if rp[1].available > 0 else float("inf"))
+    return min(enumerate(plans),
+               key=lambda rp: (rp[1].available * FIT - rp[1].peak) if rp[1].available > 0 else float("inf"))
 
 
 def fitting_tokens(p: MemoryPlan) -> int:
@@ -366,7 +370,8 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
         if budget_floor is not None and tokens >= budget_floor:
             budget = tokens
             logger.info("token budget %d per micro batch (unset --max_tokens_per_micro_batch: the largest micro batch, "
-                        "%d tokens, does not fit%s)", tokens, plans[0].tokens, " with gradient checkpointing" if on else "")
+                        "%d tokens, does not fit%s)", tokens, plans[0].tokens,
+                        " with gradient checkpointing" if on else "")
             plans = gather_objects(make_plan(on, tokens))
             break
         if requested is None and not on:

@@ -200,10 +200,13 @@ class Trainer(TrainerHooks):
         # The head runs outside the model's forward, which accelerate wraps in its mixed-precision autocast (bf16 on
         # CPU: bf16 base weights, fp32 LoRA adapters): the same autocast here, or F.linear meets fp32 x bf16.
         with self.accelerator.autocast():
-            loss = compute_supervised_loss(model, inputs, num_items_in_batch if self.model_accepts_loss_kwargs else None,
+            loss = compute_supervised_loss(model, inputs,
+                                           num_items_in_batch if self.model_accepts_loss_kwargs else None,
                                            head=self.model.get_output_embeddings())
-        if self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs and num_items_in_batch is not None:
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu)
+        if (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs
+                and num_items_in_batch is not None):
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
+                           else self.args.n_gpu)
         return loss
 
     def create_accelerator_and_postprocess(self):
@@ -247,7 +250,8 @@ class Trainer(TrainerHooks):
             self.train_batch_sampler.set_epoch(epoch)
 
     def train_sampler(self, train_dataset, default):
-        # The Trainer's own is a LengthGroupedSampler(batch_size, lengths=...) for train_sampling_strategy='group_by_length'.
+        # The Trainer's own is a LengthGroupedSampler(batch_size, lengths=...) for
+        # train_sampling_strategy='group_by_length'.
         if self.train_batch_sampler is not None:  # built on the training set (the Trainer passes its column subset)
             return self.train_batch_sampler
         sampler = default()

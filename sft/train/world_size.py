@@ -1,16 +1,16 @@
 """Resume at another world size with the configured global batch: gradient accumulation recomputed.
 
-A checkpoint's completion marker records the run shape that wrote it (:func:`sft.train.checkpoint.run_info`): world size,
-micro batch (``per_device_train_batch_size``), gradient accumulation and the global batch = micro batch x gradient
+A checkpoint's completion marker records the run shape that wrote it (:func:`sft.train.checkpoint.run_info`): world
+size, micro batch (``per_device_train_batch_size``), gradient accumulation and the global batch = micro batch x gradient
 accumulation x world size (samples per optimizer step; rows with ``--packing``). A run that resumes it with the same
-micro batch at another world size ``W'`` trains with gradient accumulation ``global batch / (micro batch x W')`` so
-that every optimizer step again consumes one global batch, and the data continues at the exact sample where the
-checkpoint stopped: the data set is the same for any world size (:func:`sft.data.dataset.in_record_order`), the sampler's
-order is a function of the seed and the epoch only (accelerate's ``SeedableRandomSampler``, or for padding-free
-micro batches :class:`sft.train.trainer.TokenBudgetBatchSampler`), the micro batches of that order go to the ranks in turn
-(accelerate's ``BatchSamplerShard``, or that sampler itself: micro batch ``i`` to rank ``i % W``), and
-transformers' Trainer skips ``(global step mod steps per epoch) x gradient accumulation`` micro batches per rank on
-resume, i.e. ``global step x global batch`` samples of the epoch's order, whatever the world size.
+micro batch at another world size ``W'`` trains with gradient accumulation ``global batch / (micro batch x W')`` so that
+every optimizer step again consumes one global batch, and the data continues at the exact sample where the checkpoint
+stopped: the data set is the same for any world size (:func:`sft.data.dataset.in_record_order`), the sampler's order is
+a function of the seed and the epoch only (accelerate's ``SeedableRandomSampler``, or for padding-free micro batches
+:class:`sft.train.trainer.TokenBudgetBatchSampler`), the micro batches of that order go to the ranks in turn
+(accelerate's ``BatchSamplerShard``, or that sampler itself: micro batch ``i`` to rank ``i % W``), and transformers'
+Trainer skips ``(global step mod steps per epoch) x gradient accumulation`` micro batches per rank on resume, i.e.
+``global step x global batch`` samples of the epoch's order, whatever the world size.
 
 The same command resumed at the world size a checkpoint was written at keeps that checkpoint's accumulation when
 an earlier resume at another world size had recomputed it (an elastic job's second round at 2 nodes, or a second
@@ -55,9 +55,9 @@ class WorldSizeChange:
         if self.old_world_size == self.world_size:
             return (f"resuming {self.checkpoint} at the world size {self.world_size} it was written at, with its "
                     f"gradient accumulation {self.grad_accum} (set by an earlier resume at another world size) instead "
-                    f"of the configured {self.old_grad_accum}, so micro batch {self.micro_batch} x gradient accumulation "
-                    f"{self.grad_accum} x world size {self.world_size} = global batch {self.global_batch} samples as "
-                    f"configured; optimizer, scheduler and data position carry over")
+                    f"of the configured {self.old_grad_accum}, so micro batch {self.micro_batch} x gradient "
+                    f"accumulation {self.grad_accum} x world size {self.world_size} = global batch {self.global_batch} "
+                    f"samples as configured; optimizer, scheduler and data position carry over")
         new_ranks = (f"; ranks {self.old_world_size}..{self.world_size - 1} have no RNG file in the checkpoint and "
                      "start from the RNG state --seed gives them" if self.world_size > self.old_world_size else "")
         return (f"resuming {self.checkpoint} (written at world size {self.old_world_size}) at world size "
@@ -107,11 +107,12 @@ def plan_world_size_change(checkpoint: Optional[str], world_size: int, micro_bat
         if saved["configured_gradient_accumulation_steps"] != grad_accum or saved["gradient_accumulation_steps"] == \
                 grad_accum:
             return None
-        return WorldSizeChange(checkpoint, w0, world_size, micro_batch, grad_accum, saved["gradient_accumulation_steps"],
-                               g)
+        return WorldSizeChange(checkpoint, w0, world_size, micro_batch, grad_accum,
+                               saved["gradient_accumulation_steps"], g)
     per_step = micro_batch * world_size
     if g % per_step:
-        fits = [w for w in range(1, g // micro_batch + 1) if (g // micro_batch) % w == 0] if g % micro_batch == 0 else []
+        fits = ([w for w in range(1, g // micro_batch + 1) if (g // micro_batch) % w == 0]
+                if g % micro_batch == 0 else [])
         raise ConfigError([
             f"resuming checkpoint {checkpoint}: it was written at world size {w0} with micro batch {micro_batch} "
             f"x gradient accumulation {saved['gradient_accumulation_steps']} x world size {w0} = global batch {g}; "
