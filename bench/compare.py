@@ -187,13 +187,13 @@ def worker(a) -> int:
     import torch
 
     from sft.logs import setup_logging
-    from sft.train.metrics import ThroughputCallback, head_flops_per_token, install, model_flops_per_token
+    from sft.train.metrics import ThroughputCallback, attach, head_flops_per_token, model_flops_per_token
 
     setup_logging()
     out_dir = tempfile.mkdtemp(prefix=f"sft-compare-{a.worker}-")
     if a.worker in ("trl", "trl-best"):
         trainer, extra = compare_peers.build_trl(a, out_dir, best=a.worker == "trl-best")
-        install(trainer, a.peak_tflops)
+        attach(trainer, a.peak_tflops)
     else:
         trainer, extra = build_ours(a, a.worker, out_dir)
         extra["attn"] = trainer.model.config._attn_implementation

@@ -356,10 +356,13 @@ def plot_loss_curve(log_history: list[dict], output_dir: str, name: str = "loss_
 
 def attach(trainer, peak_tflops: Optional[float] = None) -> ThroughputCallback:
     """Add a :class:`ThroughputCallback` to ``trainer`` ahead of the reporters, so that its figures reach the
-    console printer and TensorBoard in the same log line. Returns the callback."""
+    console printer and TensorBoard in the same log line. ``trainer``: sft's :class:`sft.train.trainer.Trainer` (its
+    ``supervised_head`` decides the FLOP count) or any ``transformers.Trainer`` (a peer's, in bench/compare.py: every
+    position). Returns the callback."""
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else torch.float32
-    cb = ThroughputCallback(trainer.model, peak_tflops * 1e12 if peak_tflops else None, dtype, trainer.supervised_head)
-    if trainer.supervised_head:
+    supervised_head = bool(getattr(trainer, "supervised_head", False))  # a peer's Trainer has no such attribute
+    cb = ThroughputCallback(trainer.model, peak_tflops * 1e12 if peak_tflops else None, dtype, supervised_head)
+    if supervised_head:
         trainer.supervised_counter = cb.counter
     trainer.callback_handler.callbacks.insert(0, cb)  # on_log runs in list order
     return cb

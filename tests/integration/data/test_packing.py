@@ -154,6 +154,7 @@ def test_an_unset_budget_is_micro_batch_x_max_length_and_lowered_when_memory_is_
     (memory made short by a plan whose available memory leaves room for about 100 tokens of activations)."""
     import dataclasses
 
+    import sft.app.train as app_train
     import sft.train.memory_plan as mp
 
     args = train_args(tiny_model_dir, toy_data, tmp_path / "a", "--per_device_train_batch_size", "8",
@@ -166,7 +167,7 @@ def test_an_unset_budget_is_micro_batch_x_max_length_and_lowered_when_memory_is_
         p = real_plan(*a, **kw)
         return dataclasses.replace(p, available=int((p.peak - p.activations + 100 * p.per_token) / mp.FIT) + 1)
 
-    monkeypatch.setattr(mp, "plan", short)
+    monkeypatch.setattr(app_train, "plan", short)  # where build_trainer's memory step calls it
     args = train_args(tiny_model_dir, toy_data, tmp_path / "b", "--per_device_train_batch_size", "8",
                       "--model_max_length", "64", "--max_steps", "1")
     with caplog.at_level(logging.INFO, logger="sft"):
