@@ -109,9 +109,8 @@ def run(model_args, data_args, training_args, lora_args, runtime: Runtime,
             files = {f"--data_path {p}" if len(sources["train"]) > 1 else "--data_path": p for p in sources["train"]}
             files.update({"--eval_data_path": p for p in sources["eval"]})
             peers = check_same_inputs(model_args.model_name_or_path, files)
-        resume = plan_resume(out, training_args.resume_from_checkpoint, training_args.overwrite_output_dir,
-                             world_size=runtime.world_size, rank=runtime.rank, saver=training_args.should_save,
-                             micro_batch=training_args.per_device_train_batch_size,
+        resume = plan_resume(out, training_args.resume_from_checkpoint, training_args.overwrite_output_dir, runtime,
+                             saver=training_args.should_save, micro_batch=training_args.per_device_train_batch_size,
                              grad_accum=training_args.gradient_accumulation_steps,
                              deepspeed=bool(training_args.deepspeed), timeout_s=training_args.ddp_timeout)
         line = elastic_start_line(os.environ, runtime.world_size, resume.checkpoint)

@@ -13,6 +13,7 @@ from typing import Optional
 
 from sft.compat.deepspeed import separate_zero3_universal_steps
 from sft.config.settings import DeepSpeedRebuild
+from sft.distributed.process_group import Runtime
 from sft.train.checkpoint import choose_resume, zero_world_size
 from sft.train.world_size import WorldSizeChange, ensure_universal, plan_world_size_change
 
@@ -45,18 +46,20 @@ class ResumePlan:
         return None
 
 
-def plan_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool, *,
-                world_size: int, rank: int, saver: bool, micro_batch: int, grad_accum: int, deepspeed: bool,
+def plan_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool,
+                runtime: Runtime, saver: bool, micro_batch: int, grad_accum: int, deepspeed: bool,
                 timeout_s: float) -> ResumePlan:
     """The :class:`ResumePlan` of this run: the checkpoint :func:`sft.train.checkpoint.choose_resume` takes (a
-    collective: call on every rank), the world-size change for ``world_size`` processes of ``micro_batch`` samples
-    with the configured ``grad_accum``, and under ``deepspeed`` a universal checkpoint made (by rank 0, within
-    ``timeout_s`` seconds for the others) when ZeRO's state was written at another world size.
+    collective: call on every rank; ``saver``: this rank writes the shared files), the world-size change for the
+    ``runtime``'s world size with ``micro_batch`` samples per rank and the configured ``grad_accum``, and under
+    ``deepspeed`` a universal checkpoint made (by rank 0, within ``timeout_s`` seconds for the others) when ZeRO's
+    state was written at another world size.
 
     Raises:
         CheckpointError: ``output_dir`` has complete checkpoints but none verifies.
         ConfigError: no gradient accumulation keeps the checkpoint's global batch at ``world_size``.
     """
+    world_size, rank = runtime.world_size, runtime.rank
     checkpoint = choose_resume(output_dir, resume_from_checkpoint, overwrite_output_dir, rank, saver)
     change = plan_world_size_change(checkpoint, world_size, micro_batch, grad_accum)
     rebuild = DeepSpeedRebuild.ACCUMULATION if change and deepspeed else DeepSpeedRebuild.NONE
