@@ -1,5 +1,6 @@
 """Fixtures shared by every tier, and the tiers themselves: each test is marked with its folder's tier and the
-run goes unit, integration, cluster. Helpers live in tests/helpers (``from tests.helpers.data import TOY, write_jsonl``)."""
+run goes unit, integration, cluster. Helpers live in tests/helpers
+(``from tests.helpers.data import TOY, write_jsonl``)."""
 import os
 import pathlib
 

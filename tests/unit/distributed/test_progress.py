@@ -48,7 +48,8 @@ def test_a_frozen_rank_is_named_before_the_ranks_that_wait_for_it():
     assert v.kind == "not responding" and v.ranks == [1] and v.stalled_s == 11.0
     line = verdict_lines(v, s, now_wall=1031.0, timeout_s=T, store="10.0.0.1:6001")[0]
     assert line.startswith("hang: rank 1 (host node1, node rank 0, pid 101) made no progress for 11 s and stopped "
-                           "answering") and "its last beat (31 s ago) had it in forward and backward of step 87 for 0 s" in line
+                           "answering") \
+        and "its last beat (31 s ago) had it in forward and backward of step 87 for 0 s" in line
     text = verdict_paragraph(v, s, T, "10.0.0.1:6001")
     assert "rank(s) 1 on host(s) node1 stopped answering" in text
     assert "The other ranks waited: rank(s) 0, 2-3 in forward and backward of step 87" in text
@@ -238,7 +239,8 @@ def test_the_launchers_guard_ends_a_stopped_worker_the_store_names():
             "--master_port", "6001", "/x/finetune.py", "--master_port", "7"]
     assert (_option(argv, "--master_addr"), _option(argv, "--master_port"), _option(argv, "--node_rank")) == \
         ("10.0.0.1", "6001", "1")
-    assert _option(["--nnodes=2:3", "f.py"], "--nnodes") == "2:3" and _option(["f.py", "--nnodes", "2"], "--nnodes") is None
+    assert _option(["--nnodes=2:3", "f.py"], "--nnodes") == "2:3" \
+        and _option(["f.py", "--nnodes", "2"], "--nnodes") is None
     server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=5))
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
