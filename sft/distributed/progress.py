@@ -37,6 +37,7 @@ rendezvous and its node is left out, as a dead one is. Standard library only (th
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -305,7 +306,7 @@ class Watcher(threading.Thread):
         self.tick = 0
         self.present: set = set()
         self.verdict: Optional[Verdict] = None
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def key(self, rank: int) -> str:
         return f"{KEY_PREFIX}/{self.token}/{rank}"
@@ -345,17 +346,26 @@ class Watcher(threading.Thread):
     def run(self) -> None:
         while True:  # the first beat at once: a rank frozen a moment after starting is still placed
             verdict = self.poll(time.monotonic())
-            if verdict is not None and not self._stop.is_set():
+            if verdict is not None and not self._stopping.is_set():
                 self.verdict = verdict
                 self.on_verdict(verdict, self)
                 return
-            if self._stop.wait(self.interval_s):
+            if self._stopping.wait(self.interval_s):
                 return
 
+    def start(self) -> None:
+        super().start()
+        atexit.register(self.stop, finished=False)  # a run that ends without stop(): an error, a preemption
+
     def stop(self, finished: bool = True) -> None:
-        """Stop the thread; with ``finished`` publish a last beat that says so (a rank that left cleanly is never
-        named while the others finish)."""
-        self._stop.set()
+        """Stop the thread and wait until it has left its store call, if any (at most :data:`STOP_WAIT_S`); with
+        ``finished`` then publish a last beat that says so (a rank that left cleanly is never named while the others
+        finish). Also called at interpreter exit: a daemon thread that comes back from a store call (C++) while
+        Python finalizes aborts the process ("terminate called without an active exception", exit 134 in place of
+        the run's own code)."""
+        self._stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(STOP_WAIT_S)
         if finished:
             self.record.set(FINISHED)
             with contextlib.suppress(Exception):
@@ -405,6 +415,9 @@ def set_current(watcher: Optional[Watcher]) -> None:
     """Make ``watcher`` this process's (:func:`sft.distributed.process_group.start_progress_watcher` starts it)."""
     global _WATCHER
     _WATCHER = watcher
+
+
+STOP_WAIT_S = 30.0  # the longest stop() waits for the watcher's store call in flight (each call has its timeout)
 
 
 def interval_for(timeout_s: float) -> float:

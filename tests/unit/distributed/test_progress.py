@@ -132,6 +132,42 @@ def test_watchers_over_a_real_store_name_the_rank_that_stopped(monkeypatch):
     assert ws[0].poll(8.0) is None and ws[0].seen[1].beat["phase"] == FINISHED
 
 
+class _SlowStore:
+    """A store whose ``set`` waits until released (an agent that answers late); counts the calls in flight."""
+
+    def __init__(self):
+        import threading
+
+        self.entered, self.release, self.in_flight = threading.Event(), threading.Event(), 0
+
+    def set(self, key, value):
+        self.in_flight += 1
+        self.entered.set()
+        self.release.wait(10)
+        self.in_flight -= 1
+
+    def check(self, keys):
+        return False
+
+
+def test_stop_waits_for_the_store_call_in_flight():
+    """stop() returns only after the watcher thread has left its store call: a daemon thread that comes back from a
+    store call (C++) while Python finalizes aborts the process (tests/integration/distributed/test_torchrun_quiet.py
+    shows the real exit); stop() also runs at exit for a run that ends without it."""
+    import threading
+
+    store = _SlowStore()
+    w = Watcher(store, "tok", 0, 2, timeout_s=0, interval_s=0.05,
+                identity={"host": "h", "pid": 1, "node_rank": 0, "local_rank": 0})
+    w.start()
+    assert store.entered.wait(10)
+    threading.Timer(0.3, store.release.set).start()
+    t0 = time.monotonic()
+    w.stop(finished=False)
+    assert time.monotonic() - t0 >= 0.2 and store.in_flight == 0 and not w.is_alive()
+    w.stop(finished=False)  # again (as at exit after a clean stop): returns at once
+
+
 def test_end_frozen_sibling_kills_only_a_worker_of_the_same_parent(tmp_path):
     """Two children of this test process stand for two workers of one agent: one stopped, the other ends it."""
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
