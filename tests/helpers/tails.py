@@ -134,7 +134,7 @@ def _log_files(item) -> tuple[list[str], int]:
                         mtime = os.stat(path).st_mtime
                     except OSError:
                         continue
-                    if mtime >= _started - 1:
+                    if mtime >= _started:
                         found[os.path.realpath(path)] = mtime
     newest = sorted(found, key=found.get)
     return newest[-MAX_FILES:], max(0, len(newest) - MAX_FILES)
