@@ -33,7 +33,8 @@ agent that stopped answering (SIGKILL: a stopped process ignores SIGTERM, and to
 with :data:`sft.errors.PEER_LOST_EXIT_CODE` (``os._exit``: the training thread may be blocked in C++). An
 elastic torchrun restarts the survivors from the last complete checkpoint; a frozen agent misses the next
 rendezvous and its node is left out, as a dead one is. Standard library only (the store client is made by
-:func:`sft.distributed.process_group.start_progress_watcher`).
+:func:`sft.distributed.process_group.start_progress_watcher`); over 400 lines because the beat, its judgment and the
+report of a hang are one protocol, read together.
 """
 from __future__ import annotations
 
@@ -307,6 +308,7 @@ class Watcher(threading.Thread):
         self.present: set = set()
         self.verdict: Optional[Verdict] = None
         self._stopping = threading.Event()
+        atexit.register(self.stop, finished=False)  # a run that ends without stop(): an error, a preemption
 
     def key(self, rank: int) -> str:
         return f"{KEY_PREFIX}/{self.token}/{rank}"
@@ -353,19 +355,13 @@ class Watcher(threading.Thread):
             if self._stopping.wait(self.interval_s):
                 return
 
-    def start(self) -> None:
-        super().start()
-        atexit.register(self.stop, finished=False)  # a run that ends without stop(): an error, a preemption
-
     def stop(self, finished: bool = True) -> None:
-        """Stop the thread and wait until it has left its store call, if any (at most :data:`STOP_WAIT_S`); with
-        ``finished`` then publish a last beat that says so (a rank that left cleanly is never named while the others
-        finish). Also called at interpreter exit: a daemon thread that comes back from a store call (C++) while
-        Python finalizes aborts the process ("terminate called without an active exception", exit 134 in place of
-        the run's own code)."""
+        """Stop the thread and wait (30 s at most) until it has left its store call: a daemon thread that comes back
+        from C++ while Python finalizes aborts the process (exit 134). Also runs at exit. With ``finished``, publish
+        a last beat that says so (a rank that left cleanly is never named while the others finish)."""
         self._stopping.set()
         if self.is_alive() and threading.current_thread() is not self:
-            self.join(STOP_WAIT_S)
+            self.join(30.0)
         if finished:
             self.record.set(FINISHED)
             with contextlib.suppress(Exception):
@@ -415,9 +411,6 @@ def set_current(watcher: Optional[Watcher]) -> None:
     """Make ``watcher`` this process's (:func:`sft.distributed.process_group.start_progress_watcher` starts it)."""
     global _WATCHER
     _WATCHER = watcher
-
-
-STOP_WAIT_S = 30.0  # the longest stop() waits for the watcher's store call in flight (each call has its timeout)
 
 
 def interval_for(timeout_s: float) -> float:
