@@ -149,7 +149,9 @@ def kill_at_random(cmd, out, log_path, rng, steps, sig=signal.SIGKILL) -> str:
         p = start(cmd, log)
         deadline = time.monotonic() + 600
         while p.poll() is None and time.monotonic() < deadline:
-            if any(s >= k and (phase == "save" or is_complete(c)) for s, c in checkpoint_dirs(out)):
+            seen = [s for s, c in checkpoint_dirs(out) if s >= k and (phase == "save" or is_complete(c))]
+            if seen:
+                k = seen[0]  # the checkpoint it waited for: the first at or after step k (--save_steps apart)
                 time.sleep(delay)
                 break
             time.sleep(0.005)

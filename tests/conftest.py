@@ -1,5 +1,6 @@
 """Fixtures shared by every tier, and the tiers themselves: each test is marked with its folder's tier and the
-run goes unit, integration, cluster. Helpers live in tests/helpers (``from tests.helpers.data import TOY, write_jsonl``)."""
+run goes unit, integration, cluster. Helpers live in tests/helpers
+(``from tests.helpers.data import TOY, write_jsonl``)."""
 import os
 import pathlib
 
@@ -20,8 +21,9 @@ from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
 
 TIERS = ("unit", "integration", "cluster")  # also the run order: the cheap tier fails first
-# the time budget: a line per tier at the end, the unit tier's guard, groups for side-by-side runs
-pytest_plugins = ["tests.helpers.budget"]
+# the time budget: a line per tier at the end, the unit tier's guard, groups for side-by-side runs; a failed test's
+# report shows the last lines of its processes' output and log files (tests/helpers/tails.py)
+pytest_plugins = ["tests.helpers.budget", "tests.helpers.tails"]
 TESTS = pathlib.Path(__file__).resolve().parent
 
 

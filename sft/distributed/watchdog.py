@@ -33,10 +33,12 @@ agent that stopped answering (SIGKILL: a stopped process ignores SIGTERM, and to
 with :data:`sft.errors.PEER_LOST_EXIT_CODE` (``os._exit``: the training thread may be blocked in C++). An
 elastic torchrun restarts the survivors from the last complete checkpoint; a frozen agent misses the next
 rendezvous and its node is left out, as a dead one is. Standard library only (the store client is made by
-:func:`sft.distributed.process_group.start_progress_watcher`).
+:func:`sft.distributed.process_group.start_progress_watcher`); over 400 lines because the beat, its judgment and the
+report of a hang are one protocol, read together.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -305,7 +307,8 @@ class Watcher(threading.Thread):
         self.tick = 0
         self.present: set = set()
         self.verdict: Optional[Verdict] = None
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
+        atexit.register(self.stop, finished=False)  # a run that ends without stop(): an error, a preemption
 
     def key(self, rank: int) -> str:
         return f"{KEY_PREFIX}/{self.token}/{rank}"
@@ -345,17 +348,20 @@ class Watcher(threading.Thread):
     def run(self) -> None:
         while True:  # the first beat at once: a rank frozen a moment after starting is still placed
             verdict = self.poll(time.monotonic())
-            if verdict is not None and not self._stop.is_set():
+            if verdict is not None and not self._stopping.is_set():
                 self.verdict = verdict
                 self.on_verdict(verdict, self)
                 return
-            if self._stop.wait(self.interval_s):
+            if self._stopping.wait(self.interval_s):
                 return
 
     def stop(self, finished: bool = True) -> None:
-        """Stop the thread; with ``finished`` publish a last beat that says so (a rank that left cleanly is never
-        named while the others finish)."""
-        self._stop.set()
+        """Stop the thread and wait (30 s at most) until it has left its store call: a daemon thread that comes back
+        from C++ while Python finalizes aborts the process (exit 134). Also runs at exit. With ``finished``, publish
+        a last beat that says so (a rank that left cleanly is never named while the others finish)."""
+        self._stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(30.0)
         if finished:
             self.record.set(FINISHED)
             with contextlib.suppress(Exception):

@@ -8,16 +8,18 @@ import pytest
 
 @pytest.fixture(scope="session")
 def cluster():
-    from tests.helpers import netns, slurm
+    from tests.helpers import netns, slurm, tails
 
     why = slurm.unavailable()  # root, namespaces; installs SLURM/munge/sshd when missing
     if why:
         pytest.skip(why)
     hosts = netns.Hosts(3, tag="slurm")
     c = slurm.Cluster(hosts)  # stops what it started and removes the hosts if it cannot start
+    tails.watch(c.dir)  # a failed test shows the daemons' logs (slurmctld, slurmd per host) written while it ran
     try:
         yield c
     finally:
+        tails.unwatch(c.dir)
         c.close()
         assert not c.leftovers(), f"left behind by the cluster: {c.leftovers()}"
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

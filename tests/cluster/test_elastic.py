@@ -110,7 +110,8 @@ def test_lost_nodes_a_spare_is_admitted_and_the_survivors_finish(make_hosts, job
         # a last call of 10 s: round 0 waits for the third node however the three start-ups spread under load
         env = node_env(NNODES="2:3", MASTER_ADDR=hosts.addrs[0], MASTER_PORT=6001, MAX_RESTARTS=2,
                        RDZV_ID="elastic-test", RDZV_TIMEOUT=120, RDZV_LAST_CALL_TIMEOUT=10)
-        return job.start(hosts.cmd(i, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, *_flags(out)]), env, f"node{i}")
+        return job.start(hosts.cmd(i, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, *_flags(out)]), env,
+                         f"node{i}")
 
     t0 = time.monotonic()
     for i in range(3):
@@ -148,7 +149,8 @@ def test_lost_nodes_a_spare_is_admitted_and_the_survivors_finish(make_hosts, job
     m = re.search(r"elastic: this round has world size 3 \(3 node\(s\)\); failures restarted so far on this node: "
                   r"[01] of 2; resuming from \S+/checkpoint-(\d+)", node0)
     assert m and int(m.group(1)) >= first_kill, job.tails()
-    assert re.search(r"torchrun: rendezvous elastic-test round 1: this node is node rank \d of 3 nodes", spare), job.tails()
+    assert re.search(r"torchrun: rendezvous elastic-test round 1: this node is node rank \d of 3 nodes", spare), \
+        job.tails()
     # host 1 froze: named by the survivors (one of its processes, with its host), then left out like a dead node
     assert re.search(r"hang: rank \d \(host node1, node rank \d, pid \d+\) made no progress for \d+ s and stopped "
                      r"answering", node0 + spare), job.tails()

@@ -53,7 +53,8 @@ def _cmdline(pid: int) -> list:
 
 def workers(pids) -> list:
     """The training workers among ``pids`` (``python -u .../finetune.py``, as torchrun starts them), by pid."""
-    return sorted(p for p in pids if (c := _cmdline(p)) and len(c) > 2 and c[1] == "-u" and c[2].endswith("finetune.py"))
+    return sorted(p for p in pids
+                  if (c := _cmdline(p)) and len(c) > 2 and c[1] == "-u" and c[2].endswith("finetune.py"))
 
 
 def wait_for(cond, job, what, limit=RUN_LIMIT_S):
@@ -129,7 +130,8 @@ def test_a_slowed_rank_is_named_then_frozen_it_ends_the_job(make_hosts, job, tmp
     node0 = job.text(0)
     assert rcs[0] == 1, job.tails()
     m = re.search(rf"hang: rank 1 \(host {hosts.hostnames[1]}, node rank 1, pid {worker[0]}\) made no progress for "
-                  rf"(\d+) s and stopped answering \(not responding\): its last beat \(\d+ s ago\) had it in (.+) of step "
+                  rf"(\d+) s and stopped answering \(not responding\): its last beat \(\d+ s ago\) had it in (.+) "
+                  rf"of step "
                   r"(\d+) for \d+ s", node0)
     assert m and int(m.group(1)) >= HANG_TIMEOUT, job.tails()
     assert "this process's Python stacks (rank 0" in node0 and "File " in node0, job.tails()

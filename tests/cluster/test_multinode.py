@@ -2,9 +2,9 @@
 
 Each node runs the real launcher in its own namespace (own address 10.213.0.x, own host name), by hand
 with the env contract (the SLURM and PBS scripts under a real slurmctld/slurmd and sshd are in
-tests/cluster/test_slurm.py, which shares this module's references). Losses and the saved adapter must equal a single-host run with
-the same world size, global batch and seed. Faults end within their timeouts with a message naming the
-problem. Traffic goes only to the namespaces made here; they are removed after each test (also on failure).
+tests/cluster/test_slurm.py, which shares this module's references). Losses and the saved adapter must equal a
+single-host run with the same world size, global batch and seed. Faults end within their timeouts with a message
+naming the problem. Traffic goes only to the namespaces made here; they are removed after each test (also on failure).
 
 Needs root (CI runs as root); skipped with the reason otherwise.
 """
@@ -273,7 +273,8 @@ def test_different_data_on_one_node(make_hosts, job, tmp_path, tiny_model_dir, d
     assert rcs == [2, 2] or all(rc != 0 for rc in rcs), job.tails()
     text = job.text(0)
     assert "the nodes do not train on the same inputs" in text, job.tails()
-    assert re.search(r"--data_path file differs between nodes: node rank 0 \(node0\): [0-9a-f]{12}\.\.\. \(\S+toy.jsonl\); "
+    assert re.search(r"--data_path file differs between nodes: node rank 0 \(node0\): [0-9a-f]{12}\.\.\. "
+                     r"\(\S+toy.jsonl\); "
                      r"node rank 1 \(node1\): [0-9a-f]{12}\.\.\. \(\S+toy-edited.jsonl\)", text), text
     assert "model config" not in text.split("the nodes do not train")[1].split("Copy the same")[0]  # only the data
 
@@ -286,13 +287,16 @@ def test_node_waits_for_a_slow_shard_longer_than_ddp_timeout(make_hosts, job, tm
     for i in range(400):
         r = TOY[i % len(TOY)]
         if i % 2 == 0:
-            r = {"id": f"long{i}", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                                                 {"role": "user", "content": long_turn}, {"role": "assistant", "content": "Ok."}]}
+            r = {"id": f"long{i}", "messages": [{"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": "Hello."},
+                                                 {"role": "user", "content": long_turn},
+                                                 {"role": "assistant", "content": "Ok."}]}
         rows.append(dict(r, id=f"{r['id']}-{i}"))
     slow = write_jsonl(tmp_path / "slow.jsonl", rows)
     hosts = make_hosts(2)
     start_by_hand(job, hosts, 2, tiny_model_dir, slow, tmp_path / "out",
-                  extra=["--ddp_timeout", "5", "--data_cache_dir", str(tmp_path / "cache"), "--model_max_length", "128"])
+                  extra=["--ddp_timeout", "5", "--data_cache_dir", str(tmp_path / "cache"),
+                         "--model_max_length", "128"])
     assert job.wait() == [0, 0], job.tails()
     text = job.text(1)
     assert f"rank 1: waiting for shard(s) 0 of 2 of {slow} from node(s) 0 (rank(s) 0)" in text, job.tails()

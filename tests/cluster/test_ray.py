@@ -142,7 +142,8 @@ def test_sigterm_under_strict_spread_then_resume_under_strict_pack(cluster, tmp_
     first = json.load(open(ckpts[-1] / "trainer_state.json"))["log_history"]
     logged = [h["step"] for h in state["log_history"] if "loss" in h]
     assert logged == list(range(1, steps + 1))  # steps before the stop kept, the rest trained once each
-    assert [h for h in state["log_history"] if h["step"] <= stopped and "loss" in h] == [h for h in first if "loss" in h]
+    assert [h for h in state["log_history"] if h["step"] <= stopped and "loss" in h] == \
+        [h for h in first if "loss" in h]
     where = placement(out)
     assert where["placement_strategy"] == "STRICT_PACK" and where["nodes"] == 1
     assert len({w["node_id"] for w in where["workers"]}) == 1
@@ -179,8 +180,9 @@ def test_ray_node_drain_ends_in_a_checkpoint(cluster, tmp_path, tiny_model_dir, 
     # The drain reaches the workers seconds after the test asks for it (the `ray drain-node` CLI starts, the GCS tells
     # Ray Train): 100 steps (~7 s on a fast CI machine) ended first. The run must outlast the notice, never the limit.
     out, steps = tmp_path / "out", 3000
-    p, log = launch(cluster, tmp_path, tiny_model_dir, data, out, "--ray_address", cluster.address, "--num_workers", "2",
-                    "--logging_steps", "1", steps=steps)  # --placement_strategy left at its default, PACK
+    # --placement_strategy left at its default, PACK
+    p, log = launch(cluster, tmp_path, tiny_model_dir, data, out, "--ray_address", cluster.address,
+                    "--num_workers", "2", "--logging_steps", "1", steps=steps)
     _wait_for(log, f"step 2/{steps}", p)
     ips = re.findall(r"\(ip=([0-9.]+), pid=\d+\) world_rank=\d", log.read_text(errors="replace"))  # Ray Train's report
     assert len(ips) == 2 and len(set(ips)) == 1, ips

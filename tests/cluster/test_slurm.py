@@ -369,8 +369,8 @@ def test_lost_node_requeues_the_job_and_the_rerun_resumes_to_the_uninterrupted_r
         info = cluster.wait_job(jid, ("COMPLETED", "FAILED", "NODE_FAIL", "CANCELLED", "TIMEOUT"), JOB_LIMIT_S)
         text = read(log)
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
-        print(f"\nlost node: requeued {ended:.1f} s after node2 died; the rerun ended {time.monotonic() - t_back:.0f} s "
-              "after node2's slurmd was back")
+        print(f"\nlost node: requeued {ended:.1f} s after node2 died; the rerun ended "
+              f"{time.monotonic() - t_back:.0f} s after node2's slurmd was back")
         rerun = text[len(first):]
         assert f"slurm: rerun 1 of job {jid}: an empty step 0 first" in rerun, rerun[-3000:]
         assert re.search(rf"resuming from \S*{re.escape(os.path.basename(resume_from))}\b", rerun), rerun[-3000:]

@@ -82,9 +82,10 @@ def tiny_qwen2_dir(zero_chat_rows: bool = False, seed: int = 0) -> str:
 
     def build(out):
         torch.manual_seed(seed)
-        cfg = Qwen2Config(vocab_size=151646, hidden_size=64, intermediate_size=128, initializer_range=0.1, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=151643, pad_token_id=None)
+        cfg = Qwen2Config(vocab_size=151646, hidden_size=64, intermediate_size=128, initializer_range=0.1,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None,
+                          eos_token_id=151643, pad_token_id=None)
         model = Qwen2ForCausalLM(cfg)
         if zero_chat_rows:
             with torch.no_grad():

@@ -41,7 +41,8 @@ case "$1 $2" in
   "-o show")  # FAKE_JOB: the job's `scontrol -o show job` line; FAKE_DOWN: a node shown DOWN, not responding
     if [[ "$3" == job && -n "${FAKE_JOB:-}" ]]; then echo "JobId=$4 $FAKE_JOB";
     elif [[ "$3" == node && "$4" == "${FAKE_DOWN:-}" ]]; then
-      echo "NodeName=$4 Arch=x86_64 State=DOWN+NOT_RESPONDING ThreadsPerCore=1 Reason=Not responding [root@2026-12-01T15:23:42]";
+      echo "NodeName=$4 Arch=x86_64 State=DOWN+NOT_RESPONDING ThreadsPerCore=1 \
+Reason=Not responding [root@2026-12-01T15:23:42]";
     elif [[ "$3" == node ]]; then echo "NodeName=$4 Arch=x86_64 State=ALLOCATED ThreadsPerCore=1";
     else echo "fake scontrol: unsupported: $*" >&2; exit 1; fi ;;
   *) echo "fake scontrol: unsupported: $*" >&2; exit 1 ;;

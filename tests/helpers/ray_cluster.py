@@ -53,7 +53,8 @@ class RayCluster:
         bin folder first on PATH, one thread per process."""
         e = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         e.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path,
-                  "OMP_NUM_THREADS": "1", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
+                  "OMP_NUM_THREADS": "1",
+                  "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
         e.update({k: str(v) for k, v in extra.items()})
         return e
 
@@ -66,7 +67,8 @@ class RayCluster:
     def node_ids(self) -> dict[str, str]:
         """``{node address: Ray node id}`` of the alive nodes, read from Ray by a driver on the head."""
         code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
-                "print(json.dumps({n['NodeManagerAddress']: n['NodeID'] for n in ray.nodes() if n['Alive']}))" % self.address)
+                "print(json.dumps({n['NodeManagerAddress']: n['NodeID'] for n in ray.nodes() if n['Alive']}))"
+                % self.address)
         r = subprocess.run(self.hosts.cmd(0, [sys.executable, "-c", code]), env=self.env(), capture_output=True,
                            text=True, timeout=180)
         if r.returncode != 0:

@@ -82,7 +82,8 @@ print("ok")
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2"}, {"WORLD_SIZE": "1", "RANK": "abc"}], ids=["no-master", "bad-rank"])
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2"}, {"WORLD_SIZE": "1", "RANK": "abc"}],
+                         ids=["no-master", "bad-rank"])
 def test_incomplete_torchrun_env_is_one_message_and_exit_2(tmp_path, tiny_model_dir, toy_data, env):
     """torchrun's variables incomplete or garbled: the runtime step (no longer parsing) still ends in one
     paragraph and exit 2, with the library's own sentence or ours, and no traceback."""

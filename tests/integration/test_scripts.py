@@ -21,7 +21,8 @@ def test_bash_syntax(path):
 
 
 def launch(*args, **env):
-    e = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR")}  # MASTER_PORT: the worker's
+    # MASTER_PORT: the worker's
+    e = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR")}
     e.update(env)
     return subprocess.run(["bash", os.path.join(ROOT, "finetune", "launch.sh"), *args], capture_output=True, text=True,
                           env=e, timeout=60)
@@ -47,9 +48,9 @@ def test_launcher_requires_model_and_data_and_has_help():
 
 def test_launcher_runs_from_any_directory_and_passes_flags(tmp_path):
     # finetune.py's own validation answers, proving the flags got through from another working directory
-    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), "-m", str(tmp_path / "nope"),
-                        "-d", str(tmp_path / "none.jsonl"), "--lora_r", "0"], capture_output=True, text=True,
-                       cwd=str(tmp_path), timeout=120)
+    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"),
+                        "-m", str(tmp_path / "nope"), "-d", str(tmp_path / "none.jsonl"), "--lora_r", "0"],
+                       capture_output=True, text=True, cwd=str(tmp_path), timeout=120)
     assert r.returncode == 2
     assert "--model_name_or_path" in r.stderr and "none.jsonl: no such file" in r.stderr and "--lora_r 0" in r.stderr
 
@@ -68,4 +69,5 @@ def test_relative_paths_are_relative_to_the_callers_directory(tiny_model_dir, to
 def test_preset_help_describes_the_preset():
     r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), "-h"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "LoRA on one node without DeepSpeed" in r.stdout and "NPROC_PER_NODE" in r.stdout and "--use_lora True" in r.stdout
+    assert r.returncode == 0 and "LoRA on one node without DeepSpeed" in r.stdout and "NPROC_PER_NODE" in r.stdout \
+        and "--use_lora True" in r.stdout

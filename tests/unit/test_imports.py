@@ -22,7 +22,8 @@ LAYERS = [  # top first; a folder entry ("sft.app.") covers the package and ever
     ("foundation", ("sft", "sft.errors", "sft.policy", "sft.logs", "sft.fsio")),
 ]
 # Names other packages keep internal without a leading underscore (module, name).
-INTERNAL = {("transformers.integrations.deepspeed", "HfTrainerDeepSpeedConfig"), ("deepspeed.checkpoint", "ds_to_universal")}
+INTERNAL = {("transformers.integrations.deepspeed", "HfTrainerDeepSpeedConfig"),
+            ("deepspeed.checkpoint", "ds_to_universal")}
 PUBLIC_UNDERSCORED = {"_exit", "_asdict", "_replace", "_fields", "_make"}  # os._exit, namedtuple's API
 
 
@@ -179,19 +180,21 @@ def test_private_names_of_other_packages_only_in_compat():
 
 
 def test_the_checks_catch_a_back_import_a_circle_and_a_private_name(tmp_path):
-    """The three checks fail on a copy of sft/ with a deliberate back-import (data -> launchers), a circle (two modules of
-    data importing each other) and a private import (a data module importing transformers' private name)."""
+    """The three checks fail on a copy of sft/ with a deliberate back-import (data -> launchers), a circle (two modules
+    of data importing each other) and a private import (a data module importing transformers' private name)."""
     import shutil
 
     shutil.copytree(pathlib.Path(ROOT, "sft"), tmp_path / "sft")
     records = tmp_path / "sft" / "data" / "records.py"
-    records.write_text(records.read_text(encoding="utf-8") + "\n\ndef _back():\n    from sft.ray.flags import RayArguments\n")
+    records.write_text(records.read_text(encoding="utf-8")
+                       + "\n\ndef _back():\n    from sft.ray.flags import RayArguments\n")
     (tmp_path / "sft" / "data" / "a.py").write_text("from sft.data import b\n")
     (tmp_path / "sft" / "data" / "b.py").write_text("import sft.data.a\n")
     (tmp_path / "sft" / "data" / "c.py").write_text(
         "from transformers.utils.chat_template_utils import _compile_jinja_template\n")
     back = back_imports(tmp_path)
-    assert len(back) == 1 and back[0].startswith("sft/data/records.py:") and "imports sft.ray.flags (launchers)" in back[0]
+    assert len(back) == 1 and back[0].startswith("sft/data/records.py:") \
+        and "imports sft.ray.flags (launchers)" in back[0]
     assert cycles(tmp_path) == [["sft.data.a", "sft.data.b"]]
     assert foreign_private_names(tmp_path) == [
         "sft/data/c.py:1: from transformers.utils.chat_template_utils import _compile_jinja_template "

@@ -15,12 +15,14 @@ def test_no_sys_path_edits_and_library_never_imports_entry_scripts():
     offenders = []
     for top in ("sft", "tests", "scripts", "bench", "finetune.py"):
         paths = [os.path.join(ROOT, top)] if top.endswith(".py") else [
-            os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, top)) for f in fs if f.endswith((".py", ".sh"))]
+            os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, top)) for f in fs
+            if f.endswith((".py", ".sh"))]
         for path in paths:
             text = open(path, encoding="utf-8").read()
             if any(e in text for e in edits):
                 offenders.append(os.path.relpath(path, ROOT))
-            if path.startswith(os.path.join(ROOT, "sft")) and re.search(r"^\s*(import finetune|from finetune)", text, re.M):
+            if path.startswith(os.path.join(ROOT, "sft")) and \
+                    re.search(r"^\s*(import finetune|from finetune)", text, re.M):
                 offenders.append(os.path.relpath(path, ROOT) + " imports finetune.py")
     assert offenders == []
 

@@ -1,7 +1,8 @@
 """Bad input found by an adversarial run, through real processes: merge/generate scripts, the launcher and its
 environment, torchrun, finetune.py without write permission, and merges of a trained adapter. Each case exits 2
 with a message naming what, where and the fix, with no traceback, and leaves the user's files alone. The
-in-process cases (sft.cli.train_main, the data/config corpus tables) are in tests/integration/app/test_bad_input_corpus.py."""
+in-process cases (sft.cli.train_main, the data/config corpus tables) are in
+tests/integration/app/test_bad_input_corpus.py."""
 import os
 import subprocess
 import sys
@@ -133,8 +134,8 @@ ENV_CORPUS = [
 
 @pytest.mark.parametrize("env,args,code,fragment", [c[1:] for c in ENV_CORPUS], ids=[c[0] for c in ENV_CORPUS])
 def test_launcher_env_corpus(tmp_path, env, args, code, fragment):
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "NPROC_PER_NODE", "GPUS_PER_NODE")}  # MASTER_PORT: the worker's
+    base = {k: v for k, v in os.environ.items()  # MASTER_PORT: the worker's
+            if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "NPROC_PER_NODE", "GPUS_PER_NODE")}
     argv = args or ["-m", "model", "-d", "data.jsonl"]
     r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), *argv],
                        capture_output=True, text=True, env={**base, **env, "PYTHON": sys.executable}, timeout=60,

@@ -23,7 +23,8 @@ NO_HOST = ["..", "a" * 70 + ".com"]  # an empty label / one over 63 characters: 
 def test_master_addr_that_is_no_host_name(name):
     from sft.distributed.contract import read_contract
 
-    with pytest.raises(ContractError, match=f"MASTER_ADDR={name}: does not resolve on this node \\(not a valid host name"):
+    with pytest.raises(ContractError,
+                       match=f"MASTER_ADDR={name}: does not resolve on this node \\(not a valid host name"):
         read_contract({"NNODES": "2", "MASTER_ADDR": name})
 
 

@@ -28,8 +28,8 @@ def test_two_steps_merge_generate(smol_dir, tmp_path):
     out, merged = tmp_path / "lora", tmp_path / "merged"
     env = {**os.environ, "PYTHON": sys.executable}
     env.pop("NPROC_PER_NODE", None)
-    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), "-m", smol_dir, "-d", data,
-                        "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
+    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_single_gpu.sh"), "-m", smol_dir,
+                        "-d", data, "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
                         "--gradient_accumulation_steps", "1", "--model_max_length", "128", "--lora_r", "8",
                         "--gradient_checkpointing", "False", "--disable_tqdm", "True"],
                        capture_output=True, text=True, timeout=600, env=env)

@@ -40,7 +40,8 @@ def test_torchrun_rank_waits_for_a_slow_shard_past_ddp_timeout(tiny_model_dir, t
     --ddp_timeout 5 s (a collective would have died), then both train."""
     long_turn = "many words in a long question " * 1500
     rows = [dict(TOY[i % len(TOY)], id=f"r{i}") if i % 2 else
-            {"id": f"long{i}", "messages": [{"role": "user", "content": long_turn}, {"role": "assistant", "content": "Ok."}]}
+            {"id": f"long{i}", "messages": [{"role": "user", "content": long_turn},
+                                            {"role": "assistant", "content": "Ok."}]}
             for i in range(800)]
     data = write_jsonl(tmp_path / "slow.jsonl", rows)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

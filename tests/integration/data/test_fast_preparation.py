@@ -124,9 +124,9 @@ def test_tokenizer_threads_leave_the_users_choice(monkeypatch):
 
 
 def test_memoized_sandbox_renders_and_refuses_as_transformers(smol_tok, qwen_tok, chitchat_messages):
-    """The chat template compiled with the memoized attribute check (sft.data.chat_template.compile_template) renders what
-    apply_chat_template renders, and still refuses what the sandbox refuses, also when the answer comes from the memo
-    (the second time)."""
+    """The chat template compiled with the memoized attribute check (sft.data.chat_template.compile_template) renders
+    what apply_chat_template renders, and still refuses what the sandbox refuses, also when the answer comes from the
+    memo (the second time)."""
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 

@@ -27,8 +27,9 @@ def test_split_and_held_out_eval_train_with_loss_before_and_after(tiny_model_dir
     train_convs = [c for c in convs if not in_eval(record_key(c), 0.25, 0)]
     assert train_convs and eval_convs
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "sft", "train", "--model_name_or_path", tiny_model_dir, "--data_path", data,
-                        "--output_dir", str(out), "--use_lora", "True", "--lora_r", "8", "--lora_alpha", "32",
+    r = subprocess.run([sys.executable, "-m", "sft", "train", "--model_name_or_path", tiny_model_dir,
+                        "--data_path", data, "--output_dir", str(out), "--use_lora", "True", "--lora_r", "8",
+                        "--lora_alpha", "32",
                         "--lora_dropout", "0", "--learning_rate", "1e-1", "--max_steps", "6",
                         "--per_device_train_batch_size", "4", "--model_max_length", "64", "--eval_split_ratio", "0.25",
                         "--eval_on_start", "True", "--report_to", "none", "--save_strategy", "no",

@@ -20,7 +20,8 @@ def long_chat(n_pairs, system=None, sizes=None):
     for k in range(n_pairs):
         size = sizes[k] if sizes else 3 + (k * 7) % 11
         question = 3 if sizes else size
-        msgs.append({"role": "user", "content": f"question {k}: " + " ".join(WORDS[(k + i) % 16] for i in range(question))})
+        msgs.append({"role": "user",
+                     "content": f"question {k}: " + " ".join(WORDS[(k + i) % 16] for i in range(question))})
         msgs.append({"role": "assistant", "content": f"answer {k}: " + " ".join(WORDS[(k * 3 + i) % 16]
                                                                               for i in range(size + 2))})
     return msgs
@@ -135,9 +136,10 @@ def test_chitchat_split_supervises_every_reply_once(smol_tok):
 
 
 def test_a_plan_that_overflows_when_encoded_is_made_again(qwen_tok, monkeypatch):
-    """Token counts read off the conversation's encoding only plan the cuts; the samples are encoded for real and checked. Here
-    the first plan gets costs 10 tokens too low per pair (as a template whose turns do not add up would): its
-    samples overflow, the plan is made again with a smaller budget, and the result fits and covers every reply."""
+    """Token counts read off the conversation's encoding only plan the cuts; the samples are encoded for real and
+    checked. Here the first plan gets costs 10 tokens too low per pair (as a template whose turns do not add up
+    would): its samples overflow, the plan is made again with a smaller budget, and the result fits and covers every
+    reply."""
     import sft.data.long_conversations as lc
 
     tok, eot = qwen_tok
@@ -163,7 +165,8 @@ def test_show_sample_prints_every_sample_of_a_split_record(tmp_path, tiny_model_
     out = capsys.readouterr().out
     n = out.count("record 0 id=long: sample ")
     assert n > 3 and f"sample {n} of {n}:" in out and out.count("«answer ") == 12
-    assert show_sample_main([tiny_model_dir, path, "--model_max_length", "160", "--long_conversations", "truncate"]) == 0
+    assert show_sample_main([tiny_model_dir, path, "--model_max_length", "160",
+                             "--long_conversations", "truncate"]) == 0
     out = capsys.readouterr().out
     assert "sample 1 of" not in out and "truncated (" in out
 

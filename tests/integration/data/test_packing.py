@@ -144,11 +144,12 @@ def test_the_trainer_feeds_the_budgeted_micro_batches_largest_first(tiny_model_d
     assert len(rows) == len(sampler) and all(r.shape[0] == 1 and r.shape[1] <= 64 for r in rows)
     assert rows[0].shape[1] == sampler.largest_tokens == max(r.shape[1] for r in rows)
     plan_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan: weights"))
-    assert f"({sampler.largest_tokens} tokens in the largest micro batch" in plan_line and "checkpointing off" in plan_line
+    assert f"({sampler.largest_tokens} tokens in the largest micro batch" in plan_line \
+        and "checkpointing off" in plan_line
 
 
-def test_an_unset_budget_is_micro_batch_x_max_length_and_lowered_when_memory_is_short(tiny_model_dir, toy_data, tmp_path,
-                                                                                       caplog, monkeypatch):
+def test_an_unset_budget_is_micro_batch_x_max_length_and_lowered_when_memory_is_short(tiny_model_dir, toy_data,
+                                                                                       tmp_path, caplog, monkeypatch):
     """Unset, the token budget splits no micro batch (micro batch x --model_max_length); when the plan does not fit,
     the micro batches are formed again under the budget that fits, before gradient checkpointing is considered
     (memory made short by a plan whose available memory leaves room for about 100 tokens of activations)."""

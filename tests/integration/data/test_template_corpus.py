@@ -23,4 +23,5 @@ def test_every_real_template_trains_each_kind_by_the_definition_or_refuses_it_in
     trained = [sum(row[k].startswith("trains") for row in table.values()) for k in range(len(KINDS))]
     assert trained == [45, 46, 36], trained
     docs = open(os.path.join(ROOT, "docs", "data-format.md"), encoding="utf-8").read()
-    assert markdown_table(table) in docs, "docs/data-format.md: regenerate its table: python -m tests.helpers.template_corpus"
+    assert markdown_table(table) in docs, \
+        "docs/data-format.md: regenerate its table: python -m tests.helpers.template_corpus"

@@ -48,7 +48,8 @@ def test_auto_on_cpu_preloads_tcmalloc_and_quiets_its_large_alloc_reports(fake_l
 
 def test_the_users_preload_and_threshold_are_kept(fake_lib):
     path = os.path.join(fake_lib, "libtcmalloc_minimal.so.4")
-    env = {"LD_LIBRARY_PATH": fake_lib, "LD_PRELOAD": "/opt/libprofiler.so", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"}
+    env = {"LD_LIBRARY_PATH": fake_lib, "LD_PRELOAD": "/opt/libprofiler.so",
+           "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"}
     assert choose_allocator(env, "cpu")[1] == {"LD_PRELOAD": f"{path}:/opt/libprofiler.so"}
 
 
@@ -57,7 +58,8 @@ def test_the_users_preload_and_threshold_are_kept(fake_lib):
 def test_an_allocator_already_preloaded_is_left_alone_and_said(fake_lib, given):
     what, exports = choose_allocator({"LD_LIBRARY_PATH": fake_lib, "LD_PRELOAD": given}, "cpu")
     assert exports == {} and what.endswith("(LD_PRELOAD as given)")
-    what, exports = choose_allocator({"LD_LIBRARY_PATH": fake_lib, "LD_PRELOAD": given, "SFT_ALLOCATOR": "tcmalloc"}, "cpu")
+    what, exports = choose_allocator({"LD_LIBRARY_PATH": fake_lib, "LD_PRELOAD": given, "SFT_ALLOCATOR": "tcmalloc"},
+                                     "cpu")
     assert exports == {} and what.endswith("(LD_PRELOAD as given; SFT_ALLOCATOR=tcmalloc not applied)")
 
 
@@ -154,7 +156,8 @@ def test_launch_preloads_tcmalloc_into_every_training_process(tmp_path, nproc, t
                        "libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'malloc' in l})\n"
                        f"open(os.path.join({str(tmp_path)!r}, 'rank' + rank), 'w').write(' '.join(libs))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "SFT_ALLOCATOR")}
-    env.update(SFT_PROGRAM=str(program), NPROC_PER_NODE=nproc, SFT_PREFLIGHT="0")  # MASTER_PORT: the worker's (tests/conftest.py)
+    # MASTER_PORT: the worker's (tests/conftest.py)
+    env.update(SFT_PROGRAM=str(program), NPROC_PER_NODE=nproc, SFT_PREFLIGHT="0")
     argv = ["bash", LAUNCH, "-m", str(tiny_model_dir), "-d", str(toy_data), "--output_dir", str(tmp_path / "out")]
     r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr

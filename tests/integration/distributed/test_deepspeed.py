@@ -123,7 +123,8 @@ def reload(cell, out, base_dir):
     if cell.startswith("full"):
         return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     extra = {}
-    if cell.startswith("gptq"):  # gptqmodel's torch kernel, as sft trains with on CPU (sft.model.loading.pre_quantized_kwargs)
+    # gptqmodel's torch kernel, as sft trains with on CPU (sft.model.loading.pre_quantized_kwargs)
+    if cell.startswith("gptq"):
         config = transformers.AutoConfig.from_pretrained(base_dir)
         config.quantization_config = {**config.quantization_config, "backend": "torch"}
         extra = {"config": config, "device_map": {"": "cpu"}}
@@ -195,10 +196,11 @@ def test_full_fine_tuning_same_loss_curve_under_ddp_zero2_zero3(runs):
 
 
 @pytest.mark.parametrize("cell,reference", [("full-ddp", "full-ddp-full-head"), ("full-zero2", "full-ddp-full-head"),
-                                            ("full-zero3", "full-ddp-full-head"), ("lora-zero2", "lora-zero2-full-head")])
+                                            ("full-zero3", "full-ddp-full-head"),
+                                            ("lora-zero2", "lora-zero2-full-head")])
 def test_supervised_only_lm_head_same_loss_curve_as_the_full_head(runs, cell, reference):
-    """The default (--lm_head_supervised_only True, sft/model/loss.py; tied embeddings, the real Qwen vocabulary) against
-    logits at every position: the first step's loss equal to 1e-6 relative and the 6-step curve within 2e-3 (the
+    """The default (--lm_head_supervised_only True, sft/model/loss.py; tied embeddings, the real Qwen vocabulary)
+    against logits at every position: the first step's loss equal to 1e-6 relative and the 6-step curve within 2e-3 (the
     sums run in another order; Adam amplifies it, as in the DDP / ZeRO comparison above)."""
     ours, ref = runs(cell)["ranks"][0]["losses"], runs(reference)["ranks"][0]["losses"]
     print(json.dumps({cell: ours, reference: ref}))

@@ -45,7 +45,8 @@ def test_kill9_and_resume_under_fsdp2_is_bit_exact(mode, saved, tmp_path):
     dicts): SIGKILL of the whole job after a checkpoint, then the same command again: every weight of the
     consolidated model, or every adapter tensor, equals the uninterrupted run's bit for bit. (LoRA was not exact
     in 1 of 4 runs until the matmul peak stopped drawing from the global RNG: issue 17, docs/fsdp.md; the
-    deterministic checks of that are in tests/unit/train/test_metrics.py and tests/integration/train/test_metrics.py.)"""
+    deterministic checks of that are in tests/unit/train/test_metrics.py and
+    tests/integration/train/test_metrics.py.)"""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kill_resume_loop.py"), "--iterations", "1",
                         "--mode", mode, "--steps", "6", "--save_steps", "2", "--nproc", "2", "--kill_seed", "4",
                         "--workdir", str(tmp_path), "--extra",

@@ -21,7 +21,8 @@ if [[ "$1 $2" == "-m sft.distributed.torchrun" && -n "${{FAKE_SIGNAL_THEN_FAIL:-
   trap "" TERM; sleep 0.5; kill -TERM "$PPID"; echo "torchrun 1" >> "$SFT_EXIT_CODE_FILE"; exit 1
 fi
 if [[ "$1 $2" == "-m sft.distributed.torchrun" ]]; then
-  trap 'kill "$nap"; if [[ -n "$FAKE_WORKER_CODE" ]]; then echo "$FAKE_WORKER_CODE" >> "$SFT_EXIT_CODE_FILE"; fi; exit "$FAKE_ON_TERM"' TERM
+  trap 'kill "$nap"; if [[ -n "$FAKE_WORKER_CODE" ]]; then echo "$FAKE_WORKER_CODE" >> "$SFT_EXIT_CODE_FILE"; fi; \
+exit "$FAKE_ON_TERM"' TERM
   sleep 60 >/dev/null 2>&1 & nap=$!
   touch "$FAKE_STARTED"; wait; exit 0
 fi
@@ -41,7 +42,8 @@ def test_preempted_only_when_the_run_stopped_for_the_signal(tmp_path, on_term, w
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
     started = tmp_path / "started"
-    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR")}  # MASTER_PORT: the worker's
+    # MASTER_PORT: the worker's
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR")}
     env.update(PYTHON=str(fake), NPROC_PER_NODE="2", SFT_PREFLIGHT="0", FAKE_ON_TERM=str(on_term),
                FAKE_WORKER_CODE=worker_code, FAKE_STARTED=str(started))
     p = subprocess.Popen(["bash", os.path.join(ROOT, "finetune", "launch.sh"), "-m", "M", "-d", "D"], env=env,
@@ -67,7 +69,8 @@ def test_a_signal_just_after_a_failure_keeps_the_failure(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR")}  # MASTER_PORT: the worker's
+    # MASTER_PORT: the worker's
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR")}
     env.update(PYTHON=str(fake), NPROC_PER_NODE="2", SFT_PREFLIGHT="0", FAKE_SIGNAL_THEN_FAIL="1")
     for _ in range(5):
         r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "launch.sh"), "-m", "M", "-d", "D"], env=env,

@@ -52,7 +52,8 @@ def test_ddp_timeout_bounds_gloo_collectives_on_cpu(tmp_path):
     env = pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                              "127.0.0.1", "--master_port", str(free_port()), str(worker), str(tmp_path / "o")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -67,7 +68,8 @@ def test_ddp_timeout_bounds_gloo_collectives_on_cpu(tmp_path):
 # ------------------------------------------------------------------------------------ scheduler scripts, locally
 
 FAKE_PRESET = """#!/usr/bin/env bash
-echo "node $NODE_RANK of $NNODES master $MASTER_ADDR:$MASTER_PORT host $(cat /proc/sys/kernel/hostname) args $*" >> "$SFT_NODES_LOG"
+echo "node $NODE_RANK of $NNODES master $MASTER_ADDR:$MASTER_PORT host $(cat /proc/sys/kernel/hostname) \
+args $*" >> "$SFT_NODES_LOG"
 if [[ "$NODE_RANK" == "${SFT_FAIL_RANK:-none}" ]]; then exit "${SFT_FAIL_CODE:-1}"; fi
 """
 
@@ -99,7 +101,8 @@ def test_slurm_ranks_master_and_requeue_on_preemption(tmp_path):
     # an ordinary failure is not requeued
     (tmp_path / "calls.log").unlink()
     env["SFT_FAIL_CODE"] = "1"
-    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
     assert r.returncode == 1 and "requeue" not in (tmp_path / "calls.log").read_text()
 
 
@@ -109,7 +112,8 @@ def test_slurm_node_failure_is_named_and_not_requeued_twice(tmp_path):
     also when a launcher exited 75. Without SLURM's requeue it says how to resume."""
     env, bin_dir = scheduler_env(tmp_path, SLURM_JOB_ID=1234, SLURM_NNODES=3, SLURM_JOB_NODELIST="a1,b2,c3",
                                  SFT_FAIL_RANK=1, SFT_FAIL_CODE=75, FAKE_DOWN="c3",
-                                 FAKE_JOB="JobName=sft JobState=COMPLETING Reason=None Requeue=1 Restarts=1 BatchFlag=1")
+                                 FAKE_JOB="JobName=sft JobState=COMPLETING Reason=None Requeue=1 Restarts=1 "
+                                          "BatchFlag=1")
     fake_slurm(bin_dir)
     script = os.path.join(ROOT, "scripts", "slurm_train.sh")
     r = subprocess.run(["bash", script, str(tmp_path / "preset.sh")], env=env, capture_output=True, text=True,
@@ -135,7 +139,8 @@ def test_slurm_script_outside_slurm_and_bad_preset(tmp_path):
     r = subprocess.run(["bash", script, "finetune_lora_single_gpu.sh"], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "SLURM_JOB_ID is not set: submit this script with sbatch" in r.stderr
     r = subprocess.run(["bash", script, "nope.sh"], env=env, capture_output=True, text=True)
-    assert r.returncode == 2 and "preset nope.sh: no such file" in r.stderr and "finetune_lora_single_gpu.sh" in r.stderr
+    assert r.returncode == 2 and "preset nope.sh: no such file" in r.stderr \
+        and "finetune_lora_single_gpu.sh" in r.stderr
     r = subprocess.run(["bash", script, "-h"], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "sbatch --nodes N" in r.stdout
 
@@ -146,8 +151,10 @@ def test_pbs_unique_hosts_distinct_ranks_and_failures(tmp_path):
     env, bin_dir = scheduler_env(tmp_path, PBS_NODEFILE=nodefile, PBS_JOBID="31.server", PBS_O_WORKDIR=tmp_path,
                                  SFT_SOMETHING="kept", UNRELATED="dropped", SFT_FAIL_RANK=2, SFT_FAIL_CODE=3)
     fake_ssh(bin_dir)  # runs locally with a clean environment, like sshd
-    (tmp_path / "preset.sh").write_text(FAKE_PRESET.replace("args $*", "args $* sft=${SFT_SOMETHING:-} other=${UNRELATED:-}"))
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pbs_train.sh"), str(tmp_path / "preset.sh"), "-d", "my data.jsonl"], env=env, capture_output=True, text=True, timeout=60, cwd="/")
+    (tmp_path / "preset.sh").write_text(FAKE_PRESET.replace("args $*",
+                                                            "args $* sft=${SFT_SOMETHING:-} other=${UNRELATED:-}"))
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pbs_train.sh"), str(tmp_path / "preset.sh"), "-d",
+                        "my data.jsonl"], env=env, capture_output=True, text=True, timeout=60, cwd="/")
     nodes = sorted((tmp_path / "nodes.log").read_text().splitlines())
     hostname = os.uname().nodename
     assert nodes == [f"node {i} of 3 master h1:10031 host {hostname} args -d my data.jsonl sft=kept other="
@@ -164,7 +171,8 @@ ELASTIC_PRESET = """#!/usr/bin/env bash
 if [[ "$NODE_RANK" == "${SFT_FAIL_RANK:-none}" ]]; then sleep "${SFT_FAIL_AFTER:-0}"; exit "${SFT_FAIL_CODE:-1}"; fi
 if [[ "$NODE_RANK" == "${SFT_SLOW_RANK:-none}" ]]; then sleep 30; fi
 sleep "${SFT_RUN_S:-1}"
-echo "node $NODE_RANK of $NNODES rdzv=${RDZV_ID:-} job=${SLURM_JOB_ID:-}${PBS_JOBID:-} restarts ${MAX_RESTARTS:-} finished" >> "$SFT_NODES_LOG"
+echo "node $NODE_RANK of $NNODES rdzv=${RDZV_ID:-} job=${SLURM_JOB_ID:-}${PBS_JOBID:-} \
+restarts ${MAX_RESTARTS:-} finished" >> "$SFT_NODES_LOG"
 """
 
 

@@ -75,7 +75,8 @@ def test_the_seed_command_flags_pass_the_check_on_a_gptq_folder(folders, capsys)
 
     d, _ = folders
     rc = check_main(["--model_name_or_path", tiny_gptq_dir(), "--data_path", f"{d}/toy.jsonl", "--output_dir",
-                     f"{d}/out", *QLORA, "--deepspeed", os.path.join(ROOT, "finetune", "ds_config_zero2.json"), "--report_to", "none"])
+                     f"{d}/out", *QLORA, "--deepspeed", os.path.join(ROOT, "finetune", "ds_config_zero2.json"),
+                     "--report_to", "none"])
     err = capsys.readouterr().err
     assert rc == 0, err[-2000:]
 

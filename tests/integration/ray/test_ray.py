@@ -37,7 +37,8 @@ def test_unreachable_ray_address_fails_at_once(tiny_model_dir, toy_data, tmp_pat
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nobody listens there now
-    assert f"--ray_address 127.0.0.1:{port}: no Ray head answers at 127.0.0.1:{port}" in _gcs_unreachable(f"127.0.0.1:{port}")
+    assert f"--ray_address 127.0.0.1:{port}: no Ray head answers at 127.0.0.1:{port}" in \
+        _gcs_unreachable(f"127.0.0.1:{port}")
     assert "--ray_address 10.0.0.1: not a Ray address; give HOST:PORT" in _gcs_unreachable("10.0.0.1")
     assert _gcs_unreachable("auto") is None and _gcs_unreachable("local") is None
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
@@ -58,5 +59,6 @@ def test_unreachable_ray_address_fails_at_once(tiny_model_dir, toy_data, tmp_pat
 def test_launcher_help_and_bad_preset():
     r = subprocess.run(["bash", RAY_SH, "-h"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "--placement_strategy S" in r.stdout and "--preset NAME" in r.stdout
-    r = subprocess.run(["bash", RAY_SH, "--preset", "lora", "-m", "x", "-d", "y"], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(["bash", RAY_SH, "--preset", "lora", "-m", "x", "-d", "y"], capture_output=True, text=True,
+                       timeout=30)
     assert r.returncode == 2 and "--preset lora: not a preset; choose full_ds, lora_ds" in r.stderr, r.stderr

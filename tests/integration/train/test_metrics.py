@@ -28,7 +28,8 @@ def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data,
 
     def counting(features):  # independent count: what the collator hands the model
         b = collate(features)
-        batches.append((int(b["attention_mask"].sum()), b["attention_mask"].numel(), int((b["labels"][:, 1:] != -100).sum())))
+        batches.append((int(b["attention_mask"].sum()), b["attention_mask"].numel(),
+                        int((b["labels"][:, 1:] != -100).sum())))
         return b
 
     trainer.data_collator = counting

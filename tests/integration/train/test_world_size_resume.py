@@ -127,8 +127,8 @@ def test_sharded_run_resumed_at_another_world_size(tmp_path, tiny_model_dir, eng
     _, two_steps, two_losses, two = _run(tmp_path, "two", 2, tiny_model_dir, data, 2, *flags, steps=4, save_steps=2,
                                          mode=mode)
     ckpt = str(tmp_path / "two-out" / "checkpoint-2")
-    log, steps, losses, one = _run(tmp_path, "one", 1, tiny_model_dir, data, 2, *flags, "--resume_from_checkpoint", ckpt,
-                                   steps=4, save_steps=2, mode=mode)
+    log, steps, losses, one = _run(tmp_path, "one", 1, tiny_model_dir, data, 2, *flags, "--resume_from_checkpoint",
+                                   ckpt, steps=4, save_steps=2, mode=mode)
     via = (" (ZeRO's optimizer state re-partitioned from the universal checkpoint global_step2_universal)"
            if engine.startswith("zero") else "")
     assert ("gradient accumulation 2 -> 4, so micro batch 2 x gradient accumulation 4 x world size 1 = global batch 8 "

@@ -58,7 +58,8 @@ def test_every_problem_at_once(tmp_path):
 
 
 def test_model_folder_without_config(tmp_path, toy_data):
-    m, d, t, l = parse_args(["--model_name_or_path", str(tmp_path), "--data_path", toy_data, "--output_dir", str(tmp_path / "o")])
+    m, d, t, l = parse_args(["--model_name_or_path", str(tmp_path), "--data_path", toy_data,
+                             "--output_dir", str(tmp_path / "o")])
     with pytest.raises(ConfigError, match="no config.json"):
         validate(m, d, t, l)
 

@@ -27,7 +27,8 @@ BAD_DS = [
     # (id, JSON text or None, extra flags ({c} = that JSON file, {d} = its folder), expected fragment)
     ("missing-file", None, ["--deepspeed", "{d}/nope.json"], "nope.json: no such file"),
     ("a-folder", None, ["--deepspeed", "{d}"], ": not a file; give a DeepSpeed JSON config"),
-    ("invalid-json", '{"zero_optimization": {"stage": 2,}}', ["--deepspeed", "{c}"], "invalid JSON at line 1 column 35"),
+    ("invalid-json", '{"zero_optimization": {"stage": 2,}}', ["--deepspeed", "{c}"],
+     "invalid JSON at line 1 column 35"),
     ("top-level-list", "[1, 2]", ["--deepspeed", "{c}"], "the top level is a JSON list"),
     ("bad-stage", '{"zero_optimization": {"stage": 5}}', ["--deepspeed", "{c}"], "stage must be 0, 1, 2 or 3 (got 5)"),
     ("scheduler-block", json.dumps(QWEN_ZERO2_WITH_WARMUPLR), ["--deepspeed", "{c}"],

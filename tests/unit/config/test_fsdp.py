@@ -1,7 +1,8 @@
 """FSDP2 settings checked in process, before any model is loaded: every bad ``--fsdp`` / ``--fsdp_config`` and
 every refused combination exits 2 with the reason, naming the flag and the fix; valid settings pass; the
 shipped configs pass our checks and become accelerate's FSDP2 plugin unchanged. FSDP2 training under torchrun
-is in tests/integration/distributed/test_deepspeed.py (the support matrix) and tests/integration/distributed/test_fsdp.py.
+is in tests/integration/distributed/test_deepspeed.py (the support matrix) and
+tests/integration/distributed/test_fsdp.py.
 """
 import json
 import os
@@ -96,7 +97,8 @@ def test_relative_config_path_names_the_shipped_file(tiny_model_dir, tmp_path, c
     rc, err = train(["--fsdp", "--fsdp_config", "fsdp_config_full_shard.json"], tiny_model_dir, tmp_path, capsys)
     from sft.config.fsdp import SHIPPED
 
-    assert rc == 2 and f"the shipped fsdp_config_full_shard.json is {os.path.join(SHIPPED, 'fsdp_config_full_shard.json')}" in err
+    assert rc == 2 and \
+        f"the shipped fsdp_config_full_shard.json is {os.path.join(SHIPPED, 'fsdp_config_full_shard.json')}" in err
 
 
 @pytest.mark.parametrize("fsdp", [[], ["True"], ["full_shard auto_wrap"]], ids=["bare", "True", "legacy-string"])

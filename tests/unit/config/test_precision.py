@@ -70,5 +70,6 @@ def test_command_line_auto_becomes_the_machines_choice(tmp_path):
 def test_yaml_auto_and_boolean(tmp_path):
     (tmp_path / "a.yaml").write_text("bf16: auto\n")
     (tmp_path / "b.yaml").write_text("bf16: true\n")
-    assert parse_args(["--config", str(tmp_path / "a.yaml"), "--output_dir", str(tmp_path / "o")])[2].bf16 is auto_bf16()[0]
+    assert parse_args(["--config", str(tmp_path / "a.yaml"), "--output_dir", str(tmp_path / "o")])[2].bf16 is \
+        auto_bf16()[0]
     assert parse_args(["--config", str(tmp_path / "b.yaml"), "--output_dir", str(tmp_path / "o")])[2].bf16 is True

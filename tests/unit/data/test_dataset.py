@@ -46,7 +46,8 @@ def test_cache_is_reused_and_keyed_on_settings(tmp_path, qwen_tok):
 
 def test_lazy_equals_eager_and_skips_empty(tmp_path, qwen_tok):
     tok, eot = qwen_tok
-    long_user = {"id": "long", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    long_user = {"id": "long", "messages": [{"role": "user", "content": "word " * 200},
+                                            {"role": "assistant", "content": "ok"}]}
     path = write_jsonl(tmp_path / "d.jsonl", [TOY[0], long_user, TOY[2]])
     spec = PreparationSpec(64, long_conversations="truncate", cache_dir=str(tmp_path / "c"))
     ds, _ = build_dataset([path], tok, eot, spec)

@@ -62,7 +62,8 @@ def test_a_split_that_leaves_one_side_empty_is_an_error():
 
 def test_eval_change_line():
     history = [{"eval_loss": 2.5, "step": 0}, {"loss": 2.0, "step": 4}, {"eval_loss": 1.25, "step": 8}]
-    assert log_eval_change(history, {"eval_loss": 1.25}, 8) == "eval loss 2.5000 (before training) -> 1.2500 (after step 8)"
+    assert log_eval_change(history, {"eval_loss": 1.25}, 8) == \
+        "eval loss 2.5000 (before training) -> 1.2500 (after step 8)"
     assert "pass --eval_on_start True" in log_eval_change(history[1:], {"eval_loss": 1.25}, 8)
 
 
@@ -84,7 +85,8 @@ CASES = [
      "evaluation needs --eval_data_path or --eval_split_ratio"),
     ("split-with-lazy", ["--long_conversations", "split", "--lazy_preprocess", "True"],
      "--long_conversations split with --lazy_preprocess True"),
-    ("long-conversations-unknown", ["--long_conversations", "drop"], "invalid choice: 'drop' (choose from 'split', 'truncate')"),
+    ("long-conversations-unknown", ["--long_conversations", "drop"],
+     "invalid choice: 'drop' (choose from 'split', 'truncate')"),
     ("split-holds-out-everything", ["--eval_split_ratio", "0.999999999"], "d.jsonl: --eval_split_ratio 0.999999999 "
      "held out all 8 records, leaving none to train on"),
     ("split-holds-out-nothing", ["--eval_split_ratio", "0.000000001"], "held out none of its 8 records"),

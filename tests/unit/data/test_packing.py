@@ -24,7 +24,8 @@ def test_best_fit_decreasing_fills_bins_within_capacity():
 
 
 def test_pack_dataset_rows_and_collator():
-    seqs = [{"input_ids": list(range(10 * k, 10 * k + n)), "labels": [IGNORE_INDEX] + list(range(10 * k + 1, 10 * k + n))}
+    seqs = [{"input_ids": list(range(10 * k, 10 * k + n)),
+             "labels": [IGNORE_INDEX] + list(range(10 * k + 1, 10 * k + n))}
             for k, n in enumerate([5, 3, 4, 2])]
     ds, report = pack_dataset(seqs, 8)
     assert report.rows == 2 and report.tokens == 14 and report.conversations == 4
@@ -36,7 +37,8 @@ def test_pack_dataset_rows_and_collator():
         for c_start in [i for i, p in enumerate(r["position_ids"]) if p == 0]:
             assert r["input_ids"][c_start] % 10 == 0
     batch = PackedCollator(pad_token_id=7)(rows)
-    # no attention_mask: documents come from positions, and their boundaries once per micro batch (sft/model/attention.py)
+    # no attention_mask: documents come from positions, and their boundaries once per micro batch
+    # (sft/model/attention.py)
     assert set(batch) == {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                           "max_length_k"}
     lengths = [len(r["input_ids"]) for r in rows]
@@ -87,5 +89,6 @@ def test_packed_rows_count_the_same_supervised_tokens_as_padded_batches(qwen_tok
     free = PaddingFreeCollator()(samples)  # --padding_free (the default): one row, no padding
     assert free["input_ids"].shape == (1, sum(len(s["input_ids"]) for s in samples)) and "attention_mask" not in free
     count = lambda b: int((b["labels"][..., 1:] != IGNORE_INDEX).sum())  # transformers 5.24 _get_num_items_in_batch
-    assert count(packed) == count(padded) == count(free) == sum(sum(x != IGNORE_INDEX for x in s["labels"]) for s in samples)
+    assert count(packed) == count(padded) == count(free) == \
+        sum(sum(x != IGNORE_INDEX for x in s["labels"]) for s in samples)
     assert count(padded) > 0

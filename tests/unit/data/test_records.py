@@ -10,16 +10,20 @@ from tests.helpers.data import TOY, write_jsonl
 U, A = {"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}
 
 BAD = {
-    "unknown role": ({"id": "r1", "conversations": [{"from": "bot", "value": "x"}, A]}, ["record 0", "id='r1'", "turn 0", "unknown role 'bot'", "aliases"]),
+    "unknown role": ({"id": "r1", "conversations": [{"from": "bot", "value": "x"}, A]},
+                     ["record 0", "id='r1'", "turn 0", "unknown role 'bot'", "aliases"]),
     "missing key": ({"id": "r2", "conversations": [{"from": "user"}, A]}, ["id='r2'", "turn 0", "missing key 'value'"]),
     "missing conversations": ({"id": "r3", "text": "hi"}, ["id='r3'", "missing key 'conversations'"]),
-    "not a string": ({"id": "r4", "conversations": [U, {"from": "assistant", "value": None}]}, ["turn 1", "'value' is null, not a string"]),
-    "number value": ({"id": "r5", "messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}]}, ["turn 0", "'content' is 5"]),
+    "not a string": ({"id": "r4", "conversations": [U, {"from": "assistant", "value": None}]},
+                     ["turn 1", "'value' is null, not a string"]),
+    "number value": ({"id": "r5", "messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}]},
+                     ["turn 0", "'content' is 5"]),
     "empty value": ({"id": "r6", "conversations": [U, {"from": "gpt", "value": "   "}]}, ["turn 1", "empty 'value'"]),
     "empty conversation": ({"id": "r7", "conversations": []}, ["id='r7'", "'conversations' is empty"]),
     "out of order": ({"id": "r8", "conversations": [U, U, A]}, ["turn 1", "roles out of order", "merge consecutive"]),
     "assistant first": ({"id": "r9", "conversations": [A, U, A]}, ["turn 0", "role assistant where user was expected"]),
-    "late system": ({"id": "r10", "conversations": [U, A, {"from": "system", "value": "s"}, U, A]}, ["turn 2", "system turn after the first"]),
+    "late system": ({"id": "r10", "conversations": [U, A, {"from": "system", "value": "s"}, U, A]},
+                    ["turn 2", "system turn after the first"]),
     "no assistant": ({"id": "r11", "conversations": [{"from": "system", "value": "s"}, U]}, ["no assistant turn"]),
     "trailing user": ({"id": "r12", "conversations": [U, A, U]}, ["turn 2", "last turn is from the user"]),
     "not an object": (["user", "hi"], ["record 0", "not an object"]),
@@ -60,12 +64,14 @@ def test_json_list_bom_and_roles(tmp_path):
     p.write_bytes(b"\xef\xbb\xbf" + json.dumps(TOY).encode("utf-8"))
     convs = load_conversations(str(p))
     assert len(convs) == len(TOY)
-    assert convs[0].messages == [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 is 4."}]
+    assert convs[0].messages == [{"role": "user", "content": "What is 2+2?"},
+                                 {"role": "assistant", "content": "2+2 is 4."}]
     assert convs[1].messages[0]["role"] == "system"
 
 
 def test_missing_id_uses_index(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "q"},
+                                                            {"role": "assistant", "content": "a"}]}])
     assert load_conversations(path)[0].id == "#0"
 
 

@@ -22,7 +22,8 @@ def test_json_list_is_parsed_across_chunk_boundaries(tmp_path, monkeypatch):
     p = tmp_path / "d.json"
     p.write_text(" [\n" + ",\n ".join(json.dumps(r) for r in TOY) + "\n]\n", encoding="utf-8")
     assert _ids(p) == [r["id"] for r in TOY]
-    p.write_text('[{"id": "a", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},\n'
+    p.write_text('[{"id": "a", "messages": [{"role": "user", "content": "x"}, '
+                 '{"role": "assistant", "content": "y"}]},\n'
                  ' {"id": "b" "messages": []}]', encoding="utf-8")
     with pytest.raises(DataError, match=r"d.json: line 2, column 13: not valid JSON \(Expecting ',' delimiter\)"):
         load_conversations(str(p))

@@ -209,7 +209,8 @@ KEYS_ONLY = ("{%- for message in messages %}{{- '<|im_start|>' + message['role']
              "['name'] + '(' }}{%- for k in c['function']['arguments'] %}{{- k + ',' }}{%- endfor %}"
              "{{- ')</tool_call>' }}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-NO_SYSTEM = ("{%- for message in messages %}{%- if message['role'] != 'system' %}{{- '<|im_start|>' + message['role'] + "
+NO_SYSTEM = ("{%- for message in messages %}{%- if message['role'] != 'system' %}"
+             "{{- '<|im_start|>' + message['role'] + "
              "'\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 

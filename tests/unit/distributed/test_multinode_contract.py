@@ -47,7 +47,8 @@ def test_defaults():
     ({"NNODES": "2", "MASTER_ADDR": "localhost"}, "MASTER_ADDR=localhost: a loopback address"),
     ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.5"}, "MASTER_ADDR=127.0.0.5: a loopback address"),
     # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never a local address; nothing is sent (bind only)
-    ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "192.0.2.7"}, "is not an address of this host: node rank 0 must run on MASTER_ADDR"),
+    ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "192.0.2.7"},
+     "is not an address of this host: node rank 0 must run on MASTER_ADDR"),
     ({"NNODES": "2", "MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR=no-such-host.invalid: does not resolve"),
 ])
 def test_contract_errors(env, fragment):
@@ -212,7 +213,8 @@ def test_lost_peer_is_named(monkeypatch):
     assert msg.startswith("training stopped: another process of the job went away; the peer at 10.213.0.3 is node "
                           "rank 2 (node2, global rank(s) 2)")
     reset = explain_collective_failure(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
-                                                      "error [10.213.0.3]:49827: Connection reset by peer."), 600, peers)
+                                                      "error [10.213.0.3]:49827: Connection reset by peer."), 600,
+                                       peers)
     assert "the peer at 10.213.0.3 is node rank 2 (node2, global rank(s) 2)" in reset
     timeout = explain_collective_failure(RuntimeError("[gloo] Timed out waiting 3000ms for recv operation"), 3)
     assert "no answer within --ddp_timeout 3 s" in timeout
@@ -286,7 +288,8 @@ def test_scheduler_nnodes_for_a_job_of_three_nodes(env, nnodes):
     ({"NNODES": "3:2"}, "NNODES=3:2: an elastic job needs MIN:MAX with whole numbers 1 <= MIN <= MAX; here MAX is the "
                         "job's 3 node(s) (SLURM_NNODES=3): give NNODES=MIN:3 or MIN_NODES=MIN"),
     ({"NNODES": ":3"}, "NNODES=:3: an elastic job needs MIN:MAX"),
-    ({"MIN_NODES": "1", "NNODES": "2:3"}, "MIN_NODES=1 and NNODES=2:3 ask for different minimums; set only one of them"),
+    ({"MIN_NODES": "1", "NNODES": "2:3"},
+     "MIN_NODES=1 and NNODES=2:3 ask for different minimums; set only one of them"),
 ])
 def test_scheduler_nnodes_errors_name_the_variable_the_allocation_and_the_fix(env, problem):
     with pytest.raises(ContractError) as e:

@@ -48,7 +48,8 @@ def test_a_frozen_rank_is_named_before_the_ranks_that_wait_for_it():
     assert v.kind == "not responding" and v.ranks == [1] and v.stalled_s == 11.0
     line = verdict_lines(v, s, now_wall=1031.0, timeout_s=T, store="10.0.0.1:6001")[0]
     assert line.startswith("hang: rank 1 (host node1, node rank 0, pid 101) made no progress for 11 s and stopped "
-                           "answering") and "its last beat (31 s ago) had it in forward and backward of step 87 for 0 s" in line
+                           "answering") \
+        and "its last beat (31 s ago) had it in forward and backward of step 87 for 0 s" in line
     text = verdict_paragraph(v, s, T, "10.0.0.1:6001")
     assert "rank(s) 1 on host(s) node1 stopped answering" in text
     assert "The other ranks waited: rank(s) 0, 2-3 in forward and backward of step 87" in text
@@ -129,6 +130,42 @@ def test_watchers_over_a_real_store_name_the_rank_that_stopped(monkeypatch):
     ws[1].stop(finished=True)
     records[0].advance()
     assert ws[0].poll(8.0) is None and ws[0].seen[1].beat["phase"] == FINISHED
+
+
+class _SlowStore:
+    """A store whose ``set`` waits until released (an agent that answers late); counts the calls in flight."""
+
+    def __init__(self):
+        import threading
+
+        self.entered, self.release, self.in_flight = threading.Event(), threading.Event(), 0
+
+    def set(self, key, value):
+        self.in_flight += 1
+        self.entered.set()
+        self.release.wait(10)
+        self.in_flight -= 1
+
+    def check(self, keys):
+        return False
+
+
+def test_stop_waits_for_the_store_call_in_flight():
+    """stop() returns only after the watcher thread has left its store call: a daemon thread that comes back from a
+    store call (C++) while Python finalizes aborts the process (tests/integration/distributed/test_torchrun_quiet.py
+    shows the real exit); stop() also runs at exit for a run that ends without it."""
+    import threading
+
+    store = _SlowStore()
+    w = Watcher(store, "tok", 0, 2, timeout_s=0, interval_s=0.05,
+                identity={"host": "h", "pid": 1, "node_rank": 0, "local_rank": 0})
+    w.start()
+    assert store.entered.wait(10)
+    threading.Timer(0.3, store.release.set).start()
+    t0 = time.monotonic()
+    w.stop(finished=False)
+    assert time.monotonic() - t0 >= 0.2 and store.in_flight == 0 and not w.is_alive()
+    w.stop(finished=False)  # again (as at exit after a clean stop): returns at once
 
 
 def test_end_frozen_sibling_kills_only_a_worker_of_the_same_parent(tmp_path):
@@ -238,7 +275,8 @@ def test_the_launchers_guard_ends_a_stopped_worker_the_store_names():
             "--master_port", "6001", "/x/finetune.py", "--master_port", "7"]
     assert (_option(argv, "--master_addr"), _option(argv, "--master_port"), _option(argv, "--node_rank")) == \
         ("10.0.0.1", "6001", "1")
-    assert _option(["--nnodes=2:3", "f.py"], "--nnodes") == "2:3" and _option(["f.py", "--nnodes", "2"], "--nnodes") is None
+    assert _option(["--nnodes=2:3", "f.py"], "--nnodes") == "2:3" \
+        and _option(["f.py", "--nnodes", "2"], "--nnodes") is None
     server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=5))
     frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -1,7 +1,7 @@
-"""Per-conversation attention for packed rows (sft/model/attention.py) with the per-row packed collator (sft/data/packing.py):
-each conversation's logits and gradients inside a packed micro batch equal those of the conversation alone, for
-every attention implementation --packing offers, on two architectures (tiny Qwen2 with GQA, tiny Llama as SmolLM2),
-in train and eval mode; padded batches keep their mask; the controls show the checks can fail.
+"""Per-conversation attention for packed rows (sft/model/attention.py) with the per-row packed collator
+(sft/data/packing.py): each conversation's logits and gradients inside a packed micro batch equal those of the
+conversation alone, for every attention implementation --packing offers, on two architectures (tiny Qwen2 with GQA,
+tiny Llama as SmolLM2), in train and eval mode; padded batches keep their mask; the controls show the checks can fail.
 
 Tolerance: fp32, rtol = atol = 1e-5 for logits, rtol 1e-4 / atol 1e-5 for gradients (summation order differs
 between one forward per conversation and one packed forward; measured differences are ~1e-7)."""
@@ -40,7 +40,8 @@ def arch(request, tiny_model_dir):
 
 
 IMPLEMENTATIONS = [PACKED_ATTENTION, "eager", pytest.param("flash_varlen", marks=pytest.mark.skipif(
-    not (torch.cuda.is_available() and flash_varlen_available()), reason="flash-attn varlen needs CUDA and flash-attn"))]
+    not (torch.cuda.is_available() and flash_varlen_available()),
+    reason="flash-attn varlen needs CUDA and flash-attn"))]
 
 
 def load(arch, impl):

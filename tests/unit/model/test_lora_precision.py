@@ -1,6 +1,6 @@
-"""LoRA inputs kept in the autocast dtype (issue 30, item 2; sft.model.loading.keep_lora_inputs_in_autocast_dtype): under
-bf16 autocast with LoRA dropout 0 (or in evaluation) the step makes fewer dtype-cast copies and gives bitwise the same
-loss and gradients as peft's own casting; an active dropout, or a forward outside autocast, keeps peft's cast."""
+"""LoRA inputs kept in the autocast dtype (issue 30, item 2; sft.model.loading.keep_lora_inputs_in_autocast_dtype):
+under bf16 autocast with LoRA dropout 0 (or in evaluation) the step makes fewer dtype-cast copies and gives bitwise the
+same loss and gradients as peft's own casting; an active dropout, or a forward outside autocast, keeps peft's cast."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -40,8 +40,8 @@ def loss_and_grads(model, fn):
 
 def assert_same(model, inputs, num_items, max_logit_elements=MAX_LOGIT_ELEMENTS):
     full = loss_and_grads(model, lambda: model(**inputs, num_items_in_batch=num_items, use_cache=False).loss)
-    ours = loss_and_grads(model, lambda: compute_supervised_loss(model, inputs, num_items, model.get_output_embeddings(),
-                                                                 max_logit_elements))
+    ours = loss_and_grads(model, lambda: compute_supervised_loss(model, inputs, num_items,
+                                                                 model.get_output_embeddings(), max_logit_elements))
     assert ours[0].item() == pytest.approx(full[0].item(), rel=RTOL)
     assert ours[1].keys() == full[1].keys() and ours[1]
     for name, g in full[1].items():

@@ -1,5 +1,5 @@
-"""Ray launch path without Ray running: the Ray flags, the placement rules (sft/ray/flags.py, sft/ray/placement.py), a YAML config
-holding Ray and training flags, and the stop request that reaches training in a thread. The launcher and
+"""Ray launch path without Ray running: the Ray flags, the placement rules (sft/ray/flags.py, sft/ray/placement.py), a
+YAML config holding Ray and training flags, and the stop request that reaches training in a thread. The launcher and
 scripts/ray_train.py as processes are in tests/integration/ray/test_ray.py; a real two-node Ray cluster in
 tests/cluster/test_ray.py.
 """
@@ -84,7 +84,8 @@ def test_yaml_config_holds_ray_and_training_flags(tmp_path, tiny_model_dir, toy_
     cfg = tmp_path / "ray.yaml"
     cfg.write_text(f"model_name_or_path: {tiny_model_dir}\ndata_path: {toy_data}\noutput_dir: {tmp_path / 'o'}\n"
                    "num_workers: 4\nplacement_strategy: SPREAD\nlearning_rate: 1.0e-4\n")
-    model, data_args, training, lora, ray_args = parse_args(["--config", str(cfg), "--num_workers", "2"], (RayArguments,))
+    model, data_args, training, lora, ray_args = parse_args(["--config", str(cfg), "--num_workers", "2"],
+                                                            (RayArguments,))
     assert (ray_args.num_workers, ray_args.placement_strategy, training.learning_rate) == (2, "SPREAD", 1e-4)
     with pytest.raises(ConfigError, match="unknown key 'num_workers'"):  # finetune.py alone has no Ray flags
         parse_args(["--config", str(cfg)])

@@ -166,7 +166,8 @@ def test_validate_refuses_a_named_damaged_checkpoint_before_loading(tmp_path, ti
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
                        str(tmp_path / "out"), "--use_lora", "True", "--resume_from_checkpoint", path,
                        "--report_to", "none"])[:4]
-    with pytest.raises(ConfigError, match="fails verification: trainer_state.json has 17 bytes, the marker recorded 18"):
+    with pytest.raises(ConfigError,
+                       match="fails verification: trainer_state.json has 17 bytes, the marker recorded 18"):
         validate(*args)
 
 

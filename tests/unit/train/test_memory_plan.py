@@ -50,8 +50,8 @@ def test_order_is_a_function_of_seed_and_epoch_with_the_largest_first_in_every_e
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ranks_are_dealt_the_one_process_order_in_turn(world):
-    """Micro batch i of the one-process order goes to rank i % W (accelerate's dealing, which sft.train.world_size relies
-    on), padded with the epoch's first micro batches to a multiple of W."""
+    """Micro batch i of the one-process order goes to rank i % W (accelerate's dealing, which sft.train.world_size
+    relies on), padded with the epoch's first micro batches to a multiple of W."""
     one = list(TokenBudgetBatchSampler(LENGTHS, 2, 1000, seed=1))
     ranks = [list(TokenBudgetBatchSampler(LENGTHS, 2, 1000, seed=1, world_size=world, rank=r)) for r in range(world)]
     assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) == len(TokenBudgetBatchSampler(LENGTHS, 2, 1000, 1,
@@ -183,7 +183,8 @@ def test_the_process_group_is_bound_to_the_local_cuda_device(monkeypatch):
 
 
 @pytest.mark.parametrize("device,on_device,expected", [
-    (torch.device("cuda", 1), True, {"": 1}), (torch.device("cuda", 1), False, None), (torch.device("cpu"), True, None)])
+    (torch.device("cuda", 1), True, {"": 1}), (torch.device("cuda", 1), False, None),
+    (torch.device("cpu"), True, None)])
 def test_weights_load_straight_onto_the_gpu_unless_a_sharder_places_them(tiny_model_dir, qwen_tok, monkeypatch,
                                                                          device, on_device, expected):
     """On CUDA (no DeepSpeed or FSDP) from_pretrained gets device_map = this process's GPU and the training dtype:
@@ -222,7 +223,8 @@ def test_the_probe_measures_what_autograd_keeps_and_plans_with_it(llama):
     from sft.train.memory_plan import BACKWARD_FACTOR
 
     assert p.per_token == int(total * BACKWARD_FACTOR) and p.activations == 100 * p.per_token
-    lora = get_peft_model(LlamaForCausalLM(llama.config), LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear"))
+    lora = get_peft_model(LlamaForCausalLM(llama.config),
+                          LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear"))
     assert measure_saved_bytes(lora, tokens=64)[0] > total
     llama.activation_checkpointing_enable()
     try:

@@ -21,7 +21,8 @@ from sft.train.metrics import (
     plot_loss_curve,
 )
 
-# tests/helpers/assets.py tiny Qwen2: hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 151646, tied
+# tests/helpers/assets.py tiny Qwen2: hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads,
+# vocab 151646, tied
 PER_LAYER = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, gate/up/down
 LINEAR = 2 * PER_LAYER + 64 * 151646  # + lm_head (a Linear, tied to the embeddings)
 

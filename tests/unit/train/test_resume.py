@@ -248,10 +248,10 @@ def test_the_same_command_at_the_checkpoints_world_size_keeps_the_accumulation_a
     same = plan_world_size_change(path, 2, 1, 2)
     assert (same.old_world_size, same.world_size, same.old_grad_accum, same.grad_accum, same.global_batch) == \
         (2, 2, 2, 3, 6)
-    assert same.line() == (f"resuming {path} at the world size 2 it was written at, with its gradient accumulation 3 (set "
-                           "by an earlier resume at another world size) instead of the configured 2, so micro batch 1 "
-                           "x gradient accumulation 3 x world size 2 = global batch 6 samples as configured; optimizer, "
-                           "scheduler and data position carry over")
+    assert same.line() == (f"resuming {path} at the world size 2 it was written at, with its gradient accumulation 3 "
+                           "(set by an earlier resume at another world size) instead of the configured 2, so micro "
+                           "batch 1 x gradient accumulation 3 x world size 2 = global batch 6 samples as configured; "
+                           "optimizer, scheduler and data position carry over")
     assert plan_world_size_change(path, 3, 1, 2).grad_accum == 2  # back at 3 nodes
     assert plan_world_size_change(path, 2, 1, 3) is None  # configured as it trained: nothing to change
     assert plan_world_size_change(path, 2, 1, 4) is None  # another accumulation than configured: the user's choice
