@@ -58,7 +58,8 @@ if api == "after":  # this layout: sft/ in folders by job, the preparation setti
     from sft.data.shards import JobView, ShardPlan
     from sft.data.spec import PreparationSpec
     tok, eot, _ = load_tokenizer(model)
-    plan = ShardPlan(JobView(rank=rank, world_size=world, local_rank=rank, local_world_size=world), run, True, [0] * world)
+    view = JobView(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
+    plan = ShardPlan(view, run, True, [0] * world)
     t1 = time.perf_counter()
     spec = PreparationSpec(max_len, long_conversations=sys.argv[9], cache_dir=cache)
     ds, report = build_dataset([data], tok, eot, spec, plan=plan)

@@ -1,6 +1,7 @@
 """Preparation shared by the ranks of a job: shards, completion and failure markers, --data_timeout, bounded memory.
 
-Ranks are threads here (each with its own :class:`sft.data.shards.ShardPlan`, as :func:`sft.data.shards.agree` gives them);
+Ranks are threads here (each with its own :class:`sft.data.shards.ShardPlan`, as :func:`sft.data.shards.agree` gives
+them);
 tests/cluster/test_multinode.py runs the same with real torchrun processes on two namespace hosts.
 """
 import json
@@ -65,7 +66,8 @@ def test_each_rank_prepares_its_shard_and_every_rank_maps_all(tmp_path, qwen_tok
 def test_node_local_cache_has_every_node_prepare_every_shard():
     assert _plan(1, world=2, shared=False).mine(2) == [0, 1]
     assert _plan(1, world=2, shared=True).mine(2) == [1]
-    four = ShardPlan(JobView(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1), "r", False, [0, 0, 1, 1])
+    four = ShardPlan(JobView(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1), "r", False,
+                     [0, 0, 1, 1])
     assert four.mine(4) == [1, 3] and four.preparers(4)[0] == [0, 2]
 
 

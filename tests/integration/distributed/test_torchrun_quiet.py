@@ -266,21 +266,21 @@ def test_elastic_start_line():
 _WATCHER_AT_EXIT = """
 import datetime, os, signal, subprocess, sys, time
 import torch.distributed as dist
-from sft.distributed import progress
+from sft.distributed import watchdog
 
 port, agent, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=20))
-w = progress.Watcher(store, "tok", 0, 2, timeout_s=300, interval_s=0.2,
+w = watchdog.Watcher(store, "tok", 0, 2, timeout_s=300, interval_s=0.2,
                      identity={"host": "h", "pid": os.getpid(), "node_rank": 0, "local_rank": 0})
-progress.set_current(w)
+watchdog.set_current(w)
 w.start()
 time.sleep(0.6)
 os.kill(agent, signal.SIGSTOP)  # the agent paused (a loaded machine): the watcher's next beat waits for its answer
 time.sleep(0.3)
 subprocess.Popen(["sh", "-c", f"sleep 0.05; kill -CONT {agent}"])  # it answers while this process exits
 if how == "clean":
-    progress.stop()  # as finish_process_group ends a run
+    watchdog.stop()  # as finish_process_group ends a run
     sys.exit(0)
 sys.exit(75)  # a run that ends otherwise (preempted)
 """
