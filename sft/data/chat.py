@@ -49,10 +49,13 @@ def ensure_chat_template(tokenizer) -> bool:
 
 
 def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-    """Render ``messages`` to text with the tokenizer's chat template; its own refusal or failure (jinja2's
-    ``raise_exception``, a template that needs a variable it is not given) as :class:`TemplateError`."""
+    """Render ``messages`` to text with the tokenizer's chat template (``apply_chat_template``'s text; an empty tool
+    list for a template that cannot render without one, :meth:`_Renderer.render`); its own refusal or failure
+    (jinja2's ``raise_exception``, a template that needs a variable it is not given) as :class:`TemplateError`."""
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        return _Renderer.of(tokenizer).render(list(messages), None, add_generation_prompt) if tokenizer.chat_template \
+            else tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
     except Exception as e:
         raise TemplateError(f"the chat template cannot render this conversation: {' '.join(str(e).split())}") from None
 
@@ -331,9 +334,33 @@ class _Renderer:
         return self.skeletons[key]
 
     def render(self, messages: Sequence[dict], tools=None, add_generation_prompt: bool = False) -> str:
-        """Exactly ``render(tokenizer, messages)`` for validated messages, without apply_chat_template's overhead."""
-        return self.compiled.render(messages=list(messages), tools=tools, documents=None,
+        """Exactly ``render(tokenizer, messages)`` for validated messages, without apply_chat_template's overhead.
+        ``tools=None`` on a template that cannot render without a tool list (Hermes' and Command-R's tool_use
+        templates iterate over it) renders with an empty one, as :func:`render` does."""
+        try:
+            return self.compiled.render(messages=list(messages), tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **self.variables)
+        except Exception:
+            if tools is not None or not self.needs_tools():
+                raise
+        return self.compiled.render(messages=list(messages), tools=[], documents=None,
                                     add_generation_prompt=add_generation_prompt, **self.variables)
+
+    def needs_tools(self) -> bool:
+        """Whether the template fails on a plain conversation without ``tools`` and renders it with ``tools=[]``;
+        probed once."""
+        if "needs_tools" not in self.memo:
+            probe = dict(messages=list(_PROBE), documents=None, add_generation_prompt=False, **self.variables)
+            try:
+                self.compiled.render(tools=None, **probe)
+                self.memo["needs_tools"] = False
+            except Exception:
+                try:
+                    self.compiled.render(tools=[], **probe)
+                    self.memo["needs_tools"] = True
+                except Exception:
+                    self.memo["needs_tools"] = False
+        return self.memo["needs_tools"]
 
     def fill(self, messages: Sequence[dict]) -> Optional[tuple[str, list[tuple[int, int]]]]:
         """``(text, reply content spans)`` of plain ``{"role", "content"}`` messages from their roles' skeleton when

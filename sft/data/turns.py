@@ -242,6 +242,22 @@ def close_text(template: str, close: str, after_open: str) -> str:
     return f"\n{close}\n\n" if "\n" in after_open else close
 
 
+def _past_whitespace(prompt: str, full: str) -> int:
+    """Where ``prompt`` ends in ``full`` when the two differ only in whitespace after their common prefix (the
+    characters that are not whitespace are the same, in order); raises :class:`_Diverges` otherwise."""
+    c = len(os.path.commonprefix([prompt, full]))
+    j = c
+    for ch in prompt[c:]:
+        if ch.isspace():
+            continue
+        while j < len(full) and full[j].isspace():
+            j += 1
+        if j == len(full) or full[j] != ch:
+            raise _Diverges(c)
+        j += 1
+    return j
+
+
 def continuation(template: str, prompt: str, full: str, bare, reasoning: str) -> tuple[str, str, int]:
     """What the model sees and generates for one reply: ``(context, generated, own)``, ``context + generated`` the
     reply's sample text up to the end of its rendering, ``generated[own:]`` the reply's own rendering.
@@ -260,9 +276,10 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str) ->
       rendering repeats is not trained twice); a reply with reasoning is generated from the block's inside on: the
       reasoning, the close (:func:`close_text`), the reply as rendered;
     - ``full`` continues ``prompt``: the definition, ``full`` minus ``prompt``;
-    - whitespace tolerance: ``full`` and ``prompt`` differ only in whitespace at the prompt's end (a template's
-      indentation leaking into one of them): the prompt as it is, then the reply's own rendering from its first
-      character that is not whitespace.
+    - whitespace tolerance: ``full`` and ``prompt`` differ only in whitespace after their common prefix (a
+      template's indentation or line breaks leaking into one of them; the characters that are not whitespace are
+      the same, in order): the prompt as it is, then the reply's own rendering from its first character that is
+      not whitespace after the prompt's last one.
 
     Raises:
         _Diverges: none of these applies (the caller's refusal names where the texts part).
@@ -271,11 +288,7 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str) ->
     if block is None:
         if full.startswith(prompt):
             return prompt, full[len(prompt):], 0
-        c = len(os.path.commonprefix([prompt, full]))
-        if prompt[c:].strip():
-            raise _Diverges(c)
-        reply = full[c:].lstrip()
-        return prompt, reply, 0
+        return prompt, full[_past_whitespace(prompt, full):].lstrip(), 0
     opening, close = block["open"], block["close"]
     reply = full[len(prompt):] if full.startswith(prompt) else None
     if reply is not None and not reply.lstrip().startswith(opening) and (

@@ -114,9 +114,9 @@ def _generated(tok, original, shown, k, tools):
         return prompt, head + rest, len(head)
     if full.startswith(prompt):
         return prompt, full[len(prompt):], 0
-    c = len(os.path.commonprefix([prompt, full]))
-    assert not prompt[c:].strip(), "the reply's rendering does not continue its generation prompt"
-    return prompt, full[c:].lstrip(), 0
+    squeezed = re.sub(r"\s+", "", prompt)  # whitespace tolerance: the same text but for whitespace, then the reply
+    at = next(j for j in range(len(full) + 1) if re.sub(r"\s+", "", full[:j]) == squeezed)
+    return prompt, full[at:].lstrip(), 0
 
 
 def reference(tok, messages, tools, stop_ids, original=None):

@@ -95,3 +95,10 @@ def test_whitespace_only_at_the_prompts_end_is_tolerated_and_anything_else_is_re
     assert ctx.endswith("assistant\n ") and spans == [" <think>\n91 = 7 x 13.\n</think>\n\nNo.<|im_end|>"]
     with pytest.raises(TemplateError, match="generation prompt for this reply ends with 'x'"):
         trained(family_tok, INDENTED.replace("'  '", "'x'"), {"messages": RECORD["messages"][:2]})
+
+
+def test_a_template_that_cannot_render_without_tools_renders_with_an_empty_list(family_tok):
+    needs_tools = ("<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+                   + INDENTED.replace("{{ '  ' }}", ""))
+    ((_ctx, spans),) = trained(family_tok, needs_tools, {"messages": RECORD["messages"][2:]})
+    assert spans == ["Yes.<|im_end|>"]
