@@ -20,7 +20,7 @@ def check_data(model_args, data_args, training_args) -> list[str]:
     from sft.data.records import RecordCheck, iter_conversations
 
     tok, eot, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir,
-                                 model_args.chat_template)
+                                 model_args.chat_template, model_args.chat_template_kwargs)
     control = control_tokens_for(tok, data_args.system_message)
     from sft.data.eval_split import empty_side_error, in_eval, record_key
 

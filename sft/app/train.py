@@ -199,7 +199,7 @@ def build_trainer(model_args, data_args, training_args, lora_args, callbacks=Non
         settings = derive(training_args)
         apply_run_shape(training_args, settings)
     tok, eot, grew = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code,
-                                    training_args.cache_dir, model_args.chat_template)
+                                    training_args.cache_dir, model_args.chat_template, model_args.chat_template_kwargs)
     prepared = load_records(data_sources(data_args), tok, eot, preparation_spec(data_args, training_args))
     datasets = {}
     for name, got in prepared.items():

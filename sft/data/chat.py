@@ -60,31 +60,6 @@ def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = Fa
         raise TemplateError(f"the chat template cannot render this conversation: {' '.join(str(e).split())}") from None
 
 
-def end_of_turn_id(tokenizer) -> int:
-    """The special token that closes an assistant turn in this chat template (e.g. ``<|im_end|>``).
-
-    Found by rendering a probe conversation and taking the first token after the reply (whitespace before it, as in
-    ``reply\n<|end|>``, is allowed: it is trained as part of the reply, :mod:`sft.data.turns`).
-
-    Raises:
-        TemplateError: the template writes nothing, or something other than a special token, after the last reply.
-    """
-    text, spans = render_with_spans(tokenizer, _PROBE)
-    end = spans[0][1]
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
-    for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):
-        if s >= end:
-            if tid in special or tokenizer.convert_ids_to_tokens(tid) in added:
-                return tid
-            if text[s:e].strip():
-                break
-    after = f"writes {text[end:end + 40]!r} after the last reply" if text[end:].strip() else \
-        "writes nothing after the last reply (the model would not learn to stop)"
-    raise TemplateError(f"the chat template {after}, not a special end-of-turn token; use a template whose "
-                        "assistant turns end with one, e.g. ChatML")
-
-
 def chat_token_ids(tokenizer) -> list[int]:
     """Ids of the special tokens the chat template emits (e.g. ``<|im_start|>``, ``<|im_end|>``)."""
     text = render(tokenizer, [{"role": "system", "content": "S"}, *_PROBE])
@@ -150,8 +125,12 @@ def render_with_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tu
         prefix = render(tokenizer, messages[:k], add_generation_prompt=True)
         start, end = len(prefix), len(prefix) + len(m["content"])
         if not text.startswith(prefix) or text[start:end] != m["content"]:
-            raise TemplateError("the chat template renders earlier turns differently once later turns are added "
-                                f"(turn {k}), so reply spans cannot be located; use a template without such rewriting")
+            what = ("the chat template renders earlier turns differently once later turns are added, so this "
+                    "reply's span in the conversation's rendering cannot be located")
+            fix = "use a template without such rewriting, or --long_conversations truncate"
+            e = TemplateError(f"turn {k}: {what}; {fix}")
+            e.turn, e.what, e.fix = k, what, fix  # as sft.data.turns.refusal: a record problem names the turn
+            raise e
         spans.append((start, end))
     return text, spans
 
@@ -251,7 +230,7 @@ def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot
     """
     rendered = _Renderer.of(tokenizer).render_all(conversations)
     skip = context_replies if context_replies is not None else [0] * len(rendered)
-    enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True,
+    enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                     return_attention_mask=False)  # not used: building its lists costs time
     return [Encoded(ids, labels_from_spans(ids, offs, spans[k:], eot_id), text, offs, spans)
             for ids, offs, (text, spans), k in zip(enc["input_ids"], enc["offset_mapping"], rendered, skip)]

@@ -139,3 +139,55 @@ def compile_template(template: str):
 
     env.is_safe_attribute = is_safe_attribute  # an instance attribute: the sandbox calls self.is_safe_attribute
     return env.from_string(template)
+
+
+def parse_template_kwargs(text: str) -> dict:
+    """``--chat_template_kwargs``: a JSON object of the extra variables every rendering of the chat template gets
+    (``{"enable_thinking": false}``), as ``apply_chat_template(**kwargs)`` takes them.
+
+    Raises:
+        ValueError: not JSON, not an object, or a key that is not a Jinja name (the reason, one line).
+    """
+    import json
+    import keyword
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object is needed, e.g. '{{\"enable_thinking\": false}}', not {type(value).__name__}")
+    bad = [k for k in value if not k.isidentifier() or keyword.iskeyword(k) or k in _RENDER_NAMES]
+    if bad:
+        raise ValueError(f"{', '.join(map(repr, bad))}: not a name a chat template can read as a variable of its own "
+                         f"(a Jinja name other than {', '.join(_RENDER_NAMES)})")
+    return value
+
+
+_RENDER_NAMES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def with_template_kwargs(template: str, kwargs: dict) -> str:
+    """``template`` with ``kwargs`` (:func:`parse_template_kwargs`) as defaults written into it: ``{%- if name is not
+    defined %}{%- set name = value %}{%- endif %}`` per variable, first. Every rendering then gets them (this
+    package's, ``apply_chat_template``'s, and inference's from the saved tokenizer, where a caller's own value still
+    wins); the dataset cache, keyed on the template's text, tells runs with other values apart."""
+    head = "".join(f"{{%- if {k} is not defined %}}{{%- set {k} = {_jinja_literal(v)} %}}{{%- endif %}}"
+                   for k, v in kwargs.items())
+    return head + template
+
+
+def _jinja_literal(value) -> str:
+    """A JSON value as a Jinja literal (``null`` -> ``none``; JSON's strings, numbers, lists and objects are
+    Jinja's)."""
+    import json
+
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_jinja_literal, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_jinja_literal(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)

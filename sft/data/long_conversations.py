@@ -253,7 +253,7 @@ def _keep_guess(tokenizer, text: str, room: int) -> int:
     tokens at a cut differ a little from those in the sample, so this only starts :func:`_bracket`)."""
     if room <= 0:
         return 1
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                         return_attention_mask=False)["offset_mapping"]
     if room >= len(offsets):
         return len(text)

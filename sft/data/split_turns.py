@@ -65,7 +65,7 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
         todo = [cut for cut in dict.fromkeys(cuts) if cut not in memo]
         planned = [plan(tokenizer, piece(*cut), tools, stops).samples for cut in todo]
         texts = [t for samples in planned for t, _s, _l in samples]
-        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                         return_attention_mask=False) if texts else {"input_ids": [], "offset_mapping": []}
         at = 0
         for cut, samples in zip(todo, planned):
@@ -114,7 +114,7 @@ def _estimate(tokenizer, messages, tools, head: int, units) -> tuple[list[int], 
 
     shown = template_messages(tokenizer, messages)
     full = render(tokenizer, shown, tools)
-    offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True,
+    offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                         return_attention_mask=False)["offset_mapping"]
     ends = [e for _s, e in offsets]
     marks, pos = [], 0

@@ -4,7 +4,7 @@ For an assistant turn ``k`` of ``turns`` the trained text is
 
     render(turns[:k+1])  minus  render(turns[:k], add_generation_prompt=True)
 
-up to and including the end-of-turn token that closes it (the template's, :func:`sft.data.chat.end_of_turn_id`):
+up to and including the end-of-turn token that closes it (the template's, :func:`sft.data.end_tokens.end_of_turn_id`):
 reasoning, text and tool calls alike, exactly the tokens the model samples after the generation prompt. Nothing else
 is trained (tool results, tool definitions, system and user text, whatever follows the end-of-turn token).
 ``render`` is ``tokenizer.apply_chat_template`` with the record's ``tools``.
@@ -29,11 +29,10 @@ dropped). Decided once per template by rendering a probe (:func:`reasoning_form`
 from __future__ import annotations
 
 import json
-import os
-import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from sft.data.thinking import Diverges, continuation
 from sft.errors import TemplateError
 
 _PROBE_REASONING = "\ue010probe reasoning\ue011"
@@ -150,14 +149,17 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
         except TemplateError as e:
             raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
                           "another template") from None
-        except _Diverges as e:
+        except Diverges as e:
             c = e.at
             raise refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
                           f"its rendering of the reply has {full[c:c + 40]!r} there, so what the model generates "
                           "after the prompt is not defined", "use a template whose replies continue its generation "
                           "prompt") from None
-        full = prompt + reply
+        rendered, full = full, prompt + reply
         ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]  # after the block's close
+        if not ends and ends_at_next_role(tokenizer) and not full[len(prompt) + own:].endswith(tuple(stops)):
+            full += _next_role(tokenizer, shown, k, tools, rendered, stops)
+            ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]
         if not ends:
             raise refusal(k, f"the chat template does not close this reply with its end-of-turn token "
                           f"({' or '.join(stops)})", "use a template whose replies end with one")
@@ -179,142 +181,26 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
     return out
 
 
-class _Diverges(Exception):
-    """The reply's rendering does not continue its generation prompt under any rule of :func:`continuation`; ``at``
-    is where the two texts part."""
-
-    def __init__(self, at: int):
-        super().__init__(at)
-        self.at = at
+def _next_role(tokenizer, shown, k: int, tools, rendered: str, stops: Sequence[str]) -> str:
+    """What closes reply ``k`` under a template that writes nothing after the last reply: the text up to and
+    including the first of ``stops`` that the rendering with the next message puts after ``rendered`` (the rendering
+    of ``shown[:k+1]``), or the end-of-turn token ``stops[0]`` after the last message (the model stops there)."""
+    if k + 1 < len(shown):
+        try:
+            nxt = render(tokenizer, shown[:k + 2], tools)
+        except TemplateError:
+            nxt = ""
+        if nxt.startswith(rendered):
+            after = nxt[len(rendered):]
+            found = [(at, t) for t in stops if (at := after.find(t)) >= 0 and not after[:at].strip()]
+            if found:
+                at, stop = min(found)
+                return after[:at + len(stop)]
+    return stops[0]
 
 
 def _without_reasoning(msg: dict) -> dict:
     return {k: v for k, v in msg.items() if k not in ("train", "reasoning_content")}
-
-
-_TAG = r"<[^<>\s]{1,40}>"
-_OPEN_TAIL = re.compile(rf"(?P<open>{_TAG})(?P<label>[^<>\s]{{0,20}})(?P<ws>\s*)\Z")
-_CLOSED_TAIL = re.compile(rf"(?P<open>{_TAG})(?P<label>[^<>\s]{{0,20}})(?P<ws>\s*)(?P<close>{_TAG})\s*\Z")
-_THINKING = re.compile(r"think|thought|reason", re.IGNORECASE)
-_CLOSE_RULES = ((re.compile(r"<([A-Za-z_][\w:.\-]*)>"), "</{}>"), (re.compile(r"<\|START_(\w+)\|>"), "<|END_{}|>"),
-                (re.compile(r"<\|(\w+)_start\|>"), "<|{}_end|>"), (re.compile(r"<\|begin_of_(\w+)\|>"), "<|end_of_{}|>"),
-                (re.compile(r"<\|(\w+)>"), "<{}|>"), (re.compile(r"<｜(.+)▁begin｜>"), "<｜{}▁end｜>"))
-
-
-def close_tag(tag: str) -> Optional[str]:
-    """The tag that closes ``tag`` (``<think>`` -> ``</think>``, ``<|START_THINKING|>`` -> ``<|END_THINKING|>``,
-    ``<|channel>`` -> ``<channel|>``, ``<|x_start|>`` -> ``<|x_end|>``, ``<｜x▁begin｜>`` -> ``<｜x▁end｜>``), or None for
-    a tag of no such form (a closing tag among them)."""
-    for pattern, form in _CLOSE_RULES:
-        m = pattern.fullmatch(tag)
-        if m:
-            return form.format(m[1])
-    return None
-
-
-def thinking_block(prompt: str, template: str) -> Optional[dict]:
-    """The reasoning block a generation prompt ends with, or None: ``{"start", "inside", "open", "close", "closed"}``
-    where ``prompt[start:]`` is the block (an opening tag naming thinking, thought or reasoning, with an optional
-    label such as gemma-4's ``thought`` and whitespace, then optionally its closing tag and whitespace), ``inside``
-    the character where its inside begins, ``close`` its closing tag (:func:`close_tag`) and ``closed`` whether the prompt already closes it (an empty block: thinking switched off)."""
-    for pattern in (_CLOSED_TAIL, _OPEN_TAIL):
-        m = pattern.search(prompt)
-        if m is None or not _THINKING.search(m["open"] + m["label"]):
-            continue
-        close = close_tag(m["open"])
-        closed = pattern is _CLOSED_TAIL
-        if close is None or (closed and m["close"] != close):
-            continue
-        return {"start": m.start(), "inside": m.end("ws"), "open": m["open"], "close": close, "closed": closed}
-    return None
-
-
-def close_text(template: str, close: str, after_open: str) -> str:
-    """The block's close as the template writes it: ``close`` with the newlines the template writes around it where
-    it writes it with some (gemma-4's ``"\n<channel|>"``, the longest such literal), else ``"\n" + close + "\n\n"``
-    when the block's opening is followed by a newline (``<think>\n``: DeepSeek-R1's form), else ``close``."""
-    nl = r"((?:\\n){0,2})"  # newlines written as \n in a string literal (not the template file's own line breaks)
-    best = max(((a.replace("\\n", "\n"), b.replace("\\n", "\n"))
-                for a, b in re.findall(nl + re.escape(close) + nl, template)), key=lambda ab: len(ab[0] + ab[1]),
-               default=("", ""))
-    if best[0] or best[1]:
-        return best[0] + close + best[1]
-    return f"\n{close}\n\n" if "\n" in after_open else close
-
-
-def _past_whitespace(prompt: str, full: str) -> int:
-    """Where ``prompt`` ends in ``full`` when the two differ only in whitespace after their common prefix (the
-    characters that are not whitespace are the same, in order); raises :class:`_Diverges` otherwise."""
-    c = len(os.path.commonprefix([prompt, full]))
-    j = c
-    for ch in prompt[c:]:
-        if ch.isspace():
-            continue
-        while j < len(full) and full[j].isspace():
-            j += 1
-        if j == len(full) or full[j] != ch:
-            raise _Diverges(c)
-        j += 1
-    return j
-
-
-def continuation(template: str, prompt: str, full: str, bare, reasoning: str) -> tuple[str, str, int]:
-    """What the model sees and generates for one reply: ``(context, generated, own)``, ``context + generated`` the
-    reply's sample text up to the end of its rendering, ``generated[own:]`` the reply's own rendering.
-
-    ``prompt`` = ``render(turns[:k], add_generation_prompt=True)``, ``full`` = ``render(turns[:k+1])``, ``bare()``
-    the latter without the reply's reasoning (called only where needed), ``reasoning`` the reply's reasoning ("" for
-    none), ``template`` the chat template's source. The rules, in order:
-
-    - the prompt ends inside an opened reasoning block (:func:`thinking_block`, ``<think>\n``): the model generates
-      the block's inside (the reasoning, "" without), its close (as the reply's rendering writes it, else
-      :func:`close_text`), then the reply as rendered, without a second opening of the block; where the template
-      writes the block's inside and close itself (``full`` continues ``prompt`` and closes the block, with no
-      second opening), that is it;
-    - the prompt closes an empty reasoning block (thinking switched off, ``<think>\n</think>``,
-      ``<|channel>thought\n<channel|>``): a reply without reasoning is generated after the prompt (a close that its
-      rendering repeats is not trained twice); a reply with reasoning is generated from the block's inside on: the
-      reasoning, the close (:func:`close_text`), the reply as rendered;
-    - ``full`` continues ``prompt``: the definition, ``full`` minus ``prompt``;
-    - whitespace tolerance: ``full`` and ``prompt`` differ only in whitespace after their common prefix (a
-      template's indentation or line breaks leaking into one of them; the characters that are not whitespace are
-      the same, in order): the prompt as it is, then the reply's own rendering from its first character that is
-      not whitespace after the prompt's last one.
-
-    Raises:
-        _Diverges: none of these applies (the caller's refusal names where the texts part).
-    """
-    block = thinking_block(prompt, template)
-    if block is None:
-        if full.startswith(prompt):
-            return prompt, full[len(prompt):], 0
-        return prompt, full[_past_whitespace(prompt, full):].lstrip(), 0
-    opening, close = block["open"], block["close"]
-    reply = full[len(prompt):] if full.startswith(prompt) else None
-    if reply is not None and not reply.lstrip().startswith(opening) and (
-            (block["closed"] and not reasoning) or (not block["closed"] and close in reply)):
-        return prompt, reply, 0  # the template writes the block's inside and close itself
-    rendered = bare() if reasoning else full
-    c = len(os.path.commonprefix([prompt, rendered]))
-    if c < block["start"] and prompt[c:block["start"]].strip():
-        raise _Diverges(c)
-    rest = rendered[min(c, block["start"]):].lstrip()
-    if rest.startswith(opening):  # the reply's rendering opens the block again: never trained twice
-        after = rest[len(opening):]
-        at = after.find(close)
-        rest = after[at + len(close):].lstrip() if block["closed"] and at >= 0 and not after[:at].strip() \
-            else after.lstrip()
-    if block["closed"]:
-        if rest.startswith(close):
-            rest = rest[len(close):].lstrip()
-        if not reasoning:
-            return prompt, rest, 0
-        shut = close_text(template, close, prompt[block["start"] + len(opening):block["inside"]])
-        return prompt[:block["inside"]], reasoning + shut + rest, len(reasoning) + len(shut)
-    if rest.startswith(close):
-        return prompt, reasoning + rest, len(reasoning)
-    shut = close_text(template, close, prompt[block["start"] + len(opening):])
-    return prompt, reasoning + shut + rest, len(reasoning) + len(shut)
 
 
 def refusal(turn: Optional[int], what: str, fix: str) -> TemplateError:
@@ -434,11 +320,28 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "descripti
                                                   "parameters": {"type": "object", "properties": {}}}}
 
 
+def ends_at_next_role(tokenizer) -> bool:
+    """Whether the chat template writes nothing after the last reply, so that a reply ends at the token that opens
+    the next turn (GLM-4.6's ``<|user|>``, one of its model's end tokens: :func:`sft.data.end_tokens.end_of_turn_id`); probed
+    once per template and cached."""
+    cache = _cache(tokenizer)
+    if "next_role" not in cache:
+        from sft.data.chat import _PROBE
+
+        try:
+            text = render(tokenizer, _PROBE, None)
+        except TemplateError:
+            text = ""
+        cache["next_role"] = bool(text) and text.rstrip().endswith(_PROBE[-1]["content"])
+    return cache["next_role"]
+
+
 def stop_tokens(tokenizer, eot_id: int) -> list[str]:
-    """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.chat.end_of_turn_id`), and
+    """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.end_tokens.end_of_turn_id`), and
     the token that closes a reply holding a tool call when the template closes those with another one (gpt-oss's
     ``<|call|>``, Llama 3.1's ``<|eom_id|>``): the last special token of such a reply rendered alone (only whitespace
-    after it). Probed once per template and cached."""
+    after it), or, where a reply ends at the next role's token (:func:`ends_at_next_role`), the first special token
+    after it when a tool result follows. Probed once per template and cached."""
     cache = _cache(tokenizer)
     key = ("stops", eot_id)
     if key not in cache:
@@ -451,8 +354,21 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
             full = render(tokenizer, user + [call], [_PROBE_TOOL])
         except TemplateError:
             full = prompt = ""
-        if full.startswith(prompt) and "probe_tool" in full[len(prompt):]:
-            enc = tokenizer(full[len(prompt):], add_special_tokens=False, return_offsets_mapping=True)
+        if full.startswith(prompt) and "probe_tool" in full[len(prompt):] and ends_at_next_role(tokenizer):
+            result = {"role": "tool", "tool_call_id": "123456789", "name": "probe_tool", "content": "ok"}
+            try:  # the reply holding the call ends at the token that opens the tool result (GLM's <|observation|>)
+                after = render(tokenizer, user + [call, result], [_PROBE_TOOL])
+            except TemplateError:
+                after = ""
+            if after.startswith(full):
+                from sft.data.end_tokens import special_run
+
+                run = special_run(tokenizer, after, len(full))
+                token = tokenizer.convert_ids_to_tokens(run[0]) if run else None
+                if token and token not in stops:
+                    stops.append(token)
+        elif full.startswith(prompt) and "probe_tool" in full[len(prompt):]:
+            enc = tokenizer(full[len(prompt):], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
             special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
             for tid, (a, b) in reversed(list(zip(enc["input_ids"], enc["offset_mapping"]))):
                 token = tokenizer.convert_ids_to_tokens(tid)

@@ -41,6 +41,13 @@ KINDS = {
 }
 
 
+# The end tokens of the models whose templates need them as evidence (their generation_config.json eos_token_id):
+# GLM-4.6 / GLM-4.7-Flash stop at the next role's token; Command-R7B at <|END_OF_TURN_TOKEN|> after <|END_RESPONSE|>.
+MODEL_END = {"GLM-4.6": ["<|endoftext|>", "<|user|>", "<|observation|>"],
+             "GLM-4.7-Flash": ["<|endoftext|>", "<|user|>", "<|observation|>"],
+             "CohereForAI-c4ai-command-r7b-12-2024-tool_use": ["<|END_OF_TURN_TOKEN|>"]}
+
+
 def templates() -> dict[str, str]:
     """``{name: template text}`` of the corpus, by file name without ``.jinja``."""
     folder = assets.chat_template_corpus_dir()
@@ -72,7 +79,8 @@ BLOCKS = [("<think>", "</think>", None), ("<|START_THINKING|>", "<|END_THINKING|
 
 
 def _generated(tok, original, shown, k, tools):
-    """``(context, generated, own)`` text of reply ``k`` (``generated[own:]``: its rendering after the block's close): the definition, extended where the generation prompt ends inside
+    """``(context, generated, own)`` text of reply ``k`` (``generated[own:]``: its rendering after the block's
+    close): the definition, extended where the generation prompt ends inside
     a reasoning block of :data:`BLOCKS` (open, or closed empty) as docs/data-format.md says, with whitespace
     tolerance at the prompt's end; recomputed through ``apply_chat_template``."""
     def render(msgs, gen=False):
@@ -119,6 +127,24 @@ def _generated(tok, original, shown, k, tools):
     return prompt, full[at:].lstrip(), 0
 
 
+def _closing(tok, messages, k, tools, stop_ids) -> str:
+    """The text that closes reply ``k`` under a template that writes nothing after a reply: up to the first of
+    ``stop_ids`` that the rendering with the next message puts after it, else the first of them the template
+    writes after a reply that a user turn follows (the model stops there)."""
+    def render(msgs):
+        return tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+
+    if k + 1 < len(messages):
+        this, nxt = render(messages[:k + 1]), render(messages[:k + 2])
+        if nxt.startswith(this):
+            for m in CONTROL.finditer(nxt, len(this)):
+                if tok.convert_tokens_to_ids(m[0]) in stop_ids and not nxt[len(this):m.start()].strip():
+                    return nxt[len(this):m.end()]
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    this, nxt = render(probe), render(probe + [{"role": "user", "content": "Thanks"}])
+    return next(m[0] for m in CONTROL.finditer(nxt, len(this)) if tok.convert_tokens_to_ids(m[0]) in stop_ids)
+
+
 def reference(tok, messages, tools, stop_ids, original=None):
     """Per trained reply (every assistant turn): ``(ids, labels)`` of the reply's sample text (:func:`_generated`:
     ``render(turns[:k], add_generation_prompt=True)`` followed by what the model generates after it, by default
@@ -133,6 +159,8 @@ def reference(tok, messages, tools, stop_ids, original=None):
             continue
         context, generated, own = _generated(tok, original, messages, k, tools)
         full = context + generated
+        if not any(tok.convert_tokens_to_ids(t) in stop_ids for t in CONTROL.findall(generated[own:])):
+            full += _closing(tok, messages, k, tools, stop_ids)  # a template that writes nothing after the reply
         enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids, offs = enc["input_ids"], enc["offset_mapping"]
         first = next(i for i, (_s, e) in enumerate(offs) if e > len(context))
@@ -141,11 +169,11 @@ def reference(tok, messages, tools, stop_ids, original=None):
     return out
 
 
-def outcome(tok, kind: str) -> str:
+def outcome(tok, kind: str, model_end: tuple = ()) -> str:
     """``"trains"`` (every reply's labels equal :func:`reference`, each reply in exactly one sample; ``"trains (N
     samples)"`` when the template makes several) or ``"refused: <the one-line reason>"``. Raises AssertionError on
     labels that differ from the definition, and any other exception on a crash."""
-    from sft.data.chat import end_of_turn_id
+    from sft.data.end_tokens import end_of_turn_id
     from sft.data.records import normalize_record
     from sft.data.samples import encode_samples
     from sft.errors import SFTError
@@ -153,7 +181,7 @@ def outcome(tok, kind: str) -> str:
     conv = normalize_record("corpus", 0, KINDS[kind])
     assert not isinstance(conv, list), conv
     try:
-        eot = end_of_turn_id(tok)
+        eot = end_of_turn_id(tok, tok.convert_tokens_to_ids(list(model_end)))
     except SFTError as e:
         return f"refused: {e}"
     samples = encode_samples(tok, [conv.messages], eot, 100_000, None, "truncate", [conv.tools])[0]
@@ -193,7 +221,8 @@ def outcomes() -> dict[str, list[str]]:
     """``{template name: [outcome per kind of KINDS]}`` over the whole corpus."""
     found = templates()
     tok = shared_tokenizer(found)
-    return {name: [outcome(use(tok, text), kind) for kind in KINDS] for name, text in found.items()}
+    return {name: [outcome(use(tok, text), kind, MODEL_END.get(name, ())) for kind in KINDS]
+            for name, text in found.items()}
 
 
 def markdown_table(table: dict[str, list[str]]) -> str:

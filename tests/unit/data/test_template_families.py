@@ -5,18 +5,21 @@ model generates after the prompt, checked against the definition recomputed thro
 (tests/helpers/template_corpus.py) and spelled out. Small stand-ins for the real templates on the tiny Qwen
 vocabulary (the real ones: tests/integration/data/test_template_corpus.py)."""
 import copy
+import json
 
 import pytest
 
-from sft.data.chat import end_of_turn_id
+from sft.data.end_tokens import end_of_turn_id, model_end_ids
+from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
 from sft.data.records import normalize_record
 from sft.data.samples import encode_samples
 from sft.errors import TemplateError
 from tests.helpers.labels import supervised_spans
 from tests.helpers.template_corpus import check_definition
 
-R1_DISTILL = ("{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% elif m.role == 'assistant' %}"
-              "{% set c = m.content %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+R1_DISTILL = ("{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+              "{% elif m.role == 'assistant' %}{% set c = m.content %}"
+              "{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
               "<｜Assistant｜>{{ c }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
               "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}")
 GEMMA4 = ("{% for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}<turn|>\n"
@@ -30,7 +33,13 @@ THINKS_TWICE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role =
                 "{% endif %}")
 INDENTED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{{ '  ' }}{% endif %}")
-TOKENS = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<|turn>", "<turn|>", "<|channel>", "<channel|>",
+GLM = ("[gMASK]<sop>{% if tools %}<|system|>\n{% for t in tools %}{{ t.function.name }}{% endfor %}{% endif %}"
+       "{% for m in messages %}<|{{ 'observation' if m.role == 'tool' else m.role }}|>\n{{ m.content }}"
+       "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} {{ c.function.arguments | tojson }}"
+       "</tool_call>{% endfor %}{% endfor %}"
+       "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TOKENS = ["<|user|>", "<|assistant|>", "<|system|>", "<|observation|>", "<tool_call>", "</tool_call>", "<｜User｜>",
+          "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<|turn>", "<turn|>", "<|channel>", "<channel|>",
           "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|USER_TOKEN|>",
           "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>", "<|END_THINKING|>"]
 RECORD = {"messages": [{"role": "user", "content": "Is 91 prime?"},
@@ -45,11 +54,11 @@ def family_tok(qwen_tok):
     return tok
 
 
-def trained(tok, template, record=RECORD):
+def trained(tok, template, record=RECORD, model_end=()):
     """``[(text before the sample's first supervised token, [supervised text, ...]), ...]`` per sample, checked
-    against the definition."""
+    against the definition; ``model_end``: the model's end token ids."""
     tok.chat_template = template
-    eot = end_of_turn_id(tok)
+    eot = end_of_turn_id(tok, model_end)
     conv = normalize_record("r.jsonl", 0, record)
     samples = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools])[0]
     if isinstance(samples, Exception):
@@ -102,3 +111,62 @@ def test_a_template_that_cannot_render_without_tools_renders_with_an_empty_list(
                    + INDENTED.replace("{{ '  ' }}", ""))
     ((_ctx, spans),) = trained(family_tok, needs_tools, {"messages": RECORD["messages"][2:]})
     assert spans == ["Yes.<|im_end|>"]
+
+
+def test_glm_replies_end_at_the_next_roles_token_that_generation_config_lists(family_tok, tmp_path):
+    family_tok.chat_template = GLM
+    with pytest.raises(TemplateError, match="writes nothing after the last reply .* and no end token of the model"):
+        end_of_turn_id(family_tok, model_end_ids(str(tmp_path)))  # no generation_config.json: no evidence
+    ends = family_tok.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    assert model_end_ids(str(tmp_path)) == ends
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    record = {"tools": [weather], "messages": [
+        {"role": "user", "content": "Rain in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "yes"}, {"role": "assistant", "content": "Yes."},
+        {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]}
+    ((_ctx, spans),) = trained(family_tok, GLM, record, model_end_ids(str(tmp_path)))
+    assert spans == ['<tool_call>get_weather {"city": "Paris"}</tool_call><|observation|>', "Yes.<|user|>",
+                     "You are welcome.<|user|>"]
+
+
+def test_chat_template_kwargs_reach_every_rendering_and_bad_ones_are_refused_up_front(family_tok):
+    switch = R1_DISTILL.replace("<think>\n{% endif %}", "<think>\n{% if not enable_thinking %}</think>{% endif %}"
+                                "{% endif %}")
+    on = with_template_kwargs(switch, parse_template_kwargs('{"enable_thinking": true}'))
+    (ctx, first), _second = trained(family_tok, on)
+    assert ctx.endswith("<｜Assistant｜><think>\n") and first == ["91 = 7 x 13.\n</think>\n\nNo.<｜end▁of▁sentence｜>"]
+    assert family_tok.apply_chat_template(RECORD["messages"][:1], tokenize=False, add_generation_prompt=True,
+                                          enable_thinking=False).endswith("<think>\n</think>")  # a caller's own wins
+    for bad, why in (('{"enable_thinking": fals}', "not JSON"), ("[1]", "a JSON object is needed"),
+                     ('{"tools": []}', "not a name a chat template can read")):
+        with pytest.raises(ValueError, match=why):
+            parse_template_kwargs(bad)
+
+
+def test_refusals_name_file_record_id_and_turn_and_no_length_warning_leaks(family_tok, caplog):
+    import logging
+
+    from sft.data.dataset import LazySupervisedDataset
+    from sft.errors import DataError
+
+    family_tok.chat_template = INDENTED.replace("'  '", "'x'")  # a prompt the reply's rendering does not continue
+    rec = {"id": "r7", "record": 7, "messages": RECORD["messages"][2:]}
+    ds = LazySupervisedDataset([rec], family_tok, end_of_turn_id(family_tok), 64, None, data_path="chats.jsonl")
+    with pytest.raises(DataError, match=r"^chats.jsonl, record 7, id='r7', turn 1: the chat template's generation "
+                                        r"prompt for this reply ends with 'x'.*; use a template"):
+        ds[0]
+    tok, limit = family_tok, family_tok.model_max_length
+    tok.chat_template = INDENTED.replace("{{ '  ' }}", "")
+    conv = normalize_record("r.jsonl", 0, {"messages": [{"role": "user", "content": "word " * 40},
+                                                        {"role": "assistant", "content": "Yes."}]})
+    tok.model_max_length = 16  # the conversation is longer: transformers would warn about indexing errors
+    try:
+        with caplog.at_level(logging.WARNING):
+            (ex,) = encode_samples(tok, [conv.messages], end_of_turn_id(tok), 4096, None, "split", [None])[0]
+    finally:
+        tok.model_max_length = limit
+    assert supervised_spans(tok, ex["input_ids"], ex["labels"]) == ["Yes.<|im_end|>"]
+    assert "Token indices sequence length" not in caplog.text
