@@ -53,9 +53,14 @@ def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = Fa
     list for a template that cannot render without one, :meth:`_Renderer.render`); its own refusal or failure
     (jinja2's ``raise_exception``, a template that needs a variable it is not given) as :class:`TemplateError`."""
     try:
-        return _Renderer.of(tokenizer).render(list(messages), None, add_generation_prompt) if tokenizer.chat_template \
-            else tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+        try:
+            return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception:
+            if not tokenizer.chat_template or not _Renderer.of(tokenizer).needs_tools():
+                raise
+        return tokenizer.apply_chat_template(list(messages), tools=[], tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:
         raise TemplateError(f"the chat template cannot render this conversation: {' '.join(str(e).split())}") from None
 

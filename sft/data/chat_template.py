@@ -117,7 +117,10 @@ def compile_template(template: str):
     conversations, 0.23 s -> 0.13 s). The template is compiled again in an overlay of transformers' environment
     (the same class, options, filters, globals and extensions) whose check answers from a memo keyed on
     ``(type(obj), attr)`` and asks the sandbox's own check on a miss: the same answers, so the same text and the
-    same refusals. Any other environment class or jinja2 version gets transformers' compiled template unchanged.
+    same refusals. A template's ``message.content`` on a plain dict (no such attribute: the sandbox catches the
+    AttributeError, then reads the item) reads the item directly (Qwen3's template: about a third of its
+    rendering's time). Any other environment class or jinja2 version gets transformers' compiled template
+    unchanged.
     """
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -138,7 +141,23 @@ def compile_template(template: str):
         return ok
 
     env.is_safe_attribute = is_safe_attribute  # an instance attribute: the sandbox calls self.is_safe_attribute
+    sandbox_getattr, undefined = env.getattr, env.undefined
+
+    def getattr_(obj, attribute):
+        # ``message.content`` on a plain dict: the sandbox tries the attribute first and catches AttributeError (a
+        # dict has none but its class's), then the item; the same answer without the exception
+        if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return undefined(obj=obj, name=attribute)
+        return sandbox_getattr(obj, attribute)
+
+    env.getattr = getattr_
     return env.from_string(template)
+
+
+_DICT_ATTRIBUTES = frozenset(dir(dict))
 
 
 def parse_template_kwargs(text: str) -> dict:

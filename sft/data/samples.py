@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from sft.data.chat import IGNORE_INDEX, with_system
 from sft.data.long_conversations import split_conversation
+from sft.data.shared_prefix import tokenize_shared
 from sft.errors import TemplateError
 
 logger = logging.getLogger(__name__)
@@ -265,16 +266,16 @@ TOKENIZE_CHARS = 4_000_000  # characters per tokenizer call: its offsets cost ab
 
 def _tokenized(tokenizer, texts: list, owners: list):
     """``(text, ids, offsets, owner)`` of every text, tokenized in calls of at most :data:`TOKENIZE_CHARS` characters
-    (one text at least): a batch of conversations that a history-rewriting template makes many long samples of
+    (one text at least), a conversation's samples with their shared prefixes tokenized once
+    (:func:`sft.data.shared_prefix.tokenize_shared`): a batch of conversations that a history-rewriting template makes many long samples of
     keeps only one call's offsets in memory at a time."""
     start = 0
     while start < len(texts):
         end, size = start + 1, len(texts[start])
         while end < len(texts) and size + len(texts[end]) <= TOKENIZE_CHARS:
             size, end = size + len(texts[end]), end + 1
-        enc = tokenizer(texts[start:end], add_special_tokens=False, return_offsets_mapping=True, verbose=False,
-                        return_attention_mask=False)  # not used: building its lists costs time
-        yield from zip(texts[start:end], enc["input_ids"], enc["offset_mapping"], owners[start:end])
+        enc = tokenize_shared(tokenizer, texts[start:end], [o[0] for o in owners[start:end]])
+        yield from ((t, ids, offs, o) for t, (ids, offs), o in zip(texts[start:end], enc, owners[start:end]))
         start = end
 
 

@@ -170,3 +170,20 @@ def test_refusals_name_file_record_id_and_turn_and_no_length_warning_leaks(famil
         tok.model_max_length = limit
     assert supervised_spans(tok, ex["input_ids"], ex["labels"]) == ["Yes.<|im_end|>"]
     assert "Token indices sequence length" not in caplog.text
+
+
+def test_shared_prefixes_are_tokenized_once_with_the_tokens_of_the_whole_text(qwen_tok):
+    from sft.data.shared_prefix import common_prefix_length, tokenize_shared
+
+    tok = qwen_tok[0]
+    turn = "<|im_start|>{}\n{}<|im_end|>\n"
+    history = turn.format("user", "Is 91 prime?") + turn.format("assistant", "No.") + turn.format("user", "And 97?")
+    texts = [history + turn.format("assistant", "<think>\n97 has no divisor.\n</think>\n\nYes."),
+             history + turn.format("assistant", "Yes.") + turn.format("user", "Thanks!"),
+             "no special token at all", "no special token here either", history]
+    got = tokenize_shared(tok, texts, [0, 0, 1, 1, 2])
+    whole = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+    assert [ids for ids, _ in got] == whole["input_ids"]
+    assert [[tuple(o) for o in offs] for _, offs in got] == [[tuple(o) for o in offs] for offs in whole["offset_mapping"]]
+    assert [common_prefix_length(a, b) for a, b in (("abc", "abd"), ("", "x"), ("ab", "ab"), ("xab", "ab"))] == [
+        2, 0, 2, 0]
