@@ -29,6 +29,7 @@ dropped). Decided once per template by rendering a probe (:func:`reasoning_form`
 from __future__ import annotations
 
 import json
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -219,17 +220,19 @@ def _found(text: str, part: str) -> bool:
 
 def _claim(text: str, part: str, claimed: list) -> bool:
     """Whether ``part`` (stripped; or its JSON-escaped form) occurs in ``text`` outside the ``claimed`` character
-    ranges; the first such occurrence is added to them."""
+    ranges (disjoint, kept sorted: an occurrence is checked against its neighbour only); the first such occurrence is
+    added to them."""
     part = part.strip()
     if not part:
         return True
     for form in (part, json.dumps(part, ensure_ascii=False)[1:-1]):
         at = text.find(form)
         while at >= 0:
-            if not any(a < at + len(form) and at < b for a, b in claimed):
-                claimed.append((at, at + len(form)))
+            i = bisect_left(claimed, (at + len(form),)) - 1  # the last range starting before the occurrence ends
+            if i < 0 or claimed[i][1] <= at:
+                insort(claimed, (at, at + len(form)))
                 return True
-            at = text.find(form, at + 1)
+            at = text.find(form, claimed[i][1])  # an occurrence starting inside that range overlaps it too
     return False
 
 
