@@ -65,8 +65,8 @@ def template_kwargs(text: str) -> dict:
     try:
         return parse_template_kwargs(text)
     except ValueError as e:
-        raise SFTError(f"--chat_template_kwargs {text}: {e}; give a JSON object such as "
-                       "'{\"enable_thinking\": false}'") from None
+        raise SFTError(f"--chat_template_kwargs {text}: {e}; give a JSON object of the template's variables") \
+            from None
 
 
 def read_chat_template(path: str) -> str:
