@@ -86,7 +86,8 @@ def _past_whitespace(prompt: str, full: str) -> int:
     return j
 
 
-def continuation(template: str, prompt: str, full: str, bare, reasoning: str) -> tuple[str, str, int]:
+def continuation(template: str, prompt: str, full: str, bare, reasoning: str, last_turn: str = ""
+                 ) -> tuple[str, str, int]:
     """What the model sees and generates for one reply: ``(context, generated, own)``, ``context + generated`` the
     reply's sample text up to the end of its rendering, ``generated[own:]`` the reply's own rendering.
 
@@ -107,7 +108,12 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str) ->
     - whitespace tolerance: ``full`` and ``prompt`` differ only in whitespace after their common prefix (a
       template's indentation or line breaks leaking into one of them; the characters that are not whitespace are
       the same, in order): the prompt as it is, then the reply's own rendering from its first character that is
-      not whitespace after the prompt's last one.
+      not whitespace after the prompt's last one;
+    - history rendered differently once the reply is added (Mistral-Nemo writes the system prompt into the last
+      user turn only while it is the last message; LFM2.5 shows the last reply's reasoning only while it is the last
+      reply): the prompt as it is, then the reply as ``full`` renders it after the text the prompt ends with from
+      ``last_turn`` on (the content of the message before the reply, its end and the generation prompt), where
+      ``full`` holds that text.
 
     Raises:
         Diverges: none of these applies (the caller's refusal names where the texts part).
@@ -116,7 +122,14 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str) ->
     if block is None:
         if full.startswith(prompt):
             return prompt, full[len(prompt):], 0
-        return prompt, full[_past_whitespace(prompt, full):].lstrip(), 0
+        try:
+            return prompt, full[_past_whitespace(prompt, full):].lstrip(), 0
+        except Diverges:
+            at = prompt.rfind(last_turn) if last_turn else -1
+            end = full.rfind(prompt[at:]) if at >= 0 else -1
+            if end < 0:
+                raise
+            return prompt, full[end + len(prompt) - at:], 0  # the history rendered differently: the reply as rendered
     opening, close = block["open"], block["close"]
     reply = full[len(prompt):] if full.startswith(prompt) else None
     if reply is not None and not reply.lstrip().startswith(opening) and (

@@ -146,7 +146,8 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
             full = render(tokenizer, shown[:k + 1], tools)
             bare = (lambda: render(tokenizer, shown[:k] + [_without_reasoning(messages[k])], tools)) if reasoning \
                 else (lambda: full)
-            prompt, reply, own = continuation(source, prompt, full, bare, reasoning)
+            last = (shown[k - 1].get("content") or "").strip() if k else ""
+            prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last)
         except TemplateError as e:
             raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
                           "another template") from None

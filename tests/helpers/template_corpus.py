@@ -123,8 +123,12 @@ def _generated(tok, original, shown, k, tools):
     if full.startswith(prompt):
         return prompt, full[len(prompt):], 0
     squeezed = re.sub(r"\s+", "", prompt)  # whitespace tolerance: the same text but for whitespace, then the reply
-    at = next(j for j in range(len(full) + 1) if re.sub(r"\s+", "", full[:j]) == squeezed)
-    return prompt, full[at:].lstrip(), 0
+    at = next((j for j in range(len(full) + 1) if re.sub(r"\s+", "", full[:j]) == squeezed), None)
+    if at is not None:
+        return prompt, full[at:].lstrip(), 0
+    # history rendered differently once the reply exists: the reply as rendered after the prompt's last turn
+    tail = prompt[prompt.rindex(shown[k - 1]["content"].strip()):]
+    return prompt, full.split(tail)[-1], 0
 
 
 def _closing(tok, messages, k, tools, stop_ids) -> str:

@@ -27,6 +27,8 @@ def test_every_real_template_trains_each_kind_by_the_definition_or_refuses_it_in
     trained = [sum(row[k].startswith("trains") for row in table.values()) for k in range(len(KINDS))]
     # the model's end tokens (generation_config.json): GLM stops at the next role's token
     assert table["GLM-4.6"][0] == "trains" and table["GLM-4.7-Flash"][2].startswith("trains")
-    assert trained == [61, 59, 49], trained
+    # the reply as rendered after the prompt's last turn where the history changes with it
+    assert table["mistralai-Mistral-Nemo-Instruct-2407"][0] == "trains (2 samples)"
+    assert trained == [62, 60, 49], trained
     docs = open(os.path.join(ROOT, "docs", "data-format.md"), encoding="utf-8").read()
     assert markdown_table(table) in docs, "docs/data-format.md: regenerate its table: python -m tests.helpers.template_corpus"

@@ -41,7 +41,13 @@ GLM = ("[gMASK]<sop>{% if tools %}<|system|>\n{% for t in tools %}{{ t.function.
 TOKENS = ["<|user|>", "<|assistant|>", "<|system|>", "<|observation|>", "<tool_call>", "</tool_call>", "<｜User｜>",
           "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<|turn>", "<turn|>", "<|channel>", "<channel|>",
           "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|USER_TOKEN|>",
-          "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>", "<|END_THINKING|>"]
+          "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>", "<|END_THINKING|>", "[INST]", "[/INST]",
+          "</s>"]
+SYSTEM_IN_LAST_TURN = ("{% if messages[0].role == 'system' %}{% set sys = messages[0].content %}"
+                       "{% set msgs = messages[1:] %}{% else %}{% set msgs = messages %}{% endif %}"
+                       "{% for m in msgs %}{% if m.role == 'user' %}[INST]{% if loop.last and sys is defined %}"
+                       "{{ sys }}\n\n{% endif %}{{ m.content }}[/INST]{% else %}{{ m.content }}</s>{% endif %}"
+                       "{% endfor %}")
 RECORD = {"messages": [{"role": "user", "content": "Is 91 prime?"},
                        {"role": "assistant", "reasoning_content": "91 = 7 x 13.", "content": "No."},
                        {"role": "user", "content": "And 97?"}, {"role": "assistant", "content": "Yes."}]}
@@ -187,3 +193,12 @@ def test_shared_prefixes_are_tokenized_once_with_the_tokens_of_the_whole_text(qw
     assert [[tuple(o) for o in offs] for _, offs in got] == [[tuple(o) for o in offs] for offs in whole["offset_mapping"]]
     assert [common_prefix_length(a, b) for a, b in (("abc", "abd"), ("", "x"), ("ab", "ab"), ("xab", "ab"))] == [
         2, 0, 2, 0]
+
+
+def test_a_reply_that_changes_the_history_before_it_is_trained_as_rendered_after_the_prompt(family_tok):
+    # Mistral-Nemo's template writes the system prompt into the last user turn only while it is the last message
+    record = {"messages": [{"role": "system", "content": "Be terse."}, *RECORD["messages"]]}
+    record["messages"][2] = {"role": "assistant", "content": "No."}
+    (ctx1, first), (ctx2, second) = trained(family_tok, SYSTEM_IN_LAST_TURN, record)
+    assert ctx1.endswith("[INST]Be terse.\n\nIs 91 prime?[/INST]") and first == ["No.</s>"]
+    assert ctx2.endswith("No.</s>[INST]Be terse.\n\nAnd 97?[/INST]") and second == ["Yes.</s>"]
