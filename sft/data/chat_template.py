@@ -119,8 +119,8 @@ def compile_template(template: str):
     ``(type(obj), attr)`` and asks the sandbox's own check on a miss: the same answers, so the same text and the
     same refusals. A template's ``message.content`` on a plain dict (no such attribute: the sandbox catches the
     AttributeError, then reads the item) reads the item directly, and a str method (not ``format``) or a loop
-    variable is read as the sandbox would pass it (Qwen3's template: about half of its rendering's time). Any other environment class or jinja2 version gets transformers' compiled template
-    unchanged.
+    variable is read as the sandbox would pass it (Qwen3's template: about half of its rendering's time). Any
+    other environment class or jinja2 version gets transformers' compiled template unchanged.
     """
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -267,8 +267,8 @@ TOKENIZE_CHARS = 4_000_000  # characters per tokenizer call: its offsets cost ab
 def _tokenized(tokenizer, texts: list, owners: list):
     """``(text, ids, offsets, owner)`` of every text, tokenized in calls of at most :data:`TOKENIZE_CHARS` characters
     (one text at least), a conversation's samples with their shared prefixes tokenized once
-    (:func:`sft.data.shared_prefix.tokenize_shared`): a batch of conversations that a history-rewriting template makes many long samples of
-    keeps only one call's offsets in memory at a time."""
+    (:func:`sft.data.shared_prefix.tokenize_shared`): a batch of conversations that a history-rewriting template
+    makes many long samples of keeps only one call's offsets in memory at a time."""
     start = 0
     while start < len(texts):
         end, size = start + 1, len(texts[start])

@@ -326,8 +326,8 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "descripti
 
 def ends_at_next_role(tokenizer) -> bool:
     """Whether the chat template writes nothing after the last reply, so that a reply ends at the token that opens
-    the next turn (GLM-4.6's ``<|user|>``, one of its model's end tokens: :func:`sft.data.end_tokens.end_of_turn_id`); probed
-    once per template and cached."""
+    the next turn (GLM-4.6's ``<|user|>``, one of its model's end tokens: :func:`sft.data.end_tokens.
+    end_of_turn_id`); probed once per template and cached."""
     cache = _cache(tokenizer)
     if "next_role" not in cache:
         from sft.data.chat import _PROBE
@@ -341,11 +341,12 @@ def ends_at_next_role(tokenizer) -> bool:
 
 
 def stop_tokens(tokenizer, eot_id: int) -> list[str]:
-    """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.end_tokens.end_of_turn_id`), and
-    the token that closes a reply holding a tool call when the template closes those with another one (gpt-oss's
-    ``<|call|>``, Llama 3.1's ``<|eom_id|>``): the last special token of such a reply rendered alone (only whitespace
-    after it), or, where a reply ends at the next role's token (:func:`ends_at_next_role`), the first special token
-    after it when a tool result follows. Probed once per template and cached."""
+    """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.end_tokens.
+    end_of_turn_id`), and the token that closes a reply holding a tool call when the template closes those with
+    another one (gpt-oss's ``<|call|>``, Llama 3.1's ``<|eom_id|>``): the last special token of such a reply
+    rendered alone (only whitespace after it), or, where a reply ends at the next role's token
+    (:func:`ends_at_next_role`), the first special token after it when a tool result follows. Probed once per
+    template and cached."""
     cache = _cache(tokenizer)
     key = ("stops", eot_id)
     if key not in cache:

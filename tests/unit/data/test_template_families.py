@@ -190,7 +190,8 @@ def test_shared_prefixes_are_tokenized_once_with_the_tokens_of_the_whole_text(qw
     got = tokenize_shared(tok, texts, [0, 0, 1, 1, 2])
     whole = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
     assert [ids for ids, _ in got] == whole["input_ids"]
-    assert [[tuple(o) for o in offs] for _, offs in got] == [[tuple(o) for o in offs] for offs in whole["offset_mapping"]]
+    assert [[tuple(o) for o in offs] for _, offs in got] == [
+        [tuple(o) for o in offs] for offs in whole["offset_mapping"]]
     assert [common_prefix_length(a, b) for a, b in (("abc", "abd"), ("", "x"), ("ab", "ab"), ("xab", "ab"))] == [
         2, 0, 2, 0]
 
