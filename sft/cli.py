@@ -107,6 +107,8 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
                     help="show a record whose text the chat template partly drops (as sft-train's flag)")
     ap.add_argument("--chat_template", default=None, help="a Jinja chat template file used instead of the "
                     "tokenizer's own (as sft-train's flag)")
+    ap.add_argument("--chat_template_kwargs", default=None, help="a JSON object of extra variables for the chat "
+                    "template, e.g. '{\"enable_thinking\": true}' (as sft-train's flag)")
     a = ap.parse_args(argv)
 
     def body():
@@ -114,7 +116,8 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
 
         for line in show_sample(a.model_dir, a.data_file, a.index, a.model_max_length, a.system_message,
                                 a.long_conversations, color=sys.stdout.isatty(), mask_history=a.mask_history,
-                                allow_dropped_content=a.allow_dropped_content, chat_template=a.chat_template):
+                                allow_dropped_content=a.allow_dropped_content, chat_template=a.chat_template,
+                                chat_template_kwargs=a.chat_template_kwargs):
             print(line)
     return run_cli(body)
 

@@ -24,7 +24,7 @@ def check_data(model_args, data_args, training_args) -> list[str]:
     """
 
     tok, eot, _ = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code, training_args.cache_dir,
-                                 model_args.chat_template)
+                                 model_args.chat_template, model_args.chat_template_kwargs)
     control = control_tokens_for(tok, data_args.system_message)
 
     lines, ratio = [], data_args.eval_split_ratio

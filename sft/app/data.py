@@ -35,7 +35,7 @@ def prepare_data(model_args, data_args, training_args) -> PreparedData:
     """The tokenizer and the train / eval datasets, prepared as the flags say (:func:`load_records`), logged, and
     packed into rows with ``--packing``."""
     tok, eot, grew = load_tokenizer(model_args.model_name_or_path, model_args.trust_remote_code,
-                                    training_args.cache_dir, model_args.chat_template)
+                                    training_args.cache_dir, model_args.chat_template, model_args.chat_template_kwargs)
     prepared = load_records(data_sources(data_args), tok, eot, preparation_spec(data_args, training_args))
     datasets = {}
     for name, got in prepared.items():

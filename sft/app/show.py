@@ -15,13 +15,13 @@ from sft.model.loading import load_tokenizer
 def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length: int = 8192,
                 system_message: Optional[str] = None, long_conversations: str = "split",
                 color: bool = False, mask_history: bool = False, allow_dropped_content: bool = False,
-                chat_template: Optional[str] = None) -> Iterator[str]:
+                chat_template: Optional[str] = None, chat_template_kwargs: Optional[str] = None) -> Iterator[str]:
     """Yield, per training sample of the ``index``-th valid record (0-based) of ``data_file``: a header line (record
     index and id, tokens, supervised tokens, truncation) and the rendered text with supervised tokens marked «like
     this» (ANSI colour instead when ``color``). Several samples when a long conversation is split, or when the chat
     template renders earlier turns differently once later turns exist (:mod:`sft.data.turns`). ``mask_history`` /
-    ``allow_dropped_content`` / ``chat_template``: as ``--mask_history`` / ``--allow_dropped_content`` /
-    ``--chat_template``.
+    ``allow_dropped_content`` / ``chat_template`` / ``chat_template_kwargs``: as ``--mask_history`` /
+    ``--allow_dropped_content`` / ``--chat_template`` / ``--chat_template_kwargs``.
 
     The file is streamed up to the record asked for: a huge file is not loaded.
 
@@ -41,7 +41,7 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length
     c = next(itertools.islice(iter_conversations(data_file, check), index, None), None)
     if c is None:
         raise SFTError(f"--index {index}: the file has {check.valid} valid records")
-    tok, eot, _ = load_tokenizer(model_dir, chat_template=chat_template)
+    tok, eot, _ = load_tokenizer(model_dir, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
     samples = encode_samples(tok, [c.messages], eot, model_max_length, system_message, long_conversations, [c.tools],
                              mask_history, allow_dropped_content)[0]
     if isinstance(samples, Exception):
@@ -49,5 +49,7 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length
     for k, ex in enumerate(samples):
         part = f" sample {k + 1} of {len(samples)}:" if len(samples) > 1 else ""
         yield (f"record {c.index} id={c.id}:{part} {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"
-               + (f", truncated ({ex['n_lost']} supervised tokens lost)" if ex["truncated"] else ""))
+               + (f", truncated ({ex['n_lost']} supervised tokens lost)" if ex["truncated"] else "")
+               + (f", {ex['user_cut']} user turn(s) too long for --model_max_length {model_max_length} cut from the "
+                  "start (their last words kept)" if ex.get("user_cut") else ""))
         yield visualize(tok, ex["input_ids"], ex["labels"], color=color)

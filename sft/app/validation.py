@@ -59,6 +59,20 @@ def _check_chat_template(path: Optional[str]) -> list[str]:
     return []
 
 
+def _check_template_kwargs(text: Optional[str]) -> list[str]:
+    """``--chat_template_kwargs``: a JSON object of variable names (:func:`sft.model.loading.template_kwargs`)."""
+    if text is None:
+        return []
+    from sft.errors import SFTError
+    from sft.model.loading import template_kwargs
+
+    try:
+        template_kwargs(text)
+    except SFTError as e:
+        return [str(e)]
+    return []
+
+
 def _check_source(flag: str, path: str) -> list[str]:
     if os.path.isdir(path):
         why = folder_problem(path)
@@ -346,6 +360,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
         ConfigError: one line per problem, each naming the flag, the value and the fix.
     """
     p = (_check_model(model_args.model_name_or_path) + _check_chat_template(model_args.chat_template)
+         + _check_template_kwargs(model_args.chat_template_kwargs)
          + _check_data(data_args, training_args)
          + _check_training(training_args) + _check_lora(model_args, training_args, lora_args)
          + _check_fsdp(training_args, lora_args) + _check_output(training_args))

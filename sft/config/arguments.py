@@ -55,6 +55,12 @@ class ModelArguments:
         metadata={"help": "A chat template (a Jinja file, e.g. one that renders tool calls) used instead of the "
                   "tokenizer's own; saved with the trained tokenizer, so inference renders as training did."},
     )
+    chat_template_kwargs: Optional[str] = field(
+        default=None,
+        metadata={"help": "A JSON object of extra variables for every rendering of the chat template, e.g. "
+                  "'{\"enable_thinking\": false}' (apply_chat_template's keyword arguments); written into the saved "
+                  "template as defaults."},
+    )
 
 
 @dataclass

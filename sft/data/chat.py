@@ -49,37 +49,20 @@ def ensure_chat_template(tokenizer) -> bool:
 
 
 def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-    """Render ``messages`` to text with the tokenizer's chat template; its own refusal or failure (jinja2's
-    ``raise_exception``, a template that needs a variable it is not given) as :class:`TemplateError`."""
+    """Render ``messages`` to text with the tokenizer's chat template (``apply_chat_template``'s text; an empty tool
+    list for a template that cannot render without one, :meth:`_Renderer.render`); its own refusal or failure
+    (jinja2's ``raise_exception``, a template that needs a variable it is not given) as :class:`TemplateError`."""
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception:
+            if not tokenizer.chat_template or not _Renderer.of(tokenizer).needs_tools():
+                raise
+        return tokenizer.apply_chat_template(list(messages), tools=[], tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:
         raise TemplateError(f"the chat template cannot render this conversation: {' '.join(str(e).split())}") from None
-
-
-def end_of_turn_id(tokenizer) -> int:
-    """The special token that closes an assistant turn in this chat template (e.g. ``<|im_end|>``).
-
-    Found by rendering a probe conversation and taking the first token after the reply (whitespace before it, as in
-    ``reply\n<|end|>``, is allowed: it is trained as part of the reply, :mod:`sft.data.turns`).
-
-    Raises:
-        TemplateError: the template writes nothing, or something other than a special token, after the last reply.
-    """
-    text, spans = render_with_spans(tokenizer, _PROBE)
-    end = spans[0][1]
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
-    for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):
-        if s >= end:
-            if tid in special or tokenizer.convert_ids_to_tokens(tid) in added:
-                return tid
-            if text[s:e].strip():
-                break
-    after = f"writes {text[end:end + 40]!r} after the last reply" if text[end:].strip() else \
-        "writes nothing after the last reply (the model would not learn to stop)"
-    raise TemplateError(f"the chat template {after}, not a special end-of-turn token; use a template whose "
-                        "assistant turns end with one, e.g. ChatML")
 
 
 def chat_token_ids(tokenizer) -> list[int]:
@@ -147,8 +130,12 @@ def render_with_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tu
         prefix = render(tokenizer, messages[:k], add_generation_prompt=True)
         start, end = len(prefix), len(prefix) + len(m["content"])
         if not text.startswith(prefix) or text[start:end] != m["content"]:
-            raise TemplateError("the chat template renders earlier turns differently once later turns are added "
-                                f"(turn {k}), so reply spans cannot be located; use a template without such rewriting")
+            what = ("the chat template renders earlier turns differently once later turns are added, so this "
+                    "reply's span in the conversation's rendering cannot be located")
+            fix = "use a template without such rewriting, or --long_conversations truncate"
+            e = TemplateError(f"turn {k}: {what}; {fix}")
+            e.turn, e.what, e.fix = k, what, fix  # as sft.data.turns.refusal: a record problem names the turn
+            raise e
         spans.append((start, end))
     return text, spans
 
@@ -248,7 +235,7 @@ def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot
     """
     rendered = _Renderer.of(tokenizer).render_all(conversations)
     skip = context_replies if context_replies is not None else [0] * len(rendered)
-    enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True,
+    enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                     return_attention_mask=False)  # not used: building its lists costs time
     return [Encoded(ids, labels_from_spans(ids, offs, spans[k:], eot_id), text, offs, spans)
             for ids, offs, (text, spans), k in zip(enc["input_ids"], enc["offset_mapping"], rendered, skip)]
@@ -331,9 +318,33 @@ class _Renderer:
         return self.skeletons[key]
 
     def render(self, messages: Sequence[dict], tools=None, add_generation_prompt: bool = False) -> str:
-        """Exactly ``render(tokenizer, messages)`` for validated messages, without apply_chat_template's overhead."""
-        return self.compiled.render(messages=list(messages), tools=tools, documents=None,
+        """Exactly ``render(tokenizer, messages)`` for validated messages, without apply_chat_template's overhead.
+        ``tools=None`` on a template that cannot render without a tool list (Hermes' and Command-R's tool_use
+        templates iterate over it) renders with an empty one, as :func:`render` does."""
+        try:
+            return self.compiled.render(messages=list(messages), tools=tools, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **self.variables)
+        except Exception:
+            if tools is not None or not self.needs_tools():
+                raise
+        return self.compiled.render(messages=list(messages), tools=[], documents=None,
                                     add_generation_prompt=add_generation_prompt, **self.variables)
+
+    def needs_tools(self) -> bool:
+        """Whether the template fails on a plain conversation without ``tools`` and renders it with ``tools=[]``;
+        probed once."""
+        if "needs_tools" not in self.memo:
+            probe = dict(messages=list(_PROBE), documents=None, add_generation_prompt=False, **self.variables)
+            try:
+                self.compiled.render(tools=None, **probe)
+                self.memo["needs_tools"] = False
+            except Exception:
+                try:
+                    self.compiled.render(tools=[], **probe)
+                    self.memo["needs_tools"] = True
+                except Exception:
+                    self.memo["needs_tools"] = False
+        return self.memo["needs_tools"]
 
     def fill(self, messages: Sequence[dict]) -> Optional[tuple[str, list[tuple[int, int]]]]:
         """``(text, reply content spans)`` of plain ``{"role", "content"}`` messages from their roles' skeleton when

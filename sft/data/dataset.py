@@ -393,8 +393,14 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
         """The one sample of a record (a chat template that makes several samples of it is refused: lazy mode keeps
         one sample per record)."""
         conv = json.loads(rec["messages"]) if isinstance(rec["messages"], str) else {"messages": rec["messages"]}
-        samples = encode_truncated(self.tokenizer, conv["messages"], self.eot_id, self.max_len, self.system_message,
-                                   conv.get("tools"), self.spec.last_reply_only, self.spec.allow_dropped_content)
+        try:
+            samples = encode_truncated(self.tokenizer, conv["messages"], self.eot_id, self.max_len,
+                                       self.system_message, conv.get("tools"), self.spec.last_reply_only,
+                                       self.spec.allow_dropped_content)
+        except TemplateError as e:  # named as every record problem is: file, record, id, turn, fix
+            turn = f", turn {e.turn}" if getattr(e, "turn", None) is not None else ""
+            raise DataError(f"{self.data_path}, record {rec.get('record', '?')}, id={rec['id']!r}{turn}: "
+                            f"{getattr(e, 'what', str(e))}; {getattr(e, 'fix', 'use another chat template')}") from None
         if len(samples) > 1:
             raise DataError(f"{self.data_path}: record id={rec['id']}: {lazy_refusal(len(samples))}")
         return samples[0]

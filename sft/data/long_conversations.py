@@ -136,13 +136,13 @@ def _encode_pieces(tokenizer, head: list[dict], pairs: list[list[dict]], plan: l
 
     Each is cut from the conversation's own encoding when that is provably the same: the sample's rendering is
     the conversation's text up to pair 0 followed by its text from pair ``c`` to pair ``j``, and every cut is at
-    one special token (:func:`_cut_tokens`), where the tokenizer splits the text before the rest of its work, so
+    one special token (:func:`cut_tokens`), where the tokenizer splits the text before the rest of its work, so
     the tokens on both sides of a cut are those of the whole conversation. Labels are then built from the sample's
     own reply spans (:func:`sft.data.chat.labels_from_spans`), or, when those spans are the conversation's own spans
     moved with the text, taken from the conversation's labels (the same labels: each token is labelled by the
     reply its characters overlap). Any other sample is encoded."""
     out: list = [None] * len(plan)
-    cut_ok = _cut_tokens(tokenizer)
+    cut_ok = cut_tokens(tokenizer)
     if isinstance(full, Encoded) and cut_ok:
         ids, text, offs = full[0], full.text, full.offsets
         ends = _reply_ends(ids, full[1], eot_id)
@@ -189,7 +189,7 @@ def _reply_ends(ids: list[int], labels: list[int], eot_id: int) -> list[int]:
             out.append(k)
 
 
-def _cut_tokens(tokenizer) -> frozenset:
+def cut_tokens(tokenizer) -> frozenset:
     """Ids of the added special tokens at which a text can be cut and tokenized in pieces with the same tokens: the
     tokenizer finds them in the raw text before normalizing or pre-tokenizing (``normalized=False``), they eat no
     neighbouring whitespace (no ``lstrip``/``rstrip``), match anywhere (no ``single_word``), and none is part of a
@@ -253,7 +253,7 @@ def _keep_guess(tokenizer, text: str, room: int) -> int:
     tokens at a cut differ a little from those in the sample, so this only starts :func:`_bracket`)."""
     if room <= 0:
         return 1
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True,
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                         return_attention_mask=False)["offset_mapping"]
     if room >= len(offsets):
         return len(text)

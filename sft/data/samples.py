@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from sft.data.chat import IGNORE_INDEX, with_system
 from sft.data.long_conversations import split_conversation
+from sft.data.shared_prefix import tokenize_shared
 from sft.errors import TemplateError
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class TruncationReport:
     extra_tokens: int = 0
     dropped_chars: int = 0  # characters the template dropped (--allow_dropped_content True)
     dropped_conversations: int = 0
+    cut_ids: list = field(default_factory=list)  # the first 10 records whose user turn was cut from the start
 
     @property
     def kept(self) -> int:
@@ -55,6 +57,8 @@ class TruncationReport:
         extra = samples[0].get("extra_samples", 0)
         self.split += int(len(samples) - extra > 1)
         self.user_turns_cut += samples[0].get("user_cut", 0)
+        if samples[0].get("user_cut", 0) and len(self.cut_ids) < 10:
+            self.cut_ids.append(sample_id)
         self.rewritten += int(extra > 0)
         self.extra_samples += extra
         self.extra_tokens += samples[0].get("extra_tokens", 0)
@@ -73,6 +77,7 @@ class TruncationReport:
                 setattr(out, k, getattr(out, k) + d[k])
             out.mode = d["mode"]
             out.dropped_ids += d["dropped_ids"][:50 - len(out.dropped_ids)]
+            out.cut_ids += d.get("cut_ids", [])[:10 - len(out.cut_ids)]
         return out
 
     def lines(self, name: str, max_len: int) -> list[str]:
@@ -91,8 +96,9 @@ class TruncationReport:
                        f"{max_len} were split at turn boundaries into {pieces} samples (earlier turns as unsupervised "
                        "context)")
         if self.user_turns_cut:
+            ids = ", ".join(map(str, self.cut_ids)) + (" ..." if self.user_turns_cut > len(self.cut_ids) else "")
             out.append(f"{name}: {self.user_turns_cut} user turns too long to fit with their reply within "
-                       f"--model_max_length {max_len} were cut from the start (their last words kept)")
+                       f"--model_max_length {max_len} were cut from the start (their last words kept): {ids}")
         if self.truncated and self.mode == "split":
             out.append(f"{name}: {self.truncated} replies are too long for --model_max_length {max_len} by themselves "
                        f"(with the system prompt): their first tokens are trained, {self.supervised_tokens_lost} "
@@ -267,16 +273,16 @@ TOKENIZE_CHARS = 4_000_000  # characters per tokenizer call: its offsets cost ab
 
 def _tokenized(tokenizer, texts: list, owners: list):
     """``(text, ids, offsets, owner)`` of every text, tokenized in calls of at most :data:`TOKENIZE_CHARS` characters
-    (one text at least): a batch of conversations that a history-rewriting template makes many long samples of
-    keeps only one call's offsets in memory at a time."""
+    (one text at least), a conversation's samples with their shared prefixes tokenized once
+    (:func:`sft.data.shared_prefix.tokenize_shared`): a batch of conversations that a history-rewriting template
+    makes many long samples of keeps only one call's offsets in memory at a time."""
     start = 0
     while start < len(texts):
         end, size = start + 1, len(texts[start])
         while end < len(texts) and size + len(texts[end]) <= TOKENIZE_CHARS:
             size, end = size + len(texts[end]), end + 1
-        enc = tokenizer(texts[start:end], add_special_tokens=False, return_offsets_mapping=True,
-                        return_attention_mask=False)  # not used: building its lists costs time
-        yield from zip(texts[start:end], enc["input_ids"], enc["offset_mapping"], owners[start:end])
+        enc = tokenize_shared(tokenizer, texts[start:end], [o[0] for o in owners[start:end]])
+        yield from ((t, ids, offs, o) for t, (ids, offs), o in zip(texts[start:end], enc, owners[start:end]))
         start = end
 
 

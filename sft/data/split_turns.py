@@ -25,6 +25,7 @@ import json
 from bisect import bisect_right
 from typing import Optional, Sequence
 
+from sft.data.shared_prefix import tokenize_shared
 from sft.data.turns import plan, render
 
 
@@ -65,11 +66,10 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
         todo = [cut for cut in dict.fromkeys(cuts) if cut not in memo]
         planned = [plan(tokenizer, piece(*cut), tools, stops).samples for cut in todo]
         texts = [t for samples in planned for t, _s, _l in samples]
-        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
-                        return_attention_mask=False) if texts else {"input_ids": [], "offset_mapping": []}
+        enc = tokenize_shared(tokenizer, texts, [k for k, samples in enumerate(planned) for _ in samples])
         at = 0
         for cut, samples in zip(todo, planned):
-            ids_offs = zip(enc["input_ids"][at:at + len(samples)], enc["offset_mapping"][at:at + len(samples)])
+            ids_offs = enc[at:at + len(samples)]
             memo[cut] = [(ids, labels_from_spans(ids, offs, spans, closing))
                          for (ids, offs), (_t, spans, _l) in zip(ids_offs, samples)]
             at += len(samples)
@@ -114,7 +114,7 @@ def _estimate(tokenizer, messages, tools, head: int, units) -> tuple[list[int], 
 
     shown = template_messages(tokenizer, messages)
     full = render(tokenizer, shown, tools)
-    offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True,
+    offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                         return_attention_mask=False)["offset_mapping"]
     ends = [e for _s, e in offsets]
     marks, pos = [], 0

@@ -4,7 +4,7 @@ For an assistant turn ``k`` of ``turns`` the trained text is
 
     render(turns[:k+1])  minus  render(turns[:k], add_generation_prompt=True)
 
-up to and including the end-of-turn token that closes it (the template's, :func:`sft.data.chat.end_of_turn_id`):
+up to and including the end-of-turn token that closes it (the template's, :func:`sft.data.end_tokens.end_of_turn_id`):
 reasoning, text and tool calls alike, exactly the tokens the model samples after the generation prompt. Nothing else
 is trained (tool results, tool definitions, system and user text, whatever follows the end-of-turn token).
 ``render`` is ``tokenizer.apply_chat_template`` with the record's ``tools``.
@@ -29,10 +29,11 @@ dropped). Decided once per template by rendering a probe (:func:`reasoning_form`
 from __future__ import annotations
 
 import json
-import os
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from sft.data.thinking import Diverges, continuation
 from sft.errors import TemplateError
 
 _PROBE_REASONING = "\ue010probe reasoning\ue011"
@@ -137,26 +138,36 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
     """
     shown = template_messages(tokenizer, messages)
     info, empty = {}, []
+    source = tokenizer.chat_template or ""
     for k in trained_turns(messages, last_reply_only):
+        reasoning = messages[k].get("reasoning_content") or ""
         try:
             prompt = render(tokenizer, shown[:k], tools, generation_prompt=True)
             full = render(tokenizer, shown[:k + 1], tools)
+            bare = (lambda: render(tokenizer, shown[:k] + [_without_reasoning(messages[k])], tools)) if reasoning \
+                else (lambda: full)
+            last = (shown[k - 1].get("content") or "").strip() if k else ""
+            prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last)
         except TemplateError as e:
             raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
                           "another template") from None
-        if not full.startswith(prompt):
-            c = len(os.path.commonprefix([prompt, full]))
+        except Diverges as e:
+            c = e.at
             raise refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
                           f"its rendering of the reply has {full[c:c + 40]!r} there, so what the model generates "
                           "after the prompt is not defined", "use a template whose replies continue its generation "
-                          "prompt")
-        ends = [(at, t) for t in stops if (at := full.find(t, len(prompt))) >= 0]
+                          "prompt") from None
+        rendered, full = full, prompt + reply
+        ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]  # after the block's close
+        if not ends and ends_at_next_role(tokenizer) and not full[len(prompt) + own:].endswith(tuple(stops)):
+            full += _next_role(tokenizer, shown, k, tools, rendered, stops)
+            ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]
         if not ends:
             raise refusal(k, f"the chat template does not close this reply with its end-of-turn token "
                           f"({' or '.join(stops)})", "use a template whose replies end with one")
         end, stop = min(ends)
-        if not full[len(prompt):end].strip():  # the template writes nothing of this reply: dropped, not trained
-            m = messages[k]
+        if not reasoning and not full[len(prompt) + own:end].strip():  # the template writes nothing of this reply:
+            m = messages[k]  # dropped, not trained
             empty.append((k, " and ".join(f"tool call {c['function']['name']}" for c in m.get("tool_calls", ()))
                           or "content", len(m["content"]) + len(json.dumps(m.get("tool_calls", "")))))
             continue
@@ -170,6 +181,28 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
     out.samples.reverse()
     out.dropped = sorted(empty + _dropped(messages, tools, info, out.samples), key=lambda x: x[0])
     return out
+
+
+def _next_role(tokenizer, shown, k: int, tools, rendered: str, stops: Sequence[str]) -> str:
+    """What closes reply ``k`` under a template that writes nothing after the last reply: the text up to and
+    including the first of ``stops`` that the rendering with the next message puts after ``rendered`` (the rendering
+    of ``shown[:k+1]``), or the end-of-turn token ``stops[0]`` after the last message (the model stops there)."""
+    if k + 1 < len(shown):
+        try:
+            nxt = render(tokenizer, shown[:k + 2], tools)
+        except TemplateError:
+            nxt = ""
+        if nxt.startswith(rendered):
+            after = nxt[len(rendered):]
+            found = [(at, t) for t in stops if (at := after.find(t)) >= 0 and not after[:at].strip()]
+            if found:
+                at, stop = min(found)
+                return after[:at + len(stop)]
+    return stops[0]
+
+
+def _without_reasoning(msg: dict) -> dict:
+    return {k: v for k, v in msg.items() if k not in ("train", "reasoning_content")}
 
 
 def refusal(turn: Optional[int], what: str, fix: str) -> TemplateError:
@@ -188,17 +221,19 @@ def _found(text: str, part: str) -> bool:
 
 def _claim(text: str, part: str, claimed: list) -> bool:
     """Whether ``part`` (stripped; or its JSON-escaped form) occurs in ``text`` outside the ``claimed`` character
-    ranges; the first such occurrence is added to them."""
+    ranges (disjoint, kept sorted: an occurrence is checked against its neighbour only); the first such occurrence is
+    added to them."""
     part = part.strip()
     if not part:
         return True
     for form in (part, json.dumps(part, ensure_ascii=False)[1:-1]):
         at = text.find(form)
         while at >= 0:
-            if not any(a < at + len(form) and at < b for a, b in claimed):
-                claimed.append((at, at + len(form)))
+            i = bisect_left(claimed, (at + len(form),)) - 1  # the last range starting before the occurrence ends
+            if i < 0 or claimed[i][1] <= at:
+                insort(claimed, (at, at + len(form)))
                 return True
-            at = text.find(form, at + 1)
+            at = text.find(form, claimed[i][1])  # an occurrence starting inside that range overlaps it too
     return False
 
 
@@ -279,7 +314,8 @@ def one_sample_of_contents(tokenizer, roles: tuple, stops: Sequence[str]) -> boo
             ok = len(p.samples) == 1 and not p.dropped
             if ok:
                 text, spans, _last = p.samples[0]
-                ok = [text[a:b] for a, b in spans] == [m["content"] for m in msgs if m["role"] == "assistant"]
+                ok = [text[a:b] for a, b in spans] == [m["content"] for m in msgs if m["role"] == "assistant"] \
+                    and text == render(tokenizer, msgs, None)  # not a prompt's whitespace or block in its place
             cache[key] = ok
     return cache[key]
 
@@ -288,11 +324,29 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "descripti
                                                   "parameters": {"type": "object", "properties": {}}}}
 
 
+def ends_at_next_role(tokenizer) -> bool:
+    """Whether the chat template writes nothing after the last reply, so that a reply ends at the token that opens
+    the next turn (GLM-4.6's ``<|user|>``, one of its model's end tokens: :func:`sft.data.end_tokens.
+    end_of_turn_id`); probed once per template and cached."""
+    cache = _cache(tokenizer)
+    if "next_role" not in cache:
+        from sft.data.chat import _PROBE
+
+        try:
+            text = render(tokenizer, _PROBE, None)
+        except TemplateError:
+            text = ""
+        cache["next_role"] = bool(text) and text.rstrip().endswith(_PROBE[-1]["content"])
+    return cache["next_role"]
+
+
 def stop_tokens(tokenizer, eot_id: int) -> list[str]:
-    """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.chat.end_of_turn_id`), and
-    the token that closes a reply holding a tool call when the template closes those with another one (gpt-oss's
-    ``<|call|>``, Llama 3.1's ``<|eom_id|>``): the last special token of such a reply rendered alone (only whitespace
-    after it). Probed once per template and cached."""
+    """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.end_tokens.
+    end_of_turn_id`), and the token that closes a reply holding a tool call when the template closes those with
+    another one (gpt-oss's ``<|call|>``, Llama 3.1's ``<|eom_id|>``): the last special token of such a reply
+    rendered alone (only whitespace after it), or, where a reply ends at the next role's token
+    (:func:`ends_at_next_role`), the first special token after it when a tool result follows. Probed once per
+    template and cached."""
     cache = _cache(tokenizer)
     key = ("stops", eot_id)
     if key not in cache:
@@ -305,8 +359,21 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
             full = render(tokenizer, user + [call], [_PROBE_TOOL])
         except TemplateError:
             full = prompt = ""
-        if full.startswith(prompt) and "probe_tool" in full[len(prompt):]:
-            enc = tokenizer(full[len(prompt):], add_special_tokens=False, return_offsets_mapping=True)
+        if full.startswith(prompt) and "probe_tool" in full[len(prompt):] and ends_at_next_role(tokenizer):
+            result = {"role": "tool", "tool_call_id": "123456789", "name": "probe_tool", "content": "ok"}
+            try:  # the reply holding the call ends at the token that opens the tool result (GLM's <|observation|>)
+                after = render(tokenizer, user + [call, result], [_PROBE_TOOL])
+            except TemplateError:
+                after = ""
+            if after.startswith(full):
+                from sft.data.end_tokens import special_run
+
+                run = special_run(tokenizer, after, len(full))
+                token = tokenizer.convert_ids_to_tokens(run[0]) if run else None
+                if token and token not in stops:
+                    stops.append(token)
+        elif full.startswith(prompt) and "probe_tool" in full[len(prompt):]:
+            enc = tokenizer(full[len(prompt):], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
             special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
             for tid, (a, b) in reversed(list(zip(enc["input_ids"], enc["offset_mapping"]))):
                 token = tokenizer.convert_ids_to_tokens(tid)

@@ -8,7 +8,9 @@ import torch
 import transformers
 
 from sft.compat.peft import without_gptqmodel
-from sft.data.chat import ENDOFTEXT, chat_token_ids, end_of_turn_id, ensure_chat_template
+from sft.data.chat import ENDOFTEXT, chat_token_ids, ensure_chat_template
+from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
+from sft.data.end_tokens import end_of_turn_id, model_end_ids
 from sft.errors import SFTError, explain_load_errors
 from sft.logs import release_import_notices
 from sft.model.quantized import loading_fix, model_folder, read_quantization
@@ -22,16 +24,19 @@ UNTRAINED_ROW_ABS_MAX = 1e-8
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Optional[str] = None,
-                   chat_template: Optional[str] = None):
+                   chat_template: Optional[str] = None, chat_template_kwargs: Optional[str] = None):
     """Load the tokenizer of the model folder (or cached hub id) ``path``, give it a chat template (ChatML
     fallback) and a pad token. ``cache_dir``: transformers' ``cache_dir`` for ``from_pretrained``;
-    ``chat_template``: a Jinja file whose template replaces the tokenizer's own (``--chat_template``).
+    ``chat_template``: a Jinja file whose template replaces the tokenizer's own (``--chat_template``);
+    ``chat_template_kwargs``: ``--chat_template_kwargs``' JSON object, written into the template as defaults
+    (:func:`sft.data.chat_template.with_template_kwargs`).
 
     Returns:
         ``(tokenizer, eot_id, added_tokens)``; ``added_tokens`` is True when the vocabulary grew.
 
     Raises:
-        SFTError: the tokenizer is not a fast (``tokenizers``) tokenizer, which offsets require.
+        SFTError: the tokenizer is not a fast (``tokenizers``) tokenizer, which offsets require; or
+            ``chat_template_kwargs`` is not a JSON object of variable names.
     """
     with explain_load_errors("tokenizer", path, "the folder needs tokenizer.json (a fast tokenizer) and "
                              "tokenizer_config.json, as save_pretrained writes them"):
@@ -48,9 +53,24 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Option
         tok.chat_template = read_chat_template(chat_template)
     with explain_load_errors("tokenizer", path, "the tokenizer does not behave like a transformers tokenizer"):
         added = ensure_chat_template(tok)
-    eot = end_of_turn_id(tok)
+    if chat_template_kwargs:
+        tok.chat_template = with_template_kwargs(tok.chat_template, template_kwargs(chat_template_kwargs))
+    eot = end_of_turn_id(tok, model_end_ids(path))  # the model's end tokens: evidence of where a reply ends
     added = choose_pad_token(tok, eot) or added
     return tok, eot, added
+
+
+def template_kwargs(text: str) -> dict:
+    """``--chat_template_kwargs``' JSON object (:func:`sft.data.chat_template.parse_template_kwargs`).
+
+    Raises:
+        SFTError: naming the flag, the value and what is wrong.
+    """
+    try:
+        return parse_template_kwargs(text)
+    except ValueError as e:
+        raise SFTError(f"--chat_template_kwargs {text}: {e}; give a JSON object of the template's variables") \
+            from None
 
 
 def read_chat_template(path: str) -> str:

@@ -41,6 +41,13 @@ KINDS = {
 }
 
 
+# The end tokens of the models whose templates need them as evidence (their generation_config.json eos_token_id):
+# GLM-4.6 / GLM-4.7-Flash stop at the next role's token; Command-R7B at <|END_OF_TURN_TOKEN|> after <|END_RESPONSE|>.
+MODEL_END = {"GLM-4.6": ["<|endoftext|>", "<|user|>", "<|observation|>"],
+             "GLM-4.7-Flash": ["<|endoftext|>", "<|user|>", "<|observation|>"],
+             "CohereForAI-c4ai-command-r7b-12-2024-tool_use": ["<|END_OF_TURN_TOKEN|>"]}
+
+
 def templates() -> dict[str, str]:
     """``{name: template text}`` of the corpus, by file name without ``.jinja``."""
     folder = assets.chat_template_corpus_dir()
@@ -65,31 +72,112 @@ def use(tok, template: str):
     return tok
 
 
-def reference(tok, messages, tools, stop_ids):
-    """Per trained reply (every assistant turn): ``(ids, labels)`` of ``render(turns[:k+1])`` up to and including the
-    first of ``stop_ids`` (the tokens that close a reply, :func:`sft.data.turns.stop_tokens`) after
-    ``render(turns[:k], add_generation_prompt=True)``, labels on the tokens from that prompt's end (a token overlapping
-    it counts) through the closing token: the definition, through the public API."""
+# Reasoning blocks as the corpus's templates write them: (opening with its label, closing tag, the close as the model
+# writes it after reasoning). A fixed table, independent of sft.data.turns' rules for finding them.
+BLOCKS = [("<think>", "</think>", None), ("<|START_THINKING|>", "<|END_THINKING|>", None),
+          ("<|channel>thought", "<channel|>", "\n<channel|>")]
+
+
+def _generated(tok, original, shown, k, tools):
+    """``(context, generated, own)`` text of reply ``k`` (``generated[own:]``: its rendering after the block's
+    close): the definition, extended where the generation prompt ends inside
+    a reasoning block of :data:`BLOCKS` (open, or closed empty) as docs/data-format.md says, with whitespace
+    tolerance at the prompt's end; recomputed through ``apply_chat_template``."""
+    def render(msgs, gen=False):
+        try:
+            return tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
+        except Exception:
+            if tools is not None:
+                raise
+        # a template that cannot render without a tool list (Hermes' tool_use) gets an empty one
+        return tok.apply_chat_template(msgs, tools=[], tokenize=False, add_generation_prompt=gen)
+
+    prompt, full = render(shown[:k], True), render(shown[:k + 1])
+    reasoning = original[k].get("reasoning_content") or ""
+    tail = prompt.rstrip()
+    for opening, close, written in BLOCKS:
+        closed = tail.endswith(close) and tail[:-len(close)].rstrip().endswith(opening)
+        if not (closed or tail.endswith(opening)):
+            continue
+        start = (tail[:-len(close)].rstrip() if closed else tail).rindex(opening)
+        inside = start + len(opening) + (len(prompt[start + len(opening):]) - len(prompt[start + len(opening):]
+                                                                                   .lstrip()))
+        written_here = full[len(prompt):] if full.startswith(prompt) else ""
+        if written_here and not written_here.lstrip().startswith(opening) and (
+                not reasoning if closed else close in written_here):
+            return prompt, full[len(prompt):], 0
+        bare = render(shown[:k] + [{x: v for x, v in original[k].items() if x not in ("reasoning_content", "train")}]) \
+            if reasoning else full
+        at = min(len(os.path.commonprefix([prompt, bare])), start)
+        rest = bare[at:].lstrip()
+        for piece in (opening, close):  # the rendering's own opening / close of the block are not trained twice
+            if rest.startswith(piece) and (piece == opening or closed):
+                rest = rest[len(piece):].lstrip()
+        if written is None:
+            written = f"\n{close}\n\n" if "\n" in prompt[start:inside] else close
+        if closed:
+            return (prompt, rest, 0) if not reasoning else (prompt[:inside], reasoning + written + rest,
+                                                             len(reasoning + written))
+        head = reasoning if rest.startswith(close) else reasoning + written
+        return prompt, head + rest, len(head)
+    if full.startswith(prompt):
+        return prompt, full[len(prompt):], 0
+    squeezed = re.sub(r"\s+", "", prompt)  # whitespace tolerance: the same text but for whitespace, then the reply
+    at = next((j for j in range(len(full) + 1) if re.sub(r"\s+", "", full[:j]) == squeezed), None)
+    if at is not None:
+        return prompt, full[at:].lstrip(), 0
+    # history rendered differently once the reply exists: the reply as rendered after the prompt's last turn
+    tail = prompt[prompt.rindex(shown[k - 1]["content"].strip()):]
+    return prompt, full.split(tail)[-1], 0
+
+
+def _closing(tok, messages, k, tools, stop_ids) -> str:
+    """The text that closes reply ``k`` under a template that writes nothing after a reply: up to the first of
+    ``stop_ids`` that the rendering with the next message puts after it, else the first of them the template
+    writes after a reply that a user turn follows (the model stops there)."""
+    def render(msgs):
+        return tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+
+    if k + 1 < len(messages):
+        this, nxt = render(messages[:k + 1]), render(messages[:k + 2])
+        if nxt.startswith(this):
+            for m in CONTROL.finditer(nxt, len(this)):
+                if tok.convert_tokens_to_ids(m[0]) in stop_ids and not nxt[len(this):m.start()].strip():
+                    return nxt[len(this):m.end()]
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    this, nxt = render(probe), render(probe + [{"role": "user", "content": "Thanks"}])
+    return next(m[0] for m in CONTROL.finditer(nxt, len(this)) if tok.convert_tokens_to_ids(m[0]) in stop_ids)
+
+
+def reference(tok, messages, tools, stop_ids, original=None):
+    """Per trained reply (every assistant turn): ``(ids, labels)`` of the reply's sample text (:func:`_generated`:
+    ``render(turns[:k], add_generation_prompt=True)`` followed by what the model generates after it, by default
+    ``render(turns[:k+1])``) up to and including the first of ``stop_ids`` (the tokens that close a reply,
+    :func:`sft.data.turns.stop_tokens`) after the context, labels on the tokens from the context's end (a token
+    overlapping it counts) through the closing token: the definition, through the public API. ``original``: the
+    messages before the template's form of reasoning (default ``messages``)."""
+    original = original or messages
     out = []
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = tok.apply_chat_template(messages[:k], tools=tools, tokenize=False, add_generation_prompt=True)
-        full = tok.apply_chat_template(messages[:k + 1], tools=tools, tokenize=False)
-        assert full.startswith(prompt)
+        context, generated, own = _generated(tok, original, messages, k, tools)
+        full = context + generated
+        if not any(tok.convert_tokens_to_ids(t) in stop_ids for t in CONTROL.findall(generated[own:])):
+            full += _closing(tok, messages, k, tools, stop_ids)  # a template that writes nothing after the reply
         enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids, offs = enc["input_ids"], enc["offset_mapping"]
-        first = next(i for i, (_s, e) in enumerate(offs) if e > len(prompt))
-        end = next(i for i in range(first, len(ids)) if ids[i] in stop_ids)
+        first = next(i for i, (_s, e) in enumerate(offs) if e > len(context))
+        end = next(i for i in range(first, len(ids)) if ids[i] in stop_ids and offs[i][0] >= len(context) + own)
         out.append((ids[:end + 1], [-100] * first + ids[first:end + 1]))
     return out
 
 
-def outcome(tok, kind: str) -> str:
+def outcome(tok, kind: str, model_end: tuple = ()) -> str:
     """``"trains"`` (every reply's labels equal :func:`reference`, each reply in exactly one sample; ``"trains (N
     samples)"`` when the template makes several) or ``"refused: <the one-line reason>"``. Raises AssertionError on
     labels that differ from the definition, and any other exception on a crash."""
-    from sft.data.chat import end_of_turn_id
+    from sft.data.end_tokens import end_of_turn_id
     from sft.data.records import normalize_record
     from sft.data.samples import encode_samples
     from sft.errors import SFTError
@@ -97,7 +185,7 @@ def outcome(tok, kind: str) -> str:
     conv = normalize_record("corpus", 0, KINDS[kind])
     assert not isinstance(conv, list), conv
     try:
-        eot = end_of_turn_id(tok)
+        eot = end_of_turn_id(tok, tok.convert_tokens_to_ids(list(model_end)))
     except SFTError as e:
         return f"refused: {e}"
     samples = encode_samples(tok, [conv.messages], eot, 100_000, None, "truncate", [conv.tools])[0]
@@ -117,7 +205,7 @@ def check_definition(tok, conv, samples, eot: int, trained=None) -> None:
     stops = set(tok.convert_tokens_to_ids(stop_tokens(tok, eot)))
     shown = template_messages(tok, conv.messages)
     replies = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]
-    refs = reference(tok, shown, conv.tools, stops)
+    refs = reference(tok, shown, conv.tools, stops, conv.messages)
     keep = [j for j, k in enumerate(replies) if trained is None or k in trained]
     refs = [refs[j] for j in keep]
     used = [0] * len(refs)
@@ -137,7 +225,8 @@ def outcomes() -> dict[str, list[str]]:
     """``{template name: [outcome per kind of KINDS]}`` over the whole corpus."""
     found = templates()
     tok = shared_tokenizer(found)
-    return {name: [outcome(use(tok, text), kind) for kind in KINDS] for name, text in found.items()}
+    return {name: [outcome(use(tok, text), kind, MODEL_END.get(name, ())) for kind in KINDS]
+            for name, text in found.items()}
 
 
 def markdown_table(table: dict[str, list[str]]) -> str:

@@ -23,7 +23,7 @@ def _general_path(monkeypatch):
     """Turn the fast path off: every conversation rendered as render_with_spans does, no sample cut from another."""
     monkeypatch.setattr(chat._Renderer, "render_all",
                         lambda self, convs: [render_with_spans(self.tokenizer, m) for m in convs])
-    monkeypatch.setattr(long_conversations, "_cut_tokens", lambda tokenizer: frozenset())
+    monkeypatch.setattr(long_conversations, "cut_tokens", lambda tokenizer: frozenset())
     monkeypatch.setattr(chat, "_labels_by_reply", lambda *args: None)  # labels token by token (the definition)
 
 

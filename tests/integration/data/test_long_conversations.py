@@ -107,7 +107,8 @@ def test_dataset_split_report_and_truncate_mode(tmp_path, qwen_tok, caplog):
     assert replies(long_rec["messages"])[2].startswith(sup[2])  # the reply too long alone: its first tokens
     lines = "\n".join(report.lines("train", 64))
     assert "1 of 3 conversations longer than --model_max_length 64 were split at turn boundaries" in lines
-    assert "1 user turns too long to fit with their reply within --model_max_length 64 were cut" in lines
+    assert "1 user turns too long to fit with their reply within --model_max_length 64 were cut from the start " \
+        "(their last words kept): long-question" in lines  # the record named
     assert "1 replies are too long for --model_max_length 64 by themselves" in lines
     truncate = PreparationSpec(64, long_conversations="truncate", cache_dir=spec.cache_dir)
     cut, cut_report = build_dataset([path], tok, eot, truncate)

@@ -19,9 +19,17 @@ def test_every_real_template_trains_each_kind_by_the_definition_or_refuses_it_in
     assert table["Qwen-Qwen2.5-7B-Instruct"] == ["trains"] * 3
     assert table["meta-llama-Llama-3.1-8B-Instruct"] == ["trains"] * 3
     assert table["openai-gpt-oss-120b"][2] == "trains"  # a tool call closed by <|call|>, not <|end|>
-    assert table["deepseek-ai-DeepSeek-V3.1"][1].startswith("refused: the chat template drops reasoning of turn 1")
+    # thinking prompts: the block's inside, its close and the reply are trained after the prompt's opening
+    assert table["deepseek-ai-DeepSeek-R1-Distill-Llama-8B"][:2] == ["trains (2 samples)"] * 2
+    assert table["google-gemma-4-31B-it"][:2] == ["trains (2 samples)"] * 2
+    assert table["deepseek-ai-DeepSeek-V3.1"][1] == "trains (2 samples)"  # reasoning fills its empty <think></think>
+    assert table["NousResearch-Hermes-3-Llama-3.1-8B-tool_use"] == ["trains"] * 3  # an empty tool list; whitespace
     trained = [sum(row[k].startswith("trains") for row in table.values()) for k in range(len(KINDS))]
-    assert trained == [45, 46, 36], trained
+    # the model's end tokens (generation_config.json): GLM stops at the next role's token
+    assert table["GLM-4.6"][0] == "trains" and table["GLM-4.7-Flash"][2].startswith("trains")
+    # the reply as rendered after the prompt's last turn where the history changes with it
+    assert table["mistralai-Mistral-Nemo-Instruct-2407"][0] == "trains (2 samples)"
+    assert trained == [62, 60, 49], trained
     docs = open(os.path.join(ROOT, "docs", "data-format.md"), encoding="utf-8").read()
     assert markdown_table(table) in docs, \
         "docs/data-format.md: regenerate its table: python -m tests.helpers.template_corpus"

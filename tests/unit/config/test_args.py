@@ -45,16 +45,17 @@ def test_every_problem_at_once(tmp_path):
     f.write_text("x")
     m, d, t, l = parse_args(["--data_path", str(tmp_path), "--output_dir", str(f), "--fp16", "True",
                              "--lora_r", "0", "--lora_dropout", "1.5", "--model_max_length", "2",
-                             "--deepspeed", "ds.json", "--q_lora", "True"])
+                             "--deepspeed", "ds.json", "--q_lora", "True", "--chat_template_kwargs", "[1]"])
     with pytest.raises(ConfigError) as e:
         validate(m, d, t, l)
     msg = str(e.value)
     for frag in ["--model_name_or_path is required", f"--data_path {tmp_path}: is a directory",
                  "--fp16 True: fp16 training needs a CUDA GPU", "--lora_r 0", "--lora_dropout 1.5",
                  "--model_max_length 2", f"--output_dir {f}: is a file", "--deepspeed ds.json: no such file",
-                 "--q_lora True: Q-LoRA trains a LoRA adapter"]:
+                 "--q_lora True: Q-LoRA trains a LoRA adapter",
+                 "--chat_template_kwargs [1]: a JSON object is needed"]:
         assert frag in msg, frag
-    assert "9 problems" in msg
+    assert "10 problems" in msg
 
 
 def test_model_folder_without_config(tmp_path, toy_data):

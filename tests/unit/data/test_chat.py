@@ -2,7 +2,8 @@
 
 import pytest
 
-from sft.data.chat import IGNORE_INDEX, encode_conversation, end_of_turn_id, visualize, with_system
+from sft.data.chat import IGNORE_INDEX, encode_conversation, visualize, with_system
+from sft.data.end_tokens import end_of_turn_id
 from sft.data.records import normalize_record
 from sft.errors import TemplateError
 from tests.helpers.labels import supervised_spans

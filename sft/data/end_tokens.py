@@ -1,0 +1,76 @@
+"""Where a reply ends: the special token that closes an assistant turn in a chat template and stops generation,
+found by rendering probes, with the model's own end tokens (``generation_config.json``'s ``eos_token_id``, the
+tokenizer's eos) as evidence the template alone does not give (:mod:`sft.data.turns` trains up to it)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from sft.data.chat import _PROBE, render_with_spans
+from sft.errors import TemplateError
+
+
+def model_end_ids(path: str) -> list[int]:
+    """The token ids that stop generation for the model folder ``path``: ``generation_config.json``'s
+    ``eos_token_id`` (an id or a list of ids; GLM-4.6 lists ``<|endoftext|>``, ``<|user|>`` and ``<|observation|>``),
+    ``[]`` where the folder has none or it does not say."""
+    try:
+        with open(os.path.join(path, "generation_config.json"), encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    eos = eos if isinstance(eos, list) else [eos]
+    return [int(i) for i in eos if isinstance(i, int) and not isinstance(i, bool)]
+
+
+def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
+    """The special token that closes an assistant turn in this chat template and stops generation (e.g.
+    ``<|im_end|>``).
+
+    Found by rendering a probe conversation: the first special token after the reply (whitespace before it, as in
+    ``reply\n<|end|>``, is allowed: it is trained as part of the reply, :mod:`sft.data.turns`), or, where the template
+    writes several in a row, the first of them that is one of the model's end tokens (``model_end``, the ids of
+    :func:`model_end_ids`, and the tokenizer's eos): Command-R's ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`` stops at
+    the latter. A template that writes nothing after the last reply (GLM-4.6 stops at the next role's token) closes a
+    reply with the first special token it writes after a reply that a user turn follows, when that is one of the
+    model's end tokens.
+
+    Raises:
+        TemplateError: the template writes something other than a special token after the last reply, or nothing
+            and no end token of the model follows a reply either.
+    """
+    ends = set(model_end) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    text, spans = render_with_spans(tokenizer, _PROBE)
+    run = special_run(tokenizer, text, spans[0][1])
+    if run:
+        return next((t for t in run if t in ends), run[0])
+    end = spans[0][1]
+    if not text[end:].strip() and ends:
+        try:
+            longer, at = render_with_spans(tokenizer, [*_PROBE, {"role": "user", "content": "Thanks"}])
+        except TemplateError:
+            at = []
+        run = special_run(tokenizer, longer, at[0][1]) if at else []
+        if run and run[0] in ends:
+            return run[0]
+    after = f"writes {text[end:end + 40]!r} after the last reply" if text[end:].strip() else \
+        "writes nothing after the last reply (the model would not learn to stop)"
+    known = ", ".join(tokenizer.convert_ids_to_tokens(sorted(ends))) or "none"
+    raise TemplateError(f"the chat template {after}, not a special end-of-turn token, and no end token of the model "
+                        f"(generation_config.json eos_token_id, the tokenizer's eos: {known}) follows a reply either; "
+                        "use a template whose assistant turns end with one, e.g. ChatML")
+
+
+def special_run(tokenizer, text: str, end: int) -> list[int]:
+    """The special tokens right after character ``end`` of ``text``, in a row (whitespace between them allowed)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
+    run = []
+    for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):
+        if s >= end:
+            if tid in special or tokenizer.convert_ids_to_tokens(tid) in added:
+                run.append(tid)
+            elif text[s:e].strip():
+                break
+    return run

@@ -1,0 +1,158 @@
+"""What the model generates after a generation prompt that does not simply continue into the reply's rendering:
+a prompt that ends inside a reasoning block (``<think>\n``, gemma-4's ``<|channel>thought\n``, Command-R's thinking
+switched off), and a prompt that differs from the rendering only in whitespace (:func:`continuation`; the definition
+and its use: :mod:`sft.data.turns`)."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+
+class Diverges(Exception):
+    """The reply's rendering does not continue its generation prompt under any rule of :func:`continuation`; ``at``
+    is where the two texts part."""
+
+    def __init__(self, at: int):
+        super().__init__(at)
+        self.at = at
+
+
+_TAG = r"<[^<>\s]{1,40}>"
+_OPEN_TAIL = re.compile(rf"(?P<open>{_TAG})(?P<label>[^<>\s]{{0,20}})(?P<ws>\s*)\Z")
+_CLOSED_TAIL = re.compile(rf"(?P<open>{_TAG})(?P<label>[^<>\s]{{0,20}})(?P<ws>\s*)(?P<close>{_TAG})\s*\Z")
+_THINKING = re.compile(r"think|thought|reason", re.IGNORECASE)
+_CLOSE_RULES = ((re.compile(r"<([A-Za-z_][\w:.\-]*)>"), "</{}>"), (re.compile(r"<\|START_(\w+)\|>"), "<|END_{}|>"),
+                (re.compile(r"<\|(\w+)_start\|>"), "<|{}_end|>"),
+                (re.compile(r"<\|begin_of_(\w+)\|>"), "<|end_of_{}|>"),
+                (re.compile(r"<\|(\w+)>"), "<{}|>"), (re.compile(r"<｜(.+)▁begin｜>"), "<｜{}▁end｜>"))
+
+
+def close_tag(tag: str) -> Optional[str]:
+    """The tag that closes ``tag`` (``<think>`` -> ``</think>``, ``<|START_THINKING|>`` -> ``<|END_THINKING|>``,
+    ``<|channel>`` -> ``<channel|>``, ``<|x_start|>`` -> ``<|x_end|>``, ``<｜x▁begin｜>`` -> ``<｜x▁end｜>``), or None
+    for a tag of no such form (a closing tag among them)."""
+    for pattern, form in _CLOSE_RULES:
+        m = pattern.fullmatch(tag)
+        if m:
+            return form.format(m[1])
+    return None
+
+
+def thinking_block(prompt: str, template: str) -> Optional[dict]:
+    """The reasoning block a generation prompt ends with, or None: ``{"start", "inside", "open", "close", "closed"}``
+    where ``prompt[start:]`` is the block (an opening tag naming thinking, thought or reasoning, with an optional
+    label such as gemma-4's ``thought`` and whitespace, then optionally its closing tag and whitespace), ``inside``
+    the character where its inside begins, ``close`` its closing tag (:func:`close_tag`) and ``closed`` whether the
+    prompt already closes it (an empty block: thinking switched off)."""
+    for pattern in (_CLOSED_TAIL, _OPEN_TAIL):
+        m = pattern.search(prompt)
+        if m is None or not _THINKING.search(m["open"] + m["label"]):
+            continue
+        close = close_tag(m["open"])
+        closed = pattern is _CLOSED_TAIL
+        if close is None or (closed and m["close"] != close):
+            continue
+        return {"start": m.start(), "inside": m.end("ws"), "open": m["open"], "close": close, "closed": closed}
+    return None
+
+
+def close_text(template: str, close: str, after_open: str) -> str:
+    """The block's close as the template writes it: ``close`` with the newlines the template writes around it where
+    it writes it with some (gemma-4's ``"\n<channel|>"``, the longest such literal), else ``"\n" + close + "\n\n"``
+    when the block's opening is followed by a newline (``<think>\n``: DeepSeek-R1's form), else ``close``."""
+    nl = r"((?:\\n){0,2})"  # newlines written as \n in a string literal (not the template file's own line breaks)
+    best = max(((a.replace("\\n", "\n"), b.replace("\\n", "\n"))
+                for a, b in re.findall(nl + re.escape(close) + nl, template)), key=lambda ab: len(ab[0] + ab[1]),
+               default=("", ""))
+    if best[0] or best[1]:
+        return best[0] + close + best[1]
+    return f"\n{close}\n\n" if "\n" in after_open else close
+
+
+def _past_whitespace(prompt: str, full: str) -> int:
+    """Where ``prompt`` ends in ``full`` when the two differ only in whitespace after their common prefix (the
+    characters that are not whitespace are the same, in order); raises :class:`Diverges` otherwise."""
+    c = len(os.path.commonprefix([prompt, full]))
+    j = c
+    for ch in prompt[c:]:
+        if ch.isspace():
+            continue
+        while j < len(full) and full[j].isspace():
+            j += 1
+        if j == len(full) or full[j] != ch:
+            raise Diverges(c)
+        j += 1
+    return j
+
+
+def continuation(template: str, prompt: str, full: str, bare, reasoning: str, last_turn: str = ""
+                 ) -> tuple[str, str, int]:
+    """What the model sees and generates for one reply: ``(context, generated, own)``, ``context + generated`` the
+    reply's sample text up to the end of its rendering, ``generated[own:]`` the reply's own rendering.
+
+    ``prompt`` = ``render(turns[:k], add_generation_prompt=True)``, ``full`` = ``render(turns[:k+1])``, ``bare()``
+    the latter without the reply's reasoning (called only where needed), ``reasoning`` the reply's reasoning ("" for
+    none), ``template`` the chat template's source. The rules, in order:
+
+    - the prompt ends inside an opened reasoning block (:func:`thinking_block`, ``<think>\n``): the model generates
+      the block's inside (the reasoning, "" without), its close (as the reply's rendering writes it, else
+      :func:`close_text`), then the reply as rendered, without a second opening of the block; where the template
+      writes the block's inside and close itself (``full`` continues ``prompt`` and closes the block, with no
+      second opening), that is it;
+    - the prompt closes an empty reasoning block (thinking switched off, ``<think>\n</think>``,
+      ``<|channel>thought\n<channel|>``): a reply without reasoning is generated after the prompt (a close that its
+      rendering repeats is not trained twice); a reply with reasoning is generated from the block's inside on: the
+      reasoning, the close (:func:`close_text`), the reply as rendered;
+    - ``full`` continues ``prompt``: the definition, ``full`` minus ``prompt``;
+    - whitespace tolerance: ``full`` and ``prompt`` differ only in whitespace after their common prefix (a
+      template's indentation or line breaks leaking into one of them; the characters that are not whitespace are
+      the same, in order): the prompt as it is, then the reply's own rendering from its first character that is
+      not whitespace after the prompt's last one;
+    - history rendered differently once the reply is added (Mistral-Nemo writes the system prompt into the last
+      user turn only while it is the last message; LFM2.5 shows the last reply's reasoning only while it is the last
+      reply): the prompt as it is, then the reply as ``full`` renders it after the text the prompt ends with from
+      ``last_turn`` on (the content of the message before the reply, its end and the generation prompt), where
+      ``full`` holds that text.
+
+    Raises:
+        Diverges: none of these applies (the caller's refusal names where the texts part).
+    """
+    block = thinking_block(prompt, template)
+    if block is None:
+        if full.startswith(prompt):
+            return prompt, full[len(prompt):], 0
+        try:
+            return prompt, full[_past_whitespace(prompt, full):].lstrip(), 0
+        except Diverges:
+            at = prompt.rfind(last_turn) if last_turn else -1
+            end = full.rfind(prompt[at:]) if at >= 0 else -1
+            if end < 0:
+                raise
+            return prompt, full[end + len(prompt) - at:], 0  # the history rendered differently: the reply as rendered
+    opening, close = block["open"], block["close"]
+    reply = full[len(prompt):] if full.startswith(prompt) else None
+    if reply is not None and not reply.lstrip().startswith(opening) and (
+            (block["closed"] and not reasoning) or (not block["closed"] and close in reply)):
+        return prompt, reply, 0  # the template writes the block's inside and close itself
+    rendered = bare() if reasoning else full
+    c = len(os.path.commonprefix([prompt, rendered]))
+    if c < block["start"] and prompt[c:block["start"]].strip():
+        raise Diverges(c)
+    rest = rendered[min(c, block["start"]):].lstrip()
+    if rest.startswith(opening):  # the reply's rendering opens the block again: never trained twice
+        after = rest[len(opening):]
+        at = after.find(close)
+        rest = after[at + len(close):].lstrip() if block["closed"] and at >= 0 and not after[:at].strip() \
+            else after.lstrip()
+    if block["closed"]:
+        if rest.startswith(close):
+            rest = rest[len(close):].lstrip()
+        if not reasoning:
+            return prompt, rest, 0
+        shut = close_text(template, close, prompt[block["start"] + len(opening):block["inside"]])
+        return prompt[:block["inside"]], reasoning + shut + rest, len(reasoning) + len(shut)
+    if rest.startswith(close):
+        return prompt, reasoning + rest, len(reasoning)
+    shut = close_text(template, close, prompt[block["start"] + len(opening):])
+    return prompt, reasoning + shut + rest, len(reasoning) + len(shut)
