@@ -64,9 +64,7 @@ def _encode(tok, eot: int, spec, path: str, check, batch: list) -> None:
 
     if not batch:
         return
-    out = encode_samples(tok, [c.messages for c in batch], eot, spec.max_len, spec.system_message,
-                         spec.long_conversations, [c.tools for c in batch], spec.last_reply_only,
-                         spec.allow_dropped_content)
+    out = encode_samples(tok, [c.messages for c in batch], eot, spec, [c.tools for c in batch])
     for c, samples in zip(batch, out):
         if not isinstance(samples, Exception) and spec.lazy and len(samples) > 1:
             samples = lazy_refusal(len(samples))  # what LazySupervisedDataset refuses when it reads the record

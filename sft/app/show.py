@@ -8,6 +8,7 @@ from typing import Iterator, Optional
 from sft.data.chat import visualize
 from sft.data.records import RecordCheck, iter_conversations, template_problem
 from sft.data.samples import encode_samples
+from sft.data.spec import PreparationSpec
 from sft.errors import DataError, SFTError
 from sft.model.loading import load_tokenizer
 
@@ -42,8 +43,10 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length
     if c is None:
         raise SFTError(f"--index {index}: the file has {check.valid} valid records")
     tok, eot, _ = load_tokenizer(model_dir, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
-    samples = encode_samples(tok, [c.messages], eot, model_max_length, system_message, long_conversations, [c.tools],
-                             mask_history, allow_dropped_content)[0]
+    spec = PreparationSpec(max_len=model_max_length, system_message=system_message,
+                           long_conversations=long_conversations, last_reply_only=mask_history,
+                           allow_dropped_content=allow_dropped_content)
+    samples = encode_samples(tok, [c.messages], eot, spec, [c.tools])[0]
     if isinstance(samples, Exception):
         raise DataError(str(template_problem(data_file, c, samples)))
     for k, ex in enumerate(samples):

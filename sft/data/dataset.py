@@ -133,10 +133,8 @@ def _write_part(p: int, job: Optional[_Job] = None) -> dict:
                 rows["record"].append(c.index)
                 rows["messages"].append(json.dumps({"messages": c.messages, "tools": c.tools}, ensure_ascii=False))
         elif batch:
-            for c, samples in zip(batch, encode_samples(job.tokenizer, [c.messages for c in batch], job.eot_id,
-                                                        spec.max_len, spec.system_message, spec.long_conversations,
-                                                        [c.tools for c in batch], spec.last_reply_only,
-                                                        spec.allow_dropped_content)):
+            for c, samples in zip(batch, encode_samples(job.tokenizer, [c.messages for c in batch], job.eot_id, spec,
+                                                        [c.tools for c in batch])):
                 if isinstance(samples, TemplateError):  # the template refuses this record: a record problem
                     check.valid -= 1
                     check.add([template_problem(job.path, c, samples)])

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 from sft.data.chat import IGNORE_INDEX, with_system
 from sft.data.long_conversations import split_conversation
 from sft.data.shared_prefix import tokenize_shared
+from sft.data.spec import PreparationSpec
 from sft.errors import TemplateError
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class TruncationReport:
 
     def lines(self, name: str, max_len: int) -> list[str]:
         source = f" from {self.conversations} conversations" if self.conversations else ""
-        out = [f"{name}: {self.kept} of {self.samples} samples kept{source}, {self.supervised_tokens} supervised tokens"]
+        out = [f"{name}: {self.kept} of {self.samples} samples kept{source}, "
+               f"{self.supervised_tokens} supervised tokens"]
         if self.rewritten:
             out.append(f"{name}: the chat template renders earlier turns differently once later turns exist: "
                        f"{self.rewritten} conversations became {self.rewritten + self.extra_samples} samples (each "
@@ -127,11 +129,11 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
             "truncated": len(ids) > max_len}
 
 
-def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, max_len: int,
-                   system_message: Optional[str], long_conversations: str = "split",
-                   tools: Optional[Sequence[Optional[list]]] = None, last_reply_only: bool = False,
-                   allow_dropped_content: bool = False) -> list:
-    """The training samples of each conversation (default system prompt applied), one batched tokenizer call.
+def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, spec: PreparationSpec,
+                   tools: Optional[Sequence[Optional[list]]] = None) -> list:
+    """The training samples of each conversation (``spec.system_message`` applied where a conversation has no system
+    turn), one batched tokenizer call, as ``spec`` (:class:`sft.data.spec.PreparationSpec`) says: ``max_len``,
+    ``long_conversations``, ``last_reply_only`` (``--mask_history``) and ``allow_dropped_content``.
 
     Labels follow the definition of :mod:`sft.data.turns` (what the model generates at inference after each reply's
     generation prompt, up to its end-of-turn token). Plain conversations (``{"role", "content"}`` turns, no tools)
@@ -157,6 +159,8 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         ``dropped``, the characters the template dropped), or the :class:`~sft.errors.TemplateError` that refuses it
         (its message names the turn). This is the one place where a conversation becomes samples.
     """
+    max_len, system_message, long_conversations = spec.max_len, spec.system_message, spec.long_conversations
+    last_reply_only, allow_dropped_content = spec.last_reply_only, spec.allow_dropped_content
     from sft.data.chat import Encoded, _Renderer, labels_from_spans
     from sft.data.split_turns import split_turns
     from sft.data.turns import (
@@ -294,8 +298,9 @@ def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system
     Raises:
         TemplateError: the chat template refuses the conversation.
     """
-    out = encode_samples(tokenizer, [conv_messages], eot_id, max_len, system_message, "truncate", [tools],
-                         last_reply_only, allow_dropped_content)[0]
+    spec = PreparationSpec(max_len=max_len, system_message=system_message, long_conversations="truncate",
+                           last_reply_only=last_reply_only, allow_dropped_content=allow_dropped_content)
+    out = encode_samples(tokenizer, [conv_messages], eot_id, spec, [tools])[0]
     if isinstance(out, Exception):
         raise out
     return out

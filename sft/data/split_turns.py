@@ -26,7 +26,7 @@ from bisect import bisect_right
 from typing import Optional, Sequence
 
 from sft.data.shared_prefix import tokenize_shared
-from sft.data.turns import plan, render
+from sft.data.turns import plan, render_with_tools
 
 
 def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
@@ -113,7 +113,7 @@ def _estimate(tokenizer, messages, tools, head: int, units) -> tuple[list[int], 
     from sft.data.turns import template_messages
 
     shown = template_messages(tokenizer, messages)
-    full = render(tokenizer, shown, tools)
+    full = render_with_tools(tokenizer, shown, tools)
     offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                         return_attention_mask=False)["offset_mapping"]
     ends = [e for _s, e in offsets]

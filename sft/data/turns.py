@@ -17,7 +17,7 @@ The replies are grouped greedily from the last: the last trained reply's renderi
 reply it begins with; the latest reply left over starts the next sample, and so on. Every trained reply is in exactly
 one sample; for a template that never rewrites history that is one sample per conversation.
 
-Content the template drops is counted, never silent (:class:`Plan` ``dropped``): a reply's content, reasoning or
+Content the template drops is counted, never silent (:class:`TurnPlan` ``dropped``): a reply's content, reasoning or
 tool call (its function name) missing from its trained text; a system, user or tool text missing from a sample;
 the record's tools missing from a sample.
 
@@ -40,7 +40,7 @@ _PROBE_REASONING = "\ue010probe reasoning\ue011"
 
 
 @dataclass
-class Plan:
+class TurnPlan:
     """The samples of one conversation: ``samples`` = ``[(text, spans, last_turn), ...]`` in conversation order, each
     ``text`` a rendering of ``turns[:last_turn + 1]`` and ``spans`` its trained replies' ``(start, end)`` characters
     (end = where the end-of-turn token starts); ``dropped`` = ``[(turn, what, characters), ...]`` the template left
@@ -50,7 +50,7 @@ class Plan:
     dropped: list = field(default_factory=list)
 
 
-def render(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool = False) -> str:
+def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool = False) -> str:
     """``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)``
     for validated messages (:mod:`sft.data.messages`), through the compiled template directly (what it calls after
     converting its inputs: the identity on plain dicts, plus its copy of ``reasoning_content`` to ``thinking``, done
@@ -75,7 +75,7 @@ def reasoning_form(tokenizer) -> str:
         for candidate in ("field", "inline"):
             msg = _with_reasoning({"role": "assistant", "content": "Hello"}, _PROBE_REASONING, candidate)
             try:
-                text = render(tokenizer, [{"role": "user", "content": "Hi"}, msg], None)
+                text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, msg], None)
             except TemplateError:
                 continue
             if _PROBE_REASONING in text:
@@ -122,7 +122,7 @@ def trained_turns(messages: Sequence[dict], last_reply_only: bool = False) -> li
 
 
 def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequence[str],
-         last_reply_only: bool = False) -> Plan:
+         last_reply_only: bool = False) -> TurnPlan:
     """The samples of one conversation by the definition (module docstring).
 
     Args:
@@ -134,7 +134,7 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
         TemplateError: the template cannot render the conversation (its own message), renders a reply's context
             differently from its generation prompt, or does not close a reply with one of ``stops``; the message
             names the turn. A reply the template writes nothing of (a tool call under a template that ignores
-            ``tool_calls``) is not trained and is counted in :attr:`Plan.dropped`.
+            ``tool_calls``) is not trained and is counted in :attr:`TurnPlan.dropped`.
     """
     shown = template_messages(tokenizer, messages)
     info, empty = {}, []
@@ -142,10 +142,10 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
     for k in trained_turns(messages, last_reply_only):
         reasoning = messages[k].get("reasoning_content") or ""
         try:
-            prompt = render(tokenizer, shown[:k], tools, generation_prompt=True)
-            full = render(tokenizer, shown[:k + 1], tools)
-            bare = (lambda: render(tokenizer, shown[:k] + [_without_reasoning(messages[k])], tools)) if reasoning \
-                else (lambda: full)
+            prompt = render_with_tools(tokenizer, shown[:k], tools, generation_prompt=True)
+            full = render_with_tools(tokenizer, shown[:k + 1], tools)
+            bare = ((lambda: render_with_tools(tokenizer, shown[:k] + [_without_reasoning(messages[k])], tools))
+                    if reasoning else (lambda: full))
             last = (shown[k - 1].get("content") or "").strip() if k else ""
             prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last)
         except TemplateError as e:
@@ -172,7 +172,7 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
                           or "content", len(m["content"]) + len(json.dumps(m.get("tool_calls", "")))))
             continue
         info[k] = (full, len(prompt), end, end + len(stop))
-    out, todo = Plan(), sorted(info, reverse=True)
+    out, todo = TurnPlan(), sorted(info, reverse=True)
     while todo:
         text = info[todo[0]][0]
         group = [j for j in todo if text.startswith(info[j][0][:info[j][3]])]
@@ -189,7 +189,7 @@ def _next_role(tokenizer, shown, k: int, tools, rendered: str, stops: Sequence[s
     of ``shown[:k+1]``), or the end-of-turn token ``stops[0]`` after the last message (the model stops there)."""
     if k + 1 < len(shown):
         try:
-            nxt = render(tokenizer, shown[:k + 2], tools)
+            nxt = render_with_tools(tokenizer, shown[:k + 2], tools)
         except TemplateError:
             nxt = ""
         if nxt.startswith(rendered):
@@ -290,7 +290,7 @@ def _dropped(messages, tools, info, samples) -> list:
 
 
 def describe_dropped(dropped: Sequence[tuple]) -> str:
-    """One phrase for :attr:`Plan.dropped`: ``"the reasoning of turn 3 (120 characters), ..."``."""
+    """One phrase for :attr:`TurnPlan.dropped`: ``"the reasoning of turn 3 (120 characters), ..."``."""
     parts = [f"{what} of turn {t} ({n} characters)" if t >= 0 else f"{what} ({n} characters)"
              for t, what, n in dropped[:4]]
     return ", ".join(parts) + (f" and {len(dropped) - 4} more" if len(dropped) > 4 else "")
@@ -315,7 +315,7 @@ def one_sample_of_contents(tokenizer, roles: tuple, stops: Sequence[str]) -> boo
             if ok:
                 text, spans, _last = p.samples[0]
                 ok = [text[a:b] for a, b in spans] == [m["content"] for m in msgs if m["role"] == "assistant"] \
-                    and text == render(tokenizer, msgs, None)  # not a prompt's whitespace or block in its place
+                    and text == render_with_tools(tokenizer, msgs, None)  # not a prompt's whitespace or block
             cache[key] = ok
     return cache[key]
 
@@ -333,7 +333,7 @@ def ends_at_next_role(tokenizer) -> bool:
         from sft.data.chat import _PROBE
 
         try:
-            text = render(tokenizer, _PROBE, None)
+            text = render_with_tools(tokenizer, _PROBE, None)
         except TemplateError:
             text = ""
         cache["next_role"] = bool(text) and text.rstrip().endswith(_PROBE[-1]["content"])
@@ -355,14 +355,14 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
             {"type": "function", "id": "123456789", "function": {"name": "probe_tool", "arguments": {}}}]}
         try:
             user = [{"role": "user", "content": "Hi"}]
-            prompt = render(tokenizer, user, [_PROBE_TOOL], True)
-            full = render(tokenizer, user + [call], [_PROBE_TOOL])
+            prompt = render_with_tools(tokenizer, user, [_PROBE_TOOL], True)
+            full = render_with_tools(tokenizer, user + [call], [_PROBE_TOOL])
         except TemplateError:
             full = prompt = ""
         if full.startswith(prompt) and "probe_tool" in full[len(prompt):] and ends_at_next_role(tokenizer):
             result = {"role": "tool", "tool_call_id": "123456789", "name": "probe_tool", "content": "ok"}
             try:  # the reply holding the call ends at the token that opens the tool result (GLM's <|observation|>)
-                after = render(tokenizer, user + [call, result], [_PROBE_TOOL])
+                after = render_with_tools(tokenizer, user + [call, result], [_PROBE_TOOL])
             except TemplateError:
                 after = ""
             if after.startswith(full):

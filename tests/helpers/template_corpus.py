@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 
+from sft.data.spec import PreparationSpec
 from tests.helpers import assets
 
 CONTROL = re.compile(r"<\|[^|\s'\"<>]{1,60}?\|>|<\|[a-z_]{1,30}>|<[a-z_]{1,30}\|>|<｜[^｜'\"]{1,60}?｜>|〈\|[A-Z]+\|〉"
@@ -188,7 +189,8 @@ def outcome(tok, kind: str, model_end: tuple = ()) -> str:
         eot = end_of_turn_id(tok, tok.convert_tokens_to_ids(list(model_end)))
     except SFTError as e:
         return f"refused: {e}"
-    samples = encode_samples(tok, [conv.messages], eot, 100_000, None, "truncate", [conv.tools])[0]
+    spec = PreparationSpec(max_len=100_000, long_conversations="truncate")
+    samples = encode_samples(tok, [conv.messages], eot, spec, [conv.tools])[0]
     if isinstance(samples, Exception):
         assert isinstance(samples, SFTError) and "\n" not in str(samples), repr(samples)
         return f"refused: {samples}"

@@ -7,6 +7,7 @@ from sft.data import chat, long_conversations
 from sft.data.chat import IGNORE_INDEX, render_with_spans
 from sft.data.records import normalize_record
 from sft.data.samples import encode_samples
+from sft.data.spec import PreparationSpec
 
 N_CONVERSATIONS, MAX_LEN = 200, 256  # at 256 tokens about half of them are split
 
@@ -30,12 +31,14 @@ def _general_path(monkeypatch):
 @pytest.mark.parametrize("which", ["smol", "qwen"])
 def test_fast_path_equals_general_path(which, smol_tok, qwen_tok, chitchat_messages, monkeypatch):
     tok, eot = smol_tok if which == "smol" else qwen_tok
-    fast = {mode: encode_samples(tok, chitchat_messages, eot, MAX_LEN, None, mode) for mode in ("split", "truncate")}
+    fast = {mode: encode_samples(tok, chitchat_messages, eot, PreparationSpec(max_len=MAX_LEN, long_conversations=mode))
+            for mode in ("split", "truncate")}
     n_split = sum(len(samples) > 1 for samples in fast["split"])
     assert n_split > N_CONVERSATIONS // 4  # the split pieces are exercised, not only whole conversations
     with monkeypatch.context() as m:
         _general_path(m)
-        general = {mode: encode_samples(tok, chitchat_messages, eot, MAX_LEN, None, mode)
+        general = {mode: encode_samples(tok, chitchat_messages, eot,
+                                        PreparationSpec(max_len=MAX_LEN, long_conversations=mode))
                    for mode in ("split", "truncate")}
     for mode in ("split", "truncate"):
         assert fast[mode] == general[mode], mode

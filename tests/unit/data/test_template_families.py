@@ -13,6 +13,7 @@ from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
 from sft.data.end_tokens import end_of_turn_id, model_end_ids
 from sft.data.records import normalize_record
 from sft.data.samples import encode_samples
+from sft.data.spec import PreparationSpec
 from sft.errors import TemplateError
 from tests.helpers.labels import supervised_spans
 from tests.helpers.template_corpus import check_definition
@@ -66,7 +67,7 @@ def trained(tok, template, record=RECORD, model_end=()):
     tok.chat_template = template
     eot = end_of_turn_id(tok, model_end)
     conv = normalize_record("r.jsonl", 0, record)
-    samples = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools])[0]
+    samples = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [conv.tools])[0]
     if isinstance(samples, Exception):
         raise samples
     check_definition(tok, conv, samples, eot)
@@ -171,7 +172,7 @@ def test_refusals_name_file_record_id_and_turn_and_no_length_warning_leaks(famil
     tok.model_max_length = 16  # the conversation is longer: transformers would warn about indexing errors
     try:
         with caplog.at_level(logging.WARNING):
-            (ex,) = encode_samples(tok, [conv.messages], end_of_turn_id(tok), 4096, None, "split", [None])[0]
+            (ex,) = encode_samples(tok, [conv.messages], end_of_turn_id(tok), PreparationSpec(max_len=4096), [None])[0]
     finally:
         tok.model_max_length = limit
     assert supervised_spans(tok, ex["input_ids"], ex["labels"]) == ["Yes.<|im_end|>"]

@@ -7,6 +7,7 @@ import pytest
 from sft.data.chat import IGNORE_INDEX
 from sft.data.records import normalize_record
 from sft.data.samples import TruncationReport, encode_samples
+from sft.data.spec import PreparationSpec
 from sft.errors import TemplateError
 from tests.helpers import assets
 from tests.helpers.data import AGENT
@@ -25,7 +26,7 @@ def qwen3():
 def encode(tok, eot, rec, **kw):
     conv = normalize_record("agent.jsonl", 0, rec)
     assert not isinstance(conv, list), [str(p) for p in conv]
-    return conv, encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools], **kw)[0]
+    return conv, encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096, **kw), [conv.tools])[0]
 
 
 @pytest.mark.parametrize("rec", AGENT, ids=[r["id"] for r in AGENT])
@@ -85,12 +86,13 @@ def test_a_template_that_drops_reasoning_or_tools_refuses_by_name_or_trains_coun
     tok = copy.deepcopy(tok)
     tok.chat_template = STRIPS_REASONING
     conv = normalize_record("agent.jsonl", 3, AGENT[1])
-    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+    out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [None])[0]
     assert isinstance(out, TemplateError)
     assert str(out) == ("the chat template drops reasoning of turn 1 (12 characters), so the model would never see "
                         "it; use a template that renders it (--chat_template FILE), remove it, or pass "
                         "--allow_dropped_content True to train without it")
-    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None], allow_dropped_content=True)[0]
+    out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096, allow_dropped_content=True),
+                         [None])[0]
     assert supervised_spans(tok, out[0]["input_ids"], out[0]["labels"]) == ["No, 91 = 7 x 13.<|im_end|>"]
     assert out[0]["dropped"] == 12
     report = TruncationReport()
@@ -100,19 +102,19 @@ def test_a_template_that_drops_reasoning_or_tools_refuses_by_name_or_trains_coun
     # ChatML writes content verbatim, reasoning too (inside it, as <think>...</think>), but neither tools nor calls
     tok, eot = qwen_tok
     conv = normalize_record("agent.jsonl", 4, AGENT[2])
-    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools])[0]
+    out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [conv.tools])[0]
     assert isinstance(out, TemplateError) and "tool call get_weather of turn 2" in str(out)
     assert "tool definition get_weather" in str(out)
     # --allow_dropped_content: trained without the call (not trained itself) or the tools, counted
-    allowed = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools],
-                             allow_dropped_content=True)[0]
+    allowed = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096, allow_dropped_content=True),
+                             [conv.tools])[0]
     assert [supervised_spans(tok, ex["input_ids"], ex["labels"]) for ex in allowed] == [
         ["Yes, it is raining in Paris (11 degrees).<|im_end|>"]] and allowed[0]["dropped"] > 0
     conv = normalize_record("agent.jsonl", 5, {"tools": [AGENT[2]["tools"][0]], **AGENT[3]})
-    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [conv.tools])[0]
+    out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [conv.tools])[0]
     assert isinstance(out, TemplateError) and "drops tool definition get_weather" in str(out)
     conv = normalize_record("agent.jsonl", 1, AGENT[1])
-    (inline,) = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+    (inline,) = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [None])[0]
     assert supervised_spans(tok, inline["input_ids"], inline["labels"]) == [
         "<think>\n91 = 7 x 13.\n</think>\n\nNo, 91 = 7 x 13.<|im_end|>"]
 
@@ -128,7 +130,7 @@ def test_a_template_that_cannot_render_a_conversation_is_one_line_naming_the_tur
                          "{{ raise_exception('Assistant turns are not supported by this model') }}{% endif %}"
                          "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+    out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [None])[0]
     assert isinstance(out, TemplateError) and out.turn == 1 and "\n" not in str(out)
     assert "the chat template cannot render this conversation: Assistant turns are not supported" in str(out)
 
@@ -140,7 +142,7 @@ def test_fast_path_labels_are_unchanged_for_plain_chatml_conversations(qwen_tok)
     conv = normalize_record("toy", 0, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant",
                                        "content": "b"}, {"role": "user", "content": "c"},
                                        {"role": "assistant", "content": "d"}]})
-    (sample,) = encode_samples(tok, [conv.messages], eot, 4096, None)[0]
+    (sample,) = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096))[0]
     assert supervised_spans(tok, sample["input_ids"], sample["labels"]) == ["b<|im_end|>", "d<|im_end|>"]
     assert sample["labels"].count(IGNORE_INDEX) == len(sample["labels"]) - 4
     check_definition(tok, conv, [sample], eot)
@@ -168,9 +170,9 @@ def runs(tok, samples):
 def test_split_of_a_long_agent_conversation_trains_every_reply_once_in_pieces_that_fit(qwen3):
     tok, eot = qwen3
     conv = normalize_record("agent.jsonl", 0, long_agent_record())
-    whole = encode_samples(tok, [conv.messages], eot, 100_000, None, "split", [conv.tools])[0]
+    whole = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=100_000), [conv.tools])[0]
     assert max(len(ex["input_ids"]) for ex in whole) > 600
-    pieces = encode_samples(tok, [conv.messages], eot, 300, None, "split", [conv.tools])[0]
+    pieces = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=300), [conv.tools])[0]
     assert isinstance(pieces, list) and len(pieces) >= len(whole)
     assert all(len(ex["input_ids"]) <= 300 and not ex["truncated"] for ex in pieces)
     assert runs(tok, pieces) == runs(tok, whole)  # every reply once, with the same trained tokens
@@ -179,7 +181,8 @@ def test_split_of_a_long_agent_conversation_trains_every_reply_once_in_pieces_th
         assert text.startswith("<|im_start|>system\nYou are a weather agent.") and "<|im_start|>user\nQuestion" in text
         # a tool result never without the call it answers
         assert text.count("<tool_response>") <= text.count("<tool_call>\n{\"name\"")
-    truncated = encode_samples(tok, [conv.messages], eot, 300, None, "truncate", [conv.tools])[0]
+    truncated = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=300, long_conversations="truncate"),
+                               [conv.tools])[0]
     assert sum(ex["n_supervised"] for ex in truncated) < sum(ex["n_supervised"] for ex in pieces)
 
 
@@ -193,9 +196,9 @@ def test_split_of_a_long_reasoning_conversation_on_a_template_that_keeps_history
                  {"role": "assistant", "reasoning_content": f"{r} squared is {r * r}; plus one is {r * r + 1}.",
                   "content": f"{r * r + 1}.", **({"train": False} if r == 4 else {})}]
     conv = normalize_record("agent.jsonl", 0, {"id": "long-reasoning", "messages": msgs})
-    (whole,) = encode_samples(tok, [conv.messages], eot, 100_000, None, "split", [None])[0]
+    (whole,) = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=100_000), [None])[0]
     assert len(whole["input_ids"]) > 400
-    pieces = encode_samples(tok, [conv.messages], eot, 160, None, "split", [None])[0]
+    pieces = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=160), [None])[0]
     assert len(pieces) > 2 and all(len(ex["input_ids"]) <= 160 for ex in pieces)
     assert runs(tok, pieces) == runs(tok, [whole]) and len(runs(tok, pieces)) == 11
     assert all(tok.decode(ex["input_ids"]).startswith("<|im_start|>system\nThink first.<|im_end|>") for ex in pieces)
@@ -230,14 +233,14 @@ def test_dropped_argument_values_and_text_found_only_inside_longer_text_are_refu
             {"type": "function", "function": {"name": "transfer", "arguments": {"to": "ACCOUNT-12345",
                                                                                "amount": "999999"}}}]},
         {"role": "tool", "content": "done"}, {"role": "assistant", "content": "Sent."}]})
-    out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+    out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [None])[0]
     assert isinstance(out, TemplateError) and "tool call transfer's argument value(s) of turn 1" in str(out)
     tok, eot = with_template(qwen_tok, NO_SYSTEM)
     for system, user in (("Hello", "Hello there"), ("Reply in French.", "Hi")):
         conv = normalize_record("b.jsonl", 8, {"messages": [{"role": "system", "content": system},
                                                             {"role": "user", "content": user},
                                                             {"role": "assistant", "content": "Hi."}]})
-        out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None])[0]
+        out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [None])[0]
         assert isinstance(out, TemplateError) and "drops system text of turn 0" in str(out), (system, out)
 
 
@@ -247,7 +250,7 @@ def test_mask_history_with_the_last_reply_not_trained_is_a_record_problem(qwen3,
                                     {"role": "assistant", "content": "D", "train": False}]}
     for tok, eot in (qwen3, qwen_tok):  # the per-turn path and the fast path alike
         conv = normalize_record("b.jsonl", 0, rec)
-        out = encode_samples(tok, [conv.messages], eot, 4096, None, "split", [None], last_reply_only=True)[0]
+        out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096, last_reply_only=True), [None])[0]
         assert isinstance(out, TemplateError) and out.turn == 3 and "no reply left to train" in str(out)
 
 
@@ -259,7 +262,7 @@ def test_split_never_trains_an_answer_without_the_call_and_result_it_answers(qwe
             "name": "get_weather", "arguments": {"city": "city0"}}}]},
         {"role": "tool", "tool_call_id": "c0", "content": "RES0"}, {"role": "assistant", "content": "Answer0."}]})
     for max_len in (40, 64, 90):  # at 40 the answer's piece is too long by itself: truncated before it, counted
-        samples = encode_samples(tok, [conv.messages], eot, max_len, None, "split", [None])[0]
+        samples = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=max_len), [None])[0]
         answers = [ex for ex in samples if "Answer0" in "".join(supervised_spans(tok, ex["input_ids"], ex["labels"]))]
         assert len(answers) == (max_len > 40), (max_len, [tok.decode(ex["input_ids"]) for ex in samples])
         for ex in answers:
@@ -267,8 +270,8 @@ def test_split_never_trains_an_answer_without_the_call_and_result_it_answers(qwe
             assert "RES0" in text and '"city": "city0"' in text and "Weather in city0?" in text, (max_len, text)
         if max_len == 40:
             assert any(ex["truncated"] and ex["n_lost"] > 0 for ex in samples)
-    pieces = encode_samples(tok, [normalize_record("b", 0, long_agent_record()).messages], eot, 300, None, "split",
-                            [AGENT[2]["tools"]])[0]
+    pieces = encode_samples(tok, [normalize_record("b", 0, long_agent_record()).messages], eot,
+                            PreparationSpec(max_len=300), [AGENT[2]["tools"]])[0]
     for ex in pieces:
         for run in supervised_spans(tok, ex["input_ids"], ex["labels"]):
             if "warmest" in run:  # a final answer: the results it compares are in its context
