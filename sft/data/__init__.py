@@ -1,1 +1,2 @@
-"""Data preparation: sources, records, chat rendering + labels, samples, eval split, shards, the dataset store, packing + collators."""
+"""Data preparation: sources, records, chat rendering + labels, samples, eval split, shards, the dataset store,
+packing + collators."""

@@ -3,17 +3,18 @@
 Eager mode (default): the records of each source are streamed and validated (:mod:`sft.data.records`), encoded per
 conversation (:func:`encode_samples`: ids and labels built together; one longer than ``model_max_length`` is
 split at turn boundaries into several samples, ``--long_conversations split``, :mod:`sft.data.long_conversations`, or
-truncated, ``truncate``), samples left with no supervised token are dropped, and the samples are written as Arrow shards under
-``<cache>/<key>`` where the key hashes the source's bytes, the tokenizer (vocabulary, special tokens, chat
+truncated, ``truncate``), samples left with no supervised token are dropped, and the samples are written as Arrow shards
+under ``<cache>/<key>`` where the key hashes the source's bytes, the tokenizer (vocabulary, special tokens, chat
 template), the settings and this package's version. Every global rank prepares its shard and then
 memory-maps all of them (:mod:`sft.data.shards`: completion markers, ``--data_timeout``); no rank holds the
 records as Python objects. The rows come out in record order whatever the world size (:func:`in_record_order`),
 and a complete set of shards written at another world size is used as it is (:func:`shard_count`). Several
 sources are concatenated, or mixed by weight (:func:`mix`).
 
-Lazy mode (``--lazy_preprocess``, truncation only): the shards hold the validated records (``id``, ``messages``) instead, and a
-sample is encoded when the sampler asks for it; truncation is counted as samples are met, and a sample with no
-supervised token left is replaced by the next one (logged by id) so that a batch never has zero supervised tokens.
+Lazy mode (``--lazy_preprocess``, truncation only): the shards hold the validated records (``id``, ``messages``)
+instead, and a sample is encoded when the sampler asks for it; truncation is counted as samples are met, and a sample
+with no supervised token left is replaced by the next one (logged by id) so that a batch never has zero supervised
+tokens.
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def _features(lazy: bool):
                                   "messages": datasets.Value("string")})  # JSON: {"messages": [...], "tools": ...}
     return datasets.Features({"id": datasets.Value("string"), "record": datasets.Value("int64"),
                               "input_ids": datasets.List(datasets.Value("int32")),
-                              "labels": datasets.List(datasets.Value("int32")), "n_supervised": datasets.Value("int32")})
+                              "labels": datasets.List(datasets.Value("int32")),
+                              "n_supervised": datasets.Value("int32")})
 
 
 @dataclass
@@ -296,7 +298,8 @@ def mix(parts: Sequence, weights: Optional[Sequence[float]], seed: int, paths: S
         passes, rest = divmod(target, len(d))
         rng = np.random.default_rng([seed, i])
         idx = np.concatenate([np.tile(np.arange(len(d)), passes), np.sort(rng.choice(len(d), rest, replace=False))])
-        logger.info("mixing: %s: %d samples (weight %g: %.2f passes over its %d)", path, target, w, target / len(d), len(d))
+        logger.info("mixing: %s: %d samples (weight %g: %.2f passes over its %d)",
+                    path, target, w, target / len(d), len(d))
         chosen.append(d.select(idx))
     return datasets.concatenate_datasets(chosen)
 

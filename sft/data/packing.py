@@ -164,7 +164,8 @@ class PackedCollator:
             k = longest - len(f["input_ids"])
             row_pos = list(f["position_ids"])
             ids.append(list(f["input_ids"]) + [self.pad_token_id] * k)
-            labels.append([IGNORE_INDEX if p == 0 else int(x) for x, p in zip(f["labels"], row_pos)] + [IGNORE_INDEX] * k)
+            labels.append([IGNORE_INDEX if p == 0 else int(x) for x, p in zip(f["labels"], row_pos)]
+                          + [IGNORE_INDEX] * k)
             pos.append(row_pos + list(range(k)))
         rows = torch.tensor(pos, dtype=torch.int64)
         bounds = document_bounds(rows, len(pos))
@@ -176,7 +177,8 @@ class PackedCollator:
 
 
 class PaddingFreeCollator:
-    """``--padding_free`` (without ``--packing``): a micro batch of samples -> one ``[1, total_tokens]`` row, no padding.
+    """``--padding_free`` (without ``--packing``): a micro batch of samples -> one ``[1, total_tokens]`` row, no
+    padding.
 
     Output (``torch.int64``, each ``[1, total_tokens]``): ``input_ids``, ``labels`` (-100 = not supervised, and at
     the first token of every sample) and ``position_ids`` (restarting at 0 per sample); no ``attention_mask``; and
@@ -193,7 +195,8 @@ class PaddingFreeCollator:
                                                   return_flash_attn_kwargs=True)
 
     def __call__(self, features: list[dict]) -> dict:
-        return self.flatten([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features], return_tensors="pt")
+        return self.flatten([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features],
+                            return_tensors="pt")
 
 
 def document_bounds(position_ids: "torch.Tensor", batch_size: int) -> list[list[tuple[int, int]]]:

@@ -63,7 +63,8 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
     """Check one record; return a :class:`Conversation` or the list of its problems."""
     if not isinstance(rec, dict):
         return [Problem(path, index, None, f"the record is a JSON {type(rec).__name__}, not an object",
-                        'write it as {"id": ..., "conversations": [{"from": ..., "value": ...}]}', kind="not an object")]
+                        'write it as {"id": ..., "conversations": [{"from": ..., "value": ...}]}',
+                        kind="not an object")]
     rid = rec.get("id")
     rid = None if rid is None else str(rid)
     forms = [k for k in FORMS if k in rec]
@@ -81,8 +82,8 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
     role_key, text_key = FORMS[form]
     turns = rec[form]
     if not isinstance(turns, list):
-        return [Problem(path, index, rid, f"'{form}' is a {type(turns).__name__}, not a list", f"make '{form}' a list of turns",
-                        kind="bad type")]
+        return [Problem(path, index, rid, f"'{form}' is a {type(turns).__name__}, not a list",
+                        f"make '{form}' a list of turns", kind="bad type")]
     if not turns:
         return [Problem(path, index, rid, f"'{form}' is empty", "add at least a user turn and an assistant turn",
                         kind="empty conversation")]
@@ -222,10 +223,12 @@ class RecordCheck:
     def add(self, problems: list[Problem]) -> None:
         self.n_bad += 1
         self.n_problems += len(problems)
-        self.problems += [(p.index if p.index is not None else -1, str(p)) for p in problems][:MAX_PROBLEMS_SHOWN - len(self.problems)]
+        self.problems += [(p.index if p.index is not None else -1, str(p))
+                          for p in problems][:MAX_PROBLEMS_SHOWN - len(self.problems)]
         if len(self.bad_ids) < 50:
             p = problems[0]
-            self.bad_ids.append((p.index if p.index is not None else -1, p.record_id if p.record_id is not None else f"#{p.index}"))
+            self.bad_ids.append((p.index if p.index is not None else -1,
+                                 p.record_id if p.record_id is not None else f"#{p.index}"))
         for p in problems:
             self.kinds[p.kind] = self.kinds.get(p.kind, 0) + 1
 
@@ -252,7 +255,8 @@ class RecordCheck:
         if not self.n_bad:
             return None
         shown = "\n".join(f"  - {text}" for _, text in self.problems)
-        more = f"\n  ... and {self.n_problems - len(self.problems)} more" if self.n_problems > len(self.problems) else ""
+        more = (f"\n  ... and {self.n_problems - len(self.problems)} more"
+                if self.n_problems > len(self.problems) else "")
         return DataError(f"{self.path}: {self.n_bad} invalid record(s) of {self.records}:\n{shown}{more}\n"
                          "Fix them, or pass --on_bad_record skip to train without them.")
 
@@ -314,7 +318,8 @@ def log_duplicate_ids(path: str, dup: Sequence[str]) -> None:
                        path, len(dup), ", ".join(map(repr, dup[:5])))
 
 
-def load_conversations(path: str, on_bad_record: str = "error", control_tokens: Sequence[str] = ()) -> list[Conversation]:
+def load_conversations(path: str, on_bad_record: str = "error",
+                       control_tokens: Sequence[str] = ()) -> list[Conversation]:
     """Every valid record of ``path`` as a list (for tools that want a few records, e.g. ``sft-show-sample``;
     training streams them with :func:`iter_conversations`).
 

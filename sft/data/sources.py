@@ -10,8 +10,8 @@ A source is one of (the format is decided by the content or the folder, a compre
 * a ``datasets.Dataset.save_to_disk`` folder (memory-mapped by ``datasets``).
 
 :func:`iter_raw` yields ``(index, record)`` for the records of one shard (``index % n_shards == shard``) and a
-:class:`~sft.data.records.Problem` for a JSONL line that cannot be read (so ``--on_bad_record skip`` can drop it). Records
-are only parsed for the own shard where the format allows it (JSONL: other lines are only split off).
+:class:`~sft.data.records.Problem` for a JSONL line that cannot be read (so ``--on_bad_record skip`` can drop it).
+Records are only parsed for the own shard where the format allows it (JSONL: other lines are only split off).
 """
 from __future__ import annotations
 
@@ -60,9 +60,11 @@ def folder_problem(path: str) -> str:
     """Why a folder is not a usable source ("" when it is one)."""
     if os.path.isfile(os.path.join(path, "dataset_dict.json")):
         splits = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
-        return (f"is a datasets DatasetDict folder; give one split's folder ({', '.join(os.path.join(path, s) for s in splits)})")
+        return (f"is a datasets DatasetDict folder; give one split's folder "
+                f"({', '.join(os.path.join(path, s) for s in splits)})")
     if not is_dataset_folder(path):
-        return "is a directory; give a .json, .jsonl (optionally .gz/.bz2/.xz/.zst) or .parquet file, or a folder written by datasets' save_to_disk"
+        return ("is a directory; give a .json, .jsonl (optionally .gz/.bz2/.xz/.zst) or .parquet file, "
+                "or a folder written by datasets' save_to_disk")
     return ""
 
 
@@ -204,16 +206,19 @@ def _decode(path: str, raw: bytes, line_base: int = 1, byte_base: int = 0) -> st
     except UnicodeDecodeError as e:
         line = line_base + raw.count(b"\n", 0, e.start)
         raise DataError(f"{path}: line {line} (byte {byte_base + e.start}): bytes that are not UTF-8 "
-                        f"({raw[e.start:e.start + 4]!r}); re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                        f"({raw[e.start:e.start + 4]!r}); re-save the file as UTF-8 "
+                        "(e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def _json_loads(path: str, text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); fix the syntax") from None
+        raise DataError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}); "
+                        "fix the syntax") from None
     except RecursionError:
-        raise DataError(f"{path}: JSON nested too deeply to read; records are objects holding a list of turns") from None
+        raise DataError(f"{path}: JSON nested too deeply to read; "
+                        "records are objects holding a list of turns") from None
 
 
 def _parses(line: bytes) -> bool:
@@ -278,7 +283,8 @@ class _ListReader:
         except UnicodeDecodeError as e:
             line = self.line_base + self.buf.count("\n") + raw.count(b"\n", 0, e.start)
             raise DataError(f"{self.path}: line {line} (byte {self.byte_base + e.start}): bytes that are not UTF-8 "
-                            f"({raw[e.start:e.start + 4]!r}); re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                            f"({raw[e.start:e.start + 4]!r}); re-save the file as UTF-8 "
+                            "(e.g. iconv -f latin1 -t utf-8)") from None
         self.byte_base += len(raw)
 
     def more(self) -> bool:
