@@ -113,11 +113,13 @@ def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body():
         from sft.app.show import show_sample
+        from sft.data.spec import PreparationSpec
 
-        for line in show_sample(a.model_dir, a.data_file, a.index, a.model_max_length, a.system_message,
-                                a.long_conversations, color=sys.stdout.isatty(), mask_history=a.mask_history,
-                                allow_dropped_content=a.allow_dropped_content, chat_template=a.chat_template,
-                                chat_template_kwargs=a.chat_template_kwargs):
+        spec = PreparationSpec(max_len=a.model_max_length, system_message=a.system_message,
+                               long_conversations=a.long_conversations, last_reply_only=a.mask_history,
+                               allow_dropped_content=a.allow_dropped_content)
+        for line in show_sample(a.model_dir, a.data_file, a.index, spec, color=sys.stdout.isatty(),
+                                chat_template=a.chat_template, chat_template_kwargs=a.chat_template_kwargs):
             print(line)
     return run_cli(body)
 

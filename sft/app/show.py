@@ -13,29 +13,30 @@ from sft.errors import DataError, SFTError
 from sft.model.loading import load_tokenizer
 
 
-def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length: int = 8192,
-                system_message: Optional[str] = None, long_conversations: str = "split",
-                color: bool = False, mask_history: bool = False, allow_dropped_content: bool = False,
-                chat_template: Optional[str] = None, chat_template_kwargs: Optional[str] = None) -> Iterator[str]:
+def show_sample(model_dir: str, data_file: str, index: int = 0, spec: PreparationSpec = PreparationSpec(max_len=8192),
+                color: bool = False, chat_template: Optional[str] = None,
+                chat_template_kwargs: Optional[str] = None) -> Iterator[str]:
     """Yield, per training sample of the ``index``-th valid record (0-based) of ``data_file``: a header line (record
     index and id, tokens, supervised tokens, truncation) and the rendered text with supervised tokens marked «like
     this» (ANSI colour instead when ``color``). Several samples when a long conversation is split, or when the chat
-    template renders earlier turns differently once later turns exist (:mod:`sft.data.turns`). ``mask_history`` /
-    ``allow_dropped_content`` / ``chat_template`` / ``chat_template_kwargs``: as ``--mask_history`` /
-    ``--allow_dropped_content`` / ``--chat_template`` / ``--chat_template_kwargs``.
+    template renders earlier turns differently once later turns exist (:mod:`sft.data.turns`). ``spec``: the data
+    preparation as training does it (its ``max_len``, ``system_message``, ``long_conversations``,
+    ``last_reply_only`` and ``allow_dropped_content``: ``--model_max_length``, ``--system_message``,
+    ``--long_conversations``, ``--mask_history``, ``--allow_dropped_content``); ``chat_template`` /
+    ``chat_template_kwargs``: as ``--chat_template`` / ``--chat_template_kwargs``.
 
     The file is streamed up to the record asked for: a huge file is not loaded.
 
     Raises:
-        SFTError: ``model_dir`` is not a model folder, ``model_max_length`` < 8, ``index`` < 0 or past the last valid
+        SFTError: ``model_dir`` is not a model folder, ``spec.max_len`` < 8, ``index`` < 0 or past the last valid
             record; DataError: the chat template refuses the record (its problem: file, record, turn, fix); and as
             :func:`sft.model.loading.load_tokenizer` / :class:`sft.data.records.RecordCheck`.
     """
     if not os.path.isfile(os.path.join(model_dir, "config.json")) and not os.path.isfile(
             os.path.join(model_dir, "tokenizer.json")):
         raise SFTError(f"{model_dir}: not a model folder (no config.json or tokenizer.json)")
-    if model_max_length < 8:
-        raise SFTError(f"--model_max_length {model_max_length}: must be at least 8")
+    if spec.max_len < 8:
+        raise SFTError(f"--model_max_length {spec.max_len}: must be at least 8")
     if index < 0:
         raise SFTError(f"--index {index}: must be 0 or more (it counts valid records from 0)")
     check = RecordCheck(data_file)
@@ -43,9 +44,6 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length
     if c is None:
         raise SFTError(f"--index {index}: the file has {check.valid} valid records")
     tok, eot, _ = load_tokenizer(model_dir, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
-    spec = PreparationSpec(max_len=model_max_length, system_message=system_message,
-                           long_conversations=long_conversations, last_reply_only=mask_history,
-                           allow_dropped_content=allow_dropped_content)
     samples = encode_samples(tok, [c.messages], eot, spec, [c.tools])[0]
     if isinstance(samples, Exception):
         raise DataError(str(template_problem(data_file, c, samples)))
@@ -53,6 +51,6 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, model_max_length
         part = f" sample {k + 1} of {len(samples)}:" if len(samples) > 1 else ""
         yield (f"record {c.index} id={c.id}:{part} {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"
                + (f", truncated ({ex['n_lost']} supervised tokens lost)" if ex["truncated"] else "")
-               + (f", {ex['user_cut']} user turn(s) too long for --model_max_length {model_max_length} cut from the "
+               + (f", {ex['user_cut']} user turn(s) too long for --model_max_length {spec.max_len} cut from the "
                   "start (their last words kept)" if ex.get("user_cut") else ""))
         yield visualize(tok, ex["input_ids"], ex["labels"], color=color)
