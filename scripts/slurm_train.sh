@@ -191,8 +191,10 @@ fi
 # Asked to stop, every node saves and exits 75; --kill-on-bad-exit then ends a node still closing down (its
 # launcher exits 128 + SIGTERM) as soon as the first one has exited 75, and srun reports the highest code: after
 # the stop, that 143 is the same preemption (a node cut short in its save leaves no completion marker: the resume
-# takes the previous checkpoint).
-if [[ -n "$STOPPED" && -z "$ELASTIC" ]] && (( rc == 143 )); then rc="$PREEMPTED_EXIT_CODE"; fi
+# takes the previous checkpoint). So is 255: the SIGTERM reached the node's task shell just as its launcher exited
+# 75, and bash's wait lost the launcher's code (it returns -1; seen in the suite: "launch: preempted ... (exit 75)",
+# then "srun: error: node2: task 2: Exited with exit code 255").
+if [[ -n "$STOPPED" && -z "$ELASTIC" ]] && (( rc == 143 || rc == 255 )); then rc="$PREEMPTED_EXIT_CODE"; fi
 # Asked twice: SLURM's end of the job SIGTERMs every process of the batch step, the first scontrol too.
 for _ in 1 2; do
   if (( rc == 0 )) || [[ -n "$ENDED" ]]; then break; fi
