@@ -147,11 +147,9 @@ def build_ours(a, system: str, out_dir: str):
     from transformers import DataCollatorForSeq2Seq
 
     from sft.app.train import trainer_for
-    from sft.app.validation import validate
     from sft.config.arguments import parse_args
 
     args = parse_args(common_flags(a, system) + ["--output_dir", out_dir])
-    validate(*args)
     trainer, tok, _ = trainer_for(*args)
     if system == "qwen-style":  # every sample padded to model_max_length, as Qwen's preprocess() does
         trainer.data_collator = DataCollatorForSeq2Seq(tok, padding="max_length", max_length=a.max_length,

@@ -72,7 +72,6 @@ def run_arm(a, bf16_storage: bool, train_path: str, eval_path: str) -> dict:
     from transformers import TrainerCallback
 
     from sft.app.train import trainer_for
-    from sft.app.validation import validate
     from sft.config.arguments import parse_args
 
     out = tempfile.mkdtemp(prefix="sft-lora-precision-")
@@ -86,7 +85,6 @@ def run_arm(a, bf16_storage: bool, train_path: str, eval_path: str) -> dict:
                        "--eval_strategy", "no", "--report_to", "none", "--disable_tqdm", "True", "--bf16", "False",
                        "--train_embeddings", "false", "--gradient_checkpointing", "False",
                        "--data_cache_dir", os.path.join(tempfile.gettempdir(), "sft-lora-precision-cache")])
-    validate(*args)
     trainer, _, _ = trainer_for(*args)
     lost = {"A": [0, 0], "B": [0, 0], "other": [0, 0]}
 

@@ -44,7 +44,6 @@ def main() -> int:
     from transformers import TrainerCallback
 
     from sft.app.train import trainer_for
-    from sft.app.validation import validate
     from sft.cli import report
     from sft.config.arguments import parse_args
     from sft.errors import SFTError
@@ -58,7 +57,6 @@ def main() -> int:
             "--overwrite_output_dir", "True", "--gradient_accumulation_steps", "1"] + argv
     try:
         args = parse_args(argv)
-        validate(*args)
         setup_logging()
         preemption = PreemptionHandler(args[2].preemption_timeout, ()).install()
         # as sft.app.train.run: sft's checkpoint callback and rotation

@@ -29,7 +29,6 @@ def main() -> int:
     from transformers import TrainerCallback
 
     from sft.app.train import trainer_for
-    from sft.app.validation import validate
     from sft.cli import report
     from sft.config.arguments import parse_args
     from sft.errors import SFTError
@@ -42,7 +41,6 @@ def main() -> int:
             "--overwrite_output_dir", "True"] + argv
     try:
         args = parse_args(argv)
-        validate(*args)
         setup_logging()
         trainer, tok, _ = trainer_for(*args)
     except SFTError as e:

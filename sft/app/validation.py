@@ -13,7 +13,7 @@ from sft.config.deepspeed import EXAMPLE, mismatch_problems
 from sft.data.sources import folder_problem
 from sft.distributed.process_group import NCCL_TRACE_DIR
 from sft.errors import ConfigError, SFTError
-from sft.model.loading import read_chat_template
+from sft.model.loading import read_chat_template, template_kwargs
 from sft.model.quantized import HUB_ID as _HUB_ID, importable, model_folder, read_quantization, training_problems
 from sft.train.checkpoint import check_resume, check_zero_world_size, resolve_resume
 from sft.train.world_size import plan_world_size_change
@@ -47,30 +47,18 @@ def _check_model(m: Optional[str]) -> list[str]:
     return [f"--model_name_or_path {m}: no such folder; give an existing model folder"]
 
 
-def _check_chat_template(path: Optional[str]) -> list[str]:
-    """``--chat_template``: a readable Jinja file (:func:`sft.model.loading.read_chat_template`)."""
-    if path is None:
-        return []
-
-    try:
-        read_chat_template(path)
-    except SFTError as e:
-        return [str(e)]
-    return []
-
-
-def _check_template_kwargs(text: Optional[str]) -> list[str]:
-    """``--chat_template_kwargs``: a JSON object of variable names (:func:`sft.model.loading.template_kwargs`)."""
-    if text is None:
-        return []
-    from sft.errors import SFTError
-    from sft.model.loading import template_kwargs
-
-    try:
-        template_kwargs(text)
-    except SFTError as e:
-        return [str(e)]
-    return []
+def _check_chat_template(path: Optional[str], kwargs_text: Optional[str]) -> list[str]:
+    """``--chat_template``: a readable Jinja file (:func:`sft.model.loading.read_chat_template`);
+    ``--chat_template_kwargs``: a JSON object of variable names (:func:`sft.model.loading.template_kwargs`)."""
+    p = []
+    for value, check in ((path, read_chat_template), (kwargs_text, template_kwargs)):
+        if value is None:
+            continue
+        try:
+            check(value)
+        except SFTError as e:
+            p.append(str(e))
+    return p
 
 
 def _check_source(flag: str, path: str) -> list[str]:
@@ -359,8 +347,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
     Raises:
         ConfigError: one line per problem, each naming the flag, the value and the fix.
     """
-    p = (_check_model(model_args.model_name_or_path) + _check_chat_template(model_args.chat_template)
-         + _check_template_kwargs(model_args.chat_template_kwargs)
+    p = (_check_model(model_args.model_name_or_path)
+         + _check_chat_template(model_args.chat_template, model_args.chat_template_kwargs)
          + _check_data(data_args, training_args)
          + _check_training(training_args) + _check_lora(model_args, training_args, lora_args)
          + _check_fsdp(training_args, lora_args) + _check_output(training_args))

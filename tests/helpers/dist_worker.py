@@ -15,7 +15,6 @@ import sys
 import torch
 
 from sft.app.train import save, trainer_for
-from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from sft.distributed.process_group import finish_process_group
 from sft.logs import setup_logging
@@ -26,7 +25,6 @@ PROBE = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is
 def main():
     report_dir, argv = os.environ["SFT_TEST_REPORT_DIR"], sys.argv[1:]
     args = parse_args(argv)
-    validate(*args)
     setup_logging()
     trainer, tok, eot = trainer_for(*args)
     seen = []

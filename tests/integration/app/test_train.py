@@ -8,7 +8,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from sft.app.train import save, trainer_for
-from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from tests.helpers import assets
 from tests.helpers.data import TOY, write_jsonl
@@ -19,7 +18,6 @@ def train(model_dir, data, out, *extra):
     args = parse_args(["--model_name_or_path", model_dir, "--data_path", data, "--output_dir", str(out),
                        "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--seed", "0",
                        "--disable_tqdm", "True", *extra])
-    validate(*args)
     trainer, tok, eot = trainer_for(*args)
     trainer.train()
     save(trainer, tok, eot, str(out))

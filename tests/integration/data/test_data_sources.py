@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 from sft.app.train import trainer_for
-from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT, pythonpath_env
@@ -28,7 +27,6 @@ def test_parquet_compressed_jsonl_and_alpaca_sources_train_together(tiny_model_d
                        "--data_cache_dir", str(tmp_path / "cache"), "--use_lora", "True", "--lora_r", "4",
                        "--max_steps", "2", "--per_device_train_batch_size", "2", "--report_to", "none",
                        "--save_strategy", "no", "--disable_tqdm", "True"])
-    validate(*args)
     trainer, _, _ = trainer_for(*args)
     assert len(trainer.train_dataset) == len(TOY) + 4
     assert trainer.train().training_loss > 0

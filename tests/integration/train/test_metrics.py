@@ -6,7 +6,6 @@ import glob
 import pytest
 
 from sft.app.train import trainer_for
-from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from sft.train.metrics import ThroughputCallback, head_flops_per_token, model_flops_per_token
 
@@ -20,7 +19,6 @@ def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data,
                        "--lora_r", "4", "--max_steps", "4", "--per_device_train_batch_size", "3",
                        "--peak_tflops", "0.002",
                        "--padding_free", "False"])  # padded batches: the padding count is checked against the mask
-    validate(*args)
     trainer, tok, _ = trainer_for(*args)
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))
     batches = []
@@ -80,7 +78,6 @@ def test_nothing_draws_from_the_global_rng_between_the_seeding_and_the_first_ste
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
                        str(tmp_path / "out"), "--save_strategy", "no", "--report_to", "none", "--seed", "3",
                        "--disable_tqdm", "True", "--use_lora", "True", "--lora_r", "4", "--max_steps", "1"])
-    validate(*args)
     trainer, _, _ = trainer_for(*args)
     assert trainer.args.should_save  # global rank 0, where the peak is measured
     seen = {}
