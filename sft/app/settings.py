@@ -35,7 +35,8 @@ def derive(training_args, runtime: Runtime, resume: ResumePlan = ResumePlan(),
                        sft_rotation=sft_rotation, deepspeed_rebuild=resume.rebuild,
                        max_tokens_per_micro_batch=training_args.max_tokens_per_micro_batch,
                        activation_checkpointing=bool(training_args.activation_checkpointing),
-                       bf16=bf16, bf16_reason=reason)
+                       bf16=bf16, bf16_reason=reason,
+                       sequence_parallel=runtime.sequence_parallel.size)
 
 
 def with_memory_plan(settings: RunSettings, budget: Optional[int], turn_on_checkpointing: bool) -> RunSettings:

@@ -23,7 +23,7 @@ from sft.app.specs import data_sources, load_spec, lora_spec
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from sft.config.settings import RunSettings
-from sft.data.packing import PaddingFreeCollator
+from sft.data.packing import PaddingFreeCollator, SequenceParallelSplit
 from sft.distributed.failures import raise_if_peer_lost
 from sft.distributed.fingerprints import check_same_inputs
 from sft.distributed.process_group import Runtime, elastic_start_line, start_runtime
@@ -39,6 +39,7 @@ from sft.model.attention import (
 )
 from sft.model.loading import apply_lora, generation_config_for, load_model
 from sft.model.loss import use_supervised_head
+from sft.model.sequence_parallel import use_sequence_parallel_attention
 from sft.train import checkpoint, metrics, stragglers
 from sft.train.checkpoint import CheckpointError, latest_complete, run_info, warn_if_different
 from sft.train.integrity import is_out_of_space, out_of_space_message
@@ -183,10 +184,13 @@ def trainer_for(model_args, data_args, training_args, lora_args, callbacks: Sequ
 
 def prepare_model(model_args, data_args, training_args, lora_args, runtime: Runtime, data: PreparedData):
     """The model on this process's device (LoRA applied with ``--use_lora``), seeded first, and the collator its
-    attention allows (padding-free rows by default). Returns ``(model, collator)``.
+    attention allows (padding-free rows by default); under ``--sequence_parallel_size`` N > 1 the attention over the
+    whole row (:func:`sft.model.sequence_parallel.use_sequence_parallel_attention`) and this rank's slice of every
+    row (:class:`sft.data.packing.SequenceParallelSplit`). Returns ``(model, collator)``.
 
     Raises:
-        ConfigError: ``--optim`` / ``--lr_scheduler_type`` cannot be built (:func:`check_optimizer_and_scheduler`).
+        ConfigError: ``--optim`` / ``--lr_scheduler_type`` cannot be built (:func:`check_optimizer_and_scheduler`), or
+            sequence parallelism cannot run with this model's attention.
     """
     # Seed before the model exists (Trainer seeds only later, in its __init__): LoRA's A matrices (and any new
     # embedding rows) are drawn from the global RNG, and how much of it data preparation consumed differs
@@ -206,6 +210,10 @@ def prepare_model(model_args, data_args, training_args, lora_args, runtime: Runt
                     if impl == PACKED_ATTENTION else "block-diagonal causal mask from restarting position ids")
     elif data_args.padding_free:
         collator = padding_free_collator(model, collator)
+    sp = runtime.sequence_parallel
+    if sp.enabled:  # each rank of the group: its slice of the row; attention sees the whole row
+        use_sequence_parallel_attention(model, sp, training_args.sequence_parallel_mode)
+        collator = SequenceParallelSplit(collator, sp.size, sp.rank, data.tok.pad_token_id or 0)
     check_optimizer_and_scheduler(training_args, model)
     return model, collator
 
@@ -273,18 +281,20 @@ def make_trainer(model, data: PreparedData, collator, training_args, settings: R
 def log_run_shape(settings: RunSettings, runtime: Runtime, n_train: int, max_steps: int, num_epochs: float,
                   micro_batches_per_rank: Optional[int] = None) -> dict:
     """Log the run's shape once at start: world size, device, backend, micro batch x gradient accumulation x world
-    size = global batch (:attr:`RunSettings.global_batch`; samples, rows with --packing, at most that many under a
-    token budget), training samples and optimizer steps = ``max_steps`` if > 0, else epochs x ``n_train // global
-    batch`` (at least 1 per epoch), or with ``micro_batches_per_rank`` (a
-    :class:`sft.train.trainer.TokenBudgetBatchSampler`'s length) epochs x ``ceil(micro_batches_per_rank /
-    grad_accum)``. Returns ``{"global_batch", "optimizer_steps"}``."""
+    size (data-parallel size under sequence parallelism) = global batch (:attr:`RunSettings.global_batch`; samples,
+    rows with --packing, at most that many under a token budget), training samples and optimizer steps =
+    ``max_steps`` if > 0, else epochs x ``n_train // global batch`` (at least 1 per epoch), or with
+    ``micro_batches_per_rank`` (a :class:`sft.train.trainer.TokenBudgetBatchSampler`'s length) epochs x
+    ``ceil(micro_batches_per_rank / grad_accum)``. Returns ``{"global_batch", "optimizer_steps"}``."""
     s, global_batch = settings, settings.global_batch
     steps_per_epoch = max(1, n_train // global_batch) if micro_batches_per_rank is None else \
         max(1, -(-micro_batches_per_rank // s.grad_accum))
     total = max_steps if max_steps > 0 else int(steps_per_epoch * num_epochs)
-    logger.info("world size %d (device %s, backend %s); micro batch %d x gradient accumulation %d x world size %d = "
+    dp = (f"data-parallel size {s.data_parallel_size} (world size {s.world_size} / sequence-parallel size "
+          f"{s.sequence_parallel})" if s.sequence_parallel > 1 else f"world size {s.world_size}")
+    logger.info("world size %d (device %s, backend %s); micro batch %d x gradient accumulation %d x %s = "
                 "global batch %d samples; %d training samples; %d optimizer steps",
-                s.world_size, runtime.device, runtime.backend or "-", s.micro_batch, s.grad_accum, s.world_size,
+                s.world_size, runtime.device, runtime.backend or "-", s.micro_batch, s.grad_accum, dp,
                 global_batch, n_train, total)
     return {"global_batch": global_batch, "optimizer_steps": total}
 

@@ -102,6 +102,7 @@ def _check_data(data_args, training_args) -> list[str]:
     if data_args.preprocessing_num_workers is not None and data_args.preprocessing_num_workers < 1:
         p.append(f"--preprocessing_num_workers {data_args.preprocessing_num_workers}: must be at least 1")
     p += _check_packing(data_args, training_args)
+    p += _check_sequence_parallel(data_args, training_args)
     return p
 
 
@@ -124,6 +125,29 @@ def _check_eval(data_args, training_args) -> list[str]:
         p.append("--long_conversations split with --lazy_preprocess True: a lazy dataset cannot know how many samples "
                  "a conversation gives before reading it; drop --lazy_preprocess or use --long_conversations truncate")
     return p
+
+
+def _check_sequence_parallel(data_args, training_args) -> list[str]:
+    n = training_args.sequence_parallel_size
+    if n == 1:
+        return []
+    flag = f"--sequence_parallel_size {n}"
+    if n < 1:
+        return [f"{flag}: must be at least 1 (1: off)"]
+    world = training_args.world_size
+    if world % n:
+        return [f"{flag}: does not divide the world size {world} (nodes x processes per node); launch a multiple of "
+                f"{n} processes or give a divisor of {world}"]
+    if data_args.lazy_preprocess:
+        return [f"{flag} with --lazy_preprocess True: the micro batches of a sequence-parallel group are planned from "
+                "every sample's length; drop --lazy_preprocess"]
+    if not data_args.packing and not data_args.padding_free:
+        return [f"{flag} with --padding_free False: sequence parallelism splits padding-free or packed rows; drop "
+                "--padding_free False"]
+    if training_args.group_by_length:
+        return [f"{flag} with --group_by_length True: the ranks of a group must read the same micro batches, which "
+                "the token-budget sampler deals; drop --group_by_length"]
+    return []
 
 
 def _check_packing(data_args, training_args) -> list[str]:

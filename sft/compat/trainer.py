@@ -6,7 +6,10 @@
   at 1, only a log line when the file is missing);
 * ``Trainer._run_epoch(model, epoch, train_dataloader, ...)`` -> :meth:`TrainerHooks.before_epoch` (epoch) first;
 * ``Trainer._get_train_sampler(train_dataset=None)`` -> :meth:`TrainerHooks.train_sampler` (given the Trainer's
-  choice as a callable: a ``LengthGroupedSampler(batch_size, lengths=...)`` for ``group_by_length``).
+  choice as a callable: a ``LengthGroupedSampler(batch_size, lengths=...)`` for ``group_by_length``);
+* ``Trainer._get_eval_sampler(eval_dataset)`` -> :meth:`TrainerHooks.eval_sampler` (the same, for evaluation; a
+  ``transformers.trainer_pt_utils.BatchRebalanceSampler`` is passed as the data loader's ``batch_sampler`` and not
+  dealt to the ranks again by accelerate).
 """
 from __future__ import annotations
 
@@ -28,6 +31,13 @@ class TrainerHooks(transformers.Trainer):
     def train_sampler(self, train_dataset, default: Callable):
         """The training data's sampler; ``default()`` is the Trainer's own."""
         return default()
+
+    def eval_sampler(self, eval_dataset, default: Callable):
+        """The evaluation data's sampler; ``default()`` is the Trainer's own."""
+        return default()
+
+    def _get_eval_sampler(self, eval_dataset):
+        return self.eval_sampler(eval_dataset, lambda: super(TrainerHooks, self)._get_eval_sampler(eval_dataset))
 
     def _load_rng_state(self, checkpoint):
         if not self.load_rng_state(checkpoint):

@@ -256,6 +256,13 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
     max_tokens_per_micro_batch: Optional[int] = field(default=None, metadata={"help": "Padding-free micro batches: "
         "at most this many tokens each (the largest runs first; sft/train/trainer.py). Unset: micro batch x "
         "--model_max_length, lowered by the memory plan (sft/train/memory_plan.py) only when that does not fit."})
+    sequence_parallel_size: int = field(default=1, metadata={"help": "Sequence parallelism: split every micro "
+        "batch's tokens over this many consecutive ranks (N), each holding 1/N of the row's activations; attention "
+        "sees the whole row (docs/long-context.md). Must divide the world size; 1: off."})
+    sequence_parallel_mode: str = field(default="auto", metadata={"choices": ["auto", "ulysses", "all_gather"],
+        "help": "How attention sees the whole row under --sequence_parallel_size > 1: ulysses (DeepSpeed's "
+        "all-to-all over heads; heads and KV heads divisible by N), all_gather (each rank's queries against the "
+        "row's gathered keys and values; any head count), auto: ulysses where the heads allow, else all_gather."})
     memory_check: str = field(default="refuse", metadata={"choices": ["refuse", "warn", "off"], "help": "A memory plan "
         "over 90%% of what is available (sft/train/memory_plan.py): exit 2 with the fixes, warn, or only log it. An "
         "unset budget is lowered, then an unset --gradient_checkpointing turned on, when the plan does not fit."})

@@ -44,6 +44,7 @@ class RunSettings:
         bf16: the resolved precision: ``--bf16`` True / False, or what ``--bf16 auto`` chose, agreed by every rank
             (:func:`sft.config.precision.agreed_bf16`: fp32 everywhere when one rank lacks fast bf16).
         bf16_reason: why ``--bf16 auto`` chose (None when ``--bf16`` was True or False).
+        sequence_parallel: N, ranks that share one micro batch's tokens (``--sequence_parallel_size``; 1: off).
     """
 
     world_size: int
@@ -58,9 +59,16 @@ class RunSettings:
     activation_checkpointing: bool = False
     bf16: bool = False
     bf16_reason: Optional[str] = None
+    sequence_parallel: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Groups of ranks that read different micro batches: world size / ``sequence_parallel``."""
+        return self.world_size // max(1, self.sequence_parallel)
 
     @property
     def global_batch(self) -> int:
         """Samples per optimizer step over the job (rows with ``--packing``; at most that many under a token budget):
-        world size x micro batch x gradient accumulation. The one place it is computed."""
-        return self.world_size * self.micro_batch * self.grad_accum
+        data-parallel size (world size / sequence-parallel size) x micro batch x gradient accumulation. The one place
+        it is computed."""
+        return self.data_parallel_size * self.micro_batch * self.grad_accum

@@ -199,6 +199,76 @@ class PaddingFreeCollator:
                             return_tensors="pt")
 
 
+class SequenceParallelSplit:
+    """``--sequence_parallel_size N``: this rank's slice of a micro batch's row (:mod:`sft.model.sequence_parallel`).
+
+    Wraps :class:`PaddingFreeCollator` or :class:`PackedCollator` (every rank of a sequence-parallel group collates
+    the same samples) and applies :func:`split_for_sequence_parallel` to its output.
+
+    Args:
+        collator: the padding-free or packed collator.
+        size: N, ranks of the group; rank: this rank's place in it (0..N-1).
+        pad_token_id: the id of the tokens that pad the row to a multiple of N.
+    """
+
+    def __init__(self, collator, size: int, rank: int, pad_token_id: int = 0):
+        self.collator, self.size, self.rank, self.pad_token_id = collator, int(size), int(rank), int(pad_token_id)
+
+    def __call__(self, features: list[dict]) -> dict:
+        return split_for_sequence_parallel(self.collator(features), self.size, self.rank, self.pad_token_id)
+
+
+def split_for_sequence_parallel(batch: dict, size: int, rank: int, pad_token_id: int = 0) -> dict:
+    """Rank ``rank``'s slice of a padding-free or packed batch, for a sequence-parallel group of ``size`` ranks.
+
+    The rows are flattened into one (packed rows are already cut into documents by their position ids), the labels
+    shifted over the whole row first (the last token of a slice predicts the first of the next slice's), and the row
+    padded to a multiple of ``size`` with one more document (``pad_token_id``, position ids 0, 1, ..., labels -100),
+    which attends only to itself. Slice ``rank`` of ``size`` equal slices is returned.
+
+    Args:
+        batch: ``input_ids``, ``labels``, ``position_ids`` (``[rows, len]`` int64) and optionally ``cu_seq_lens_q``
+            (int32 offsets of the documents over the flattened rows) and ``max_length_q``.
+    Returns:
+        ``input_ids``, ``position_ids``, ``shift_labels`` and ``labels`` (the same shifted targets: the loss reads
+        ``shift_labels``, and the Trainer counts the supervised targets only where ``labels`` exists), each ``[1,
+        (rows x len + pad) / size]`` int64; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, the whole padded row's
+        documents: attention sees the whole row) and ``max_length_q`` / ``max_length_k`` (int).
+    Raises:
+        ValueError: the batch has an ``attention_mask`` (a padded batch: its pad tokens would become a document
+            that real tokens attend to) or no position ids.
+    """
+    import torch
+
+    if batch.get("attention_mask") is not None or batch.get("position_ids") is None:
+        raise ValueError("sequence parallelism splits padding-free or packed rows (position ids, no attention mask)")
+    ids, pos = batch["input_ids"].reshape(1, -1), batch["position_ids"].reshape(1, -1)
+    if "shift_labels" in batch:
+        shift = batch["shift_labels"].reshape(1, -1)
+    else:
+        shift = torch.nn.functional.pad(batch["labels"].reshape(1, -1)[:, 1:], (0, 1), value=IGNORE_INDEX)
+    cu = batch.get("cu_seq_lens_q")
+    if cu is None:
+        cu = torch.tensor(flat_offsets(document_bounds(pos, 1), pos.shape[1]), dtype=torch.int32)
+    offsets = [int(x) for x in cu.tolist()]
+    longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+    total = ids.shape[1]
+    pad = (-total) % size
+    if pad:
+        ids = torch.cat([ids, torch.full((1, pad), pad_token_id, dtype=ids.dtype)], dim=1)
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)[None]], dim=1)
+        shift = torch.cat([shift, torch.full((1, pad), IGNORE_INDEX, dtype=shift.dtype)], dim=1)
+        offsets.append(total + pad)
+        longest = max(longest, pad)
+    n = (total + pad) // size
+    part = slice(rank * n, (rank + 1) * n)
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    local = shift[:, part].contiguous()
+    return {"input_ids": ids[:, part].contiguous(), "position_ids": pos[:, part].contiguous(), "labels": local,
+            "shift_labels": local, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
+            "max_length_k": longest}
+
+
 def document_bounds(position_ids: "torch.Tensor", batch_size: int) -> list[list[tuple[int, int]]]:
     """The documents of each row: ``[(start, end), ...]`` per row (end exclusive), covering the row.
 

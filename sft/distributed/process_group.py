@@ -25,7 +25,8 @@ from typing import Mapping, Optional
 
 from sft.compat.accelerate import enable_fsdp_on_cpu
 from sft.compat.deepspeed import skip_shm_comm_op_build
-from sft.distributed import collectives, watchdog
+from sft.distributed import collectives, sequence_parallel, watchdog
+from sft.distributed.sequence_parallel import SequenceParallel
 from sft.errors import ConfigError
 from sft.logs import release_import_notices
 
@@ -42,6 +43,8 @@ class Runtime:
         local_rank: its rank on this node (torchrun's ``LOCAL_RANK``; 0 in one process).
         device: the device it trains on, as torch spells it (``"cpu"``, ``"cuda:0"``).
         backend: the process group's backend (``"gloo"``, ``"nccl"``), or None without one.
+        sequence_parallel: its place in sequence parallelism (:mod:`sft.distributed.sequence_parallel`; size 1:
+            off).
     """
 
     world_size: int
@@ -49,6 +52,7 @@ class Runtime:
     local_rank: int
     device: str
     backend: Optional[str]
+    sequence_parallel: SequenceParallel = SequenceParallel()
 
     @property
     def is_main(self) -> bool:
@@ -209,8 +213,10 @@ def start_runtime(training_args) -> Runtime:
     die with their torchrun agent (:func:`die_with_agent`), the hang watcher (before the group where the agent's
     store allows, after it otherwise), the process group under torchrun with ``--ddp_timeout``
     (:func:`init_process_group`), then transformers' device setup on it (accelerate's ``PartialState`` reuses the
-    group). Every call sets up ``training_args``' device on that runtime and, under ``--deepspeed``, DeepSpeed's
-    communication (:func:`init_deepspeed_comm`); later calls return the same :class:`Runtime`.
+    group) and the sequence-parallel groups of ``--sequence_parallel_size`` (:func:`sft.distributed.sequence_parallel.
+    start`). Every call sets up ``training_args``' device on that runtime and, under ``--deepspeed`` or sequence
+    parallelism (whose Ulysses attention exchanges through it), DeepSpeed's communication (:func:`init_deepspeed_comm`);
+    later calls return the same :class:`Runtime`.
 
     Raises:
         ConfigError: torchrun's variables are incomplete or garbled (e.g. ``LOCAL_RANK`` set without
@@ -238,7 +244,8 @@ def start_runtime(training_args) -> Runtime:
         grouped = dist.is_available() and dist.is_initialized()
         runtime = Runtime(world_size=dist.get_world_size() if grouped else 1, rank=dist.get_rank() if grouped else 0,
                           local_rank=int(os.environ.get("LOCAL_RANK", "0")) if grouped else 0, device=str(device),
-                          backend=dist.get_backend() if grouped else None)
+                          backend=dist.get_backend() if grouped else None,
+                          sequence_parallel=sequence_parallel.start(training_args.sequence_parallel_size))
         _STARTED["runtime"] = runtime
         start_progress_watcher(training_args)
     init_deepspeed_comm(training_args)
@@ -300,7 +307,8 @@ def deepspeed_cpu_default() -> None:
 
 
 def init_deepspeed_comm(training_args) -> None:
-    """Under DeepSpeed, start ``deepspeed.comm`` on the process group before the model is built.
+    """Under DeepSpeed (or ``--sequence_parallel_size`` > 1: DeepSpeed's Ulysses attention exchanges through
+    ``deepspeed.comm``), start ``deepspeed.comm`` on the process group before the model is built.
 
     ZeRO-3 builds the model inside ``deepspeed.zero.Init`` (transformers does this in ``from_pretrained``
     when the config has stage 3), which partitions each parameter as it is created and reads the world
@@ -309,7 +317,7 @@ def init_deepspeed_comm(training_args) -> None:
     GPU, with ``--ddp_timeout``); ``init_distributed`` then reuses it. A single process started without
     torchrun gets a one-process world on loopback (DeepSpeed would otherwise look for MPI).
     """
-    if not training_args.deepspeed:
+    if not training_args.deepspeed and training_args.sequence_parallel_size <= 1:
         return
     import torch
 

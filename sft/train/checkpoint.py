@@ -206,12 +206,13 @@ def run_info(settings: RunSettings, seed: int, use_lora: bool) -> dict:
     """What a checkpoint records about the run that wrote it (compared on resume), from the run's
     :class:`~sft.config.settings.RunSettings`: world size, micro batch, gradient accumulation, the configured one
     (``--gradient_accumulation_steps`` as given, before a resume at another world size replaced it), global batch
-    (samples per optimizer step; kept when resuming at another world size, :mod:`sft.train.world_size`), ``seed``
-    and whether the run trains a LoRA adapter."""
+    (samples per optimizer step; kept when resuming at another world size, :mod:`sft.train.world_size`), the
+    sequence-parallel size, ``seed`` and whether the run trains a LoRA adapter."""
     return {"world_size": settings.world_size, "per_device_train_batch_size": settings.micro_batch,
             "gradient_accumulation_steps": settings.grad_accum,
             "configured_gradient_accumulation_steps": settings.configured_grad_accum,
-            "global_batch": settings.global_batch, "seed": seed, "use_lora": bool(use_lora)}
+            "global_batch": settings.global_batch, "sequence_parallel_size": settings.sequence_parallel, "seed": seed,
+            "use_lora": bool(use_lora)}
 
 
 def callback(settings: RunSettings, seed: int, use_lora: bool) -> AtomicCheckpoints:

@@ -150,19 +150,36 @@ def micro_batches(train_ds, data_args, training_args):
     samples together. Without lengths (``--lazy_preprocess``): micro batch x ``--model_max_length``.
     """
     mb, max_len = training_args.per_device_train_batch_size, training_args.model_max_length
+    sp = max(1, int(training_args.sequence_parallel_size))
     lengths = sample_lengths(train_ds)
     if not lengths:
         return None, mb * max_len
-    if data_args.packing:
-        return None, mb * max(lengths)
-    if not data_args.padding_free:
-        return None, mb * (-(-max(lengths) // 8) * 8)
-    if training_args.group_by_length:
-        return None, sum(sorted(lengths)[-mb:])
     seed = training_args.data_seed if training_args.data_seed is not None else training_args.seed
-    sampler = TokenBudgetBatchSampler(lengths, mb, training_args.max_tokens_per_micro_batch or mb * max_len, seed,
-                                      training_args.world_size, training_args.process_index)
+    if data_args.packing:
+        if sp == 1:
+            return None, mb * max(lengths)
+        budget = mb * max(lengths)  # the rows of a micro batch, as the Trainer's sampler would deal them
+    elif not data_args.padding_free:
+        return None, mb * (-(-max(lengths) // 8) * 8)
+    elif training_args.group_by_length:
+        return None, sum(sorted(lengths)[-mb:])
+    else:
+        budget = training_args.max_tokens_per_micro_batch or mb * max_len
+    # Sequence parallelism: the N ranks of a group read the same micro batch (data-parallel rank = rank // N).
+    sampler = TokenBudgetBatchSampler(lengths, mb, budget, seed, training_args.world_size // sp,
+                                      training_args.process_index // sp)
     return sampler, sampler.largest_tokens
+
+
+def eval_batches(eval_ds, micro_batch: int, world_size: int, rank: int, sequence_parallel: int):
+    """Under sequence parallelism (``sequence_parallel`` N > 1): the evaluation's micro batches, the same for the N
+    ranks of a group (a :class:`TokenBudgetBatchSampler` with no token limit, dealt by data-parallel rank ``rank //
+    N`` over ``world_size // N``; its order does not matter to the loss). None otherwise (the Trainer's own)."""
+    lengths = sample_lengths(eval_ds) if sequence_parallel > 1 else None
+    if not lengths:
+        return None
+    return TokenBudgetBatchSampler(lengths, micro_batch, micro_batch * max(lengths), 0, world_size // sequence_parallel,
+                                   rank // sequence_parallel)
 
 
 class Trainer(TrainerHooks):
@@ -248,6 +265,11 @@ class Trainer(TrainerHooks):
         # epoch's loader (skip_first_batches) wraps it twice: the token-budget sampler would replay epoch 0's order.
         if self.train_batch_sampler is not None:
             self.train_batch_sampler.set_epoch(epoch)
+
+    def eval_sampler(self, eval_dataset, default):
+        sampler = eval_batches(eval_dataset, self.args.per_device_eval_batch_size, self.args.world_size,
+                               self.args.process_index, self.args.sequence_parallel_size)
+        return sampler if sampler is not None else default()
 
     def train_sampler(self, train_dataset, default):
         # The Trainer's own is a LengthGroupedSampler(batch_size, lengths=...) for
