@@ -323,6 +323,9 @@ CONFIG_CORPUS = [
      "holds a LoRA adapter, but this run trains the full model"),
     ("preemption-timeout-0", ["--preemption_timeout", "0"], {}, 2,
      "--preemption_timeout 0.0: must be a number of seconds"),
+    ("sequence-parallel-0", ["--sequence_parallel_size", "0"], {}, 2, "--sequence_parallel_size 0: must be at least 1"),
+    ("sequence-parallel-above-world", ["--sequence_parallel_size", "2"], {}, 2,
+     "--sequence_parallel_size 2: does not divide the world size 1"),
 ]
 
 
