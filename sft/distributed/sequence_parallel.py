@@ -14,7 +14,11 @@ collective), from :func:`sft.distributed.process_group.start_runtime`; :func:`cu
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from typing import Optional
+
+logger = logging.getLogger("sft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,21 @@ def start(size: int) -> SequenceParallel:
                 group = g
     sp = SequenceParallel(int(size), sp_rank, dp_size, dp_rank, group)
     _CURRENT["sp"] = sp
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    line = crossing_line(size, local)
+    if line and rank == 0:
+        logger.warning("%s", line)
     return sp
+
+
+def crossing_line(size: int, local_world_size: int) -> Optional[str]:
+    """The warning for groups of ``size`` ranks that span nodes of ``local_world_size`` processes each (their
+    attention exchanges then cross the network at every layer), or None when every group stays inside a node."""
+    if size <= 1 or local_world_size <= 0 or local_world_size % size == 0:
+        return None
+    return (f"--sequence_parallel_size {size} does not divide the {local_world_size} processes per node: some "
+            "sequence-parallel groups span two nodes and exchange every layer's attention over the network; a size "
+            "that divides the processes per node keeps every group inside a node")
 
 
 def current() -> SequenceParallel:

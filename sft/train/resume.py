@@ -57,11 +57,12 @@ def plan_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrit
 
     Raises:
         CheckpointError: ``output_dir`` has complete checkpoints but none verifies.
-        ConfigError: no gradient accumulation keeps the checkpoint's global batch at ``world_size``.
+        ConfigError: no gradient accumulation keeps the checkpoint's global batch at ``world_size``, or the checkpoint
+            was written with another sequence-parallel size.
     """
     world_size, rank = runtime.world_size, runtime.rank
     checkpoint = choose_resume(output_dir, resume_from_checkpoint, overwrite_output_dir, rank, saver)
-    change = plan_world_size_change(checkpoint, world_size, micro_batch, grad_accum)
+    change = plan_world_size_change(checkpoint, world_size, micro_batch, grad_accum, runtime.sequence_parallel.size)
     rebuild = DeepSpeedRebuild.ACCUMULATION if change and deepspeed else DeepSpeedRebuild.NONE
     universal = None
     if deepspeed and checkpoint and zero_world_size(checkpoint) not in (None, world_size):

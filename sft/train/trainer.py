@@ -15,6 +15,7 @@ import torch
 from transformers.trainer_pt_utils import BatchRebalanceSampler, LengthGroupedSampler
 
 from sft.compat.trainer import TrainerHooks
+from sft.distributed import sequence_parallel
 from sft.distributed.process_group import enable_fsdp
 from sft.model.loss import compute_supervised_loss, shifted_labels
 
@@ -208,6 +209,9 @@ class Trainer(TrainerHooks):
         # that accepts loss kwargs: model(**inputs, num_items_in_batch=...) -> sum / num_items_in_batch, then
         # x num_processes under average_tokens_across_devices. The same normalisation here, the head only where
         # labels are.
+        sp = sequence_parallel.current()
+        if sp.enabled and not model.training and "shift_labels" in inputs:
+            return self.group_loss(model, inputs, return_outputs, sp)
         if (not self.supervised_head or return_outputs or not model.training or self.label_smoother is not None
                 or self.compute_loss_func is not None or "labels" not in inputs):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -225,6 +229,20 @@ class Trainer(TrainerHooks):
             loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
                            else self.args.n_gpu)
         return loss
+
+    @staticmethod
+    def group_loss(model, inputs, return_outputs: bool, sp):
+        """Evaluation under sequence parallelism: the micro batch's mean loss over every supervised target of the
+        group's slices (the sum over the group's ranks divided by their count; the same on every rank of the group),
+        where each rank's own mean would weigh the slices equally, and be NaN on a slice with no target."""
+        import torch.distributed as dist
+
+        targets = (inputs["shift_labels"] != -100).sum()
+        outputs = model(**inputs, num_items_in_batch=torch.ones((), device=targets.device))  # the loss is the sum
+        both = torch.stack([outputs.loss.detach().float(), targets.float()])
+        dist.all_reduce(both, group=sp.group)
+        loss = both[0] / both[1].clamp(min=1)
+        return (loss, outputs) if return_outputs else loss
 
     def create_accelerator_and_postprocess(self):
         # transformers 5.24 calls this from __init__; the checks that follow in __init__ read is_fsdp_enabled,

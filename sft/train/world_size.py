@@ -69,8 +69,9 @@ class WorldSizeChange:
 
 def saved_shape(checkpoint: str) -> Optional[dict]:
     """The run shape recorded in ``checkpoint``'s completion marker: ``{"world_size", "per_device_train_batch_size",
-    "gradient_accumulation_steps", "global_batch", "configured_gradient_accumulation_steps"}`` (ints; ``global_batch``
-    computed for markers of older versions that lack it; the configured accumulation None for those), or None when
+    "gradient_accumulation_steps", "global_batch", "configured_gradient_accumulation_steps", "sequence_parallel_size"}``
+    (ints; ``global_batch`` computed for markers of older versions that lack it; the configured accumulation None and
+    the sequence-parallel size 1 for those), or None when
     the marker is missing, unreadable or has no shape."""
     info, _ = read_marker(checkpoint, MARKER)
     try:
@@ -81,11 +82,13 @@ def saved_shape(checkpoint: str) -> Optional[dict]:
                                 * shape["gradient_accumulation_steps"])
     configured = info.get("configured_gradient_accumulation_steps")
     shape["configured_gradient_accumulation_steps"] = int(configured) if isinstance(configured, int) else None
+    sp = info.get("sequence_parallel_size")
+    shape["sequence_parallel_size"] = int(sp) if isinstance(sp, int) and sp > 0 else 1
     return shape
 
 
 def plan_world_size_change(checkpoint: Optional[str], world_size: int, micro_batch: int,
-                           grad_accum: int) -> Optional[WorldSizeChange]:
+                           grad_accum: int, sequence_parallel: int = 1) -> Optional[WorldSizeChange]:
     """What resuming ``checkpoint`` with ``world_size`` processes and ``micro_batch`` samples per rank changes.
 
     Returns None when nothing is recomputed: no checkpoint, no recorded shape, another micro batch than the
@@ -95,14 +98,27 @@ def plan_world_size_change(checkpoint: Optional[str], world_size: int, micro_bat
     when the world size changed, and at the same world size when it is the one the checkpoint's run configured but
     that run trained with another: the same command, after a resume at another world size recomputed it).
 
+    Under sequence parallelism (``sequence_parallel`` N > 1, the checkpoint's own) the sizes compared and reported
+    are the data-parallel ones (world size / N): the ranks of a group share a micro batch.
+
     Raises:
         ConfigError: the checkpoint's global batch is not a multiple of ``micro_batch x world_size`` (naming the
-            numbers and the world sizes that keep it).
+            numbers and the world sizes that keep it); the checkpoint was written with another
+            ``--sequence_parallel_size``.
     """
     saved = saved_shape(checkpoint) if checkpoint else None
-    if saved is None or saved["per_device_train_batch_size"] != micro_batch:
+    if saved is None:
         return None
-    g, w0 = saved["global_batch"], saved["world_size"]
+    if saved["sequence_parallel_size"] != sequence_parallel:
+        raise ConfigError([f"resuming checkpoint {checkpoint}: it was written with --sequence_parallel_size "
+                           f"{saved['sequence_parallel_size']}, this run has {sequence_parallel}; resume with "
+                           f"--sequence_parallel_size {saved['sequence_parallel_size']} (the micro batches each group "
+                           "reads depend on it), or start afresh (--overwrite_output_dir True, or another "
+                           "--output_dir)"])
+    if saved["per_device_train_batch_size"] != micro_batch:
+        return None
+    world_size //= sequence_parallel
+    g, w0 = saved["global_batch"], saved["world_size"] // sequence_parallel
     if w0 == world_size:
         if saved["configured_gradient_accumulation_steps"] != grad_accum or saved["gradient_accumulation_steps"] == \
                 grad_accum:

@@ -1,7 +1,8 @@
 """Sequence parallelism is exact: two processes holding half of every row each (``--sequence_parallel_size 2``) train
 the same model as one process holding the whole row -- the same losses, gradient norms and weights within fp32
 tolerance over 3 optimizer steps, on rows of several documents (padding-free and packed), with LoRA, full
-fine-tuning under ZeRO-2 and FSDP2, both attentions (Ulysses, all-gather) and gradient checkpointing.
+fine-tuning under ZeRO-2 and FSDP2, both attentions (Ulysses, all-gather) and gradient checkpointing; and the
+evaluation loss.
 
 Each run costs ~15-30 s on 2 cores (tests/helpers/sp_worker.py under torchrun); the N = 1 references run once per
 layout (module fixtures)."""
@@ -21,6 +22,7 @@ WORKER = os.path.join(ROOT, "tests", "helpers", "sp_worker.py")
 LORA = ["--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "1e-2"]  # no dropout: the
 FULL = ["--use_lora", "False", "--learning_rate", "1e-4"]  # same masks cannot be drawn by one process and by two
 PACKED = ["--packing", "True", "--model_max_length", "160", "--per_device_train_batch_size", "2"]
+EVAL = ["--eval_split_ratio", "0.25", "--eval_strategy", "steps", "--eval_steps", "3"]  # 2 of the 8 records
 
 
 def train(tmp, model_dir, data, nproc: int, sp: int, extra: list) -> dict:
@@ -49,7 +51,7 @@ def toy(tmp_path_factory):
 def reference(tmp_path_factory, tiny_model_dir, toy):
     """One process, N = 1: LoRA padding-free, LoRA packed, full padding-free."""
     runs = {}
-    for name, extra in (("lora", LORA), ("packed", LORA + PACKED), ("full", FULL)):
+    for name, extra in (("lora", LORA + EVAL), ("packed", LORA + PACKED), ("full", FULL)):
         runs[name] = train(tmp_path_factory.mktemp(f"sp-ref-{name}"), tiny_model_dir, toy, 1, 1, extra)
     return runs
 
@@ -59,6 +61,7 @@ def assert_same(ref: dict, got: dict) -> None:
     for rank in got["ranks"]:
         assert rank["losses"] == pytest.approx(ref["ranks"][0]["losses"], rel=1e-5)
         assert rank["grad_norms"] == pytest.approx(ref["ranks"][0]["grad_norms"], rel=1e-4)
+        assert rank["eval_loss"] == pytest.approx(ref["ranks"][0]["eval_loss"], rel=1e-5)
     assert sorted(got["weights"]) == sorted(ref["weights"])
     worst = max((got["weights"][k] - ref["weights"][k]).abs().max().item() for k in ref["weights"])
     assert worst < 1e-4, f"weights differ by up to {worst}"
@@ -72,7 +75,7 @@ def assert_same(ref: dict, got: dict) -> None:
                             os.path.join(ROOT, "finetune", "fsdp_config_full_shard.json")]),
 ])
 def test_two_ranks_per_row_train_as_one_process(reference, tmp_path, tiny_model_dir, toy, layout, mode, extra):
-    base = {"lora": LORA, "packed": LORA + PACKED, "full": FULL}[layout]
+    base = {"lora": LORA + EVAL, "packed": LORA + PACKED, "full": FULL}[layout]
     got = train(tmp_path, tiny_model_dir, toy, 2, 2, base + ["--sequence_parallel_mode", mode] + extra)
     assert_same(reference[layout], got)
     assert {r["attention"] for r in got["ranks"]} == {f"sft_sp_{mode}_sdpa"}

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from sft.data.packing import PackedCollator, PaddingFreeCollator, split_for_sequence_parallel
-from sft.distributed.sequence_parallel import layout
+from sft.distributed.sequence_parallel import crossing_line, layout
 from sft.errors import ConfigError
 from sft.model.sequence_parallel import choose_mode, ulysses_problem
 
@@ -55,6 +55,9 @@ def test_groups_are_consecutive_ranks_and_data_parallel_across_them():
     assert layout(2, 1, 1) == (0, 2, 1, 1)
     with pytest.raises(ValueError, match="does not divide the world size 6"):
         layout(6, 0, 4)
+    assert crossing_line(2, 8) is None and crossing_line(4, 0) is None
+    assert "does not divide the 2 processes per node: some sequence-parallel groups span two nodes" in \
+        crossing_line(4, 2)
 
 
 class Config:

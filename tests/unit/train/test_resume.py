@@ -231,6 +231,26 @@ def test_another_world_size_keeps_the_global_batch_or_is_refused_with_the_number
     assert plan_world_size_change(old, 3, 1, 3).grad_accum == 2  # markers of older versions: global batch derived
 
 
+def test_sequence_parallel_size_is_kept_on_resume_and_world_size_changes_count_groups(tmp_path):
+    from sft.errors import ConfigError
+    from sft.train.world_size import plan_world_size_change
+
+    path = fake_checkpoint(tmp_path / "out", 4, complete=False)  # 4 ranks, groups of 2: 2 groups x 2 x 2 = 8
+    ck.mark_complete(path, {"world_size": 4, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                            "global_batch": 8, "sequence_parallel_size": 2})
+    with pytest.raises(ConfigError) as e:
+        plan_world_size_change(path, 4, 2, 2, sequence_parallel=1)
+    assert str(e.value).count("\n  - ") == 1
+    assert "written with --sequence_parallel_size 2, this run has 1; resume with --sequence_parallel_size 2" in \
+        str(e.value)
+    two = plan_world_size_change(path, 2, 2, 2, sequence_parallel=2)  # one group left: accumulation doubles
+    assert (two.old_world_size, two.world_size, two.grad_accum, two.global_batch) == (2, 1, 4, 8)
+    assert plan_world_size_change(path, 4, 2, 2, sequence_parallel=2) is None
+    old = shaped_checkpoint(tmp_path / "old", 5, world_size=2, micro_batch=2, grad_accum=2)  # no size: 1
+    with pytest.raises(ConfigError, match="written with --sequence_parallel_size 1, this run has 2"):
+        plan_world_size_change(old, 2, 2, 2, sequence_parallel=2)
+
+
 def test_the_same_command_at_the_checkpoints_world_size_keeps_the_accumulation_an_earlier_resume_set(tmp_path):
     """An elastic job (or any run resumed twice): started at world size 3 with accumulation 2 (global batch 6), resumed
     at 2 (accumulation 3), then resumed again at 2 by the same command (accumulation 2 as given). The checkpoint of
