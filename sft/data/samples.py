@@ -128,7 +128,8 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
     Returns:
         dict with ``input_ids``, ``labels`` (lists of int, length <= max_len), ``n_supervised`` (kept),
         ``n_lost`` (supervised tokens cut off) and ``truncated`` (bool); a truncated one also ``cut_at``, the first
-        tokens cut off (at most 8; :func:`encode_samples` replaces them with the turn they belong to).
+        tokens cut off (at most 8; :func:`encode_samples` replaces them with the turn they belong to,
+        :func:`_name_cuts`).
     """
     total_sup = len(labels) - labels.count(IGNORE_INDEX)
     kept = min(len(labels), max_len) - labels[:max_len].count(IGNORE_INDEX)
@@ -163,18 +164,16 @@ def _find(ids: list[int], part: list[int]) -> int:
     return at // size if at != -1 else -1
 
 
-def _cut_turn(tokenizer, text: str, messages: Sequence[dict], cut_at: list[int]) -> tuple[Optional[int],
-                                                                                       Optional[int]]:
+def _cut_turn(text: str, ids: list[int], offsets: list, messages: Sequence[dict], cut_at: list[int]
+              ) -> tuple[Optional[int], Optional[int]]:
     """``(turn, tokens)``: the index in ``messages`` of the turn whose text the cut falls in (``cut_at``: the first
-    tokens cut off, found in the tokens of ``text``, the conversation's longest rendering), and the tokens of that
-    turn's text there. Turns are found by their text (content, else reasoning), in order; where the cut tokens are
-    not found (a piece tokenized on its own), the longest turn. ``(None, None)`` where no turn's text is found. Runs
-    only for a conversation with a truncated sample: it tokenizes ``text`` again rather than keep every long
-    conversation's offsets."""
+    tokens cut off, found in ``ids``, the tokens of ``text``, the conversation's rendering, with their character
+    ``offsets``), and the tokens of that turn's text there. Turns are found by their text (content, else reasoning),
+    in order; where the cut tokens are not found (a piece tokenized on its own), the longest turn. ``(None, None)``
+    where no turn's text is found."""
     from bisect import bisect_left
 
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    ids, starts = enc["input_ids"], [s for s, _e in enc["offset_mapping"]]
+    starts = [s for s, _e in offsets]
     found, cursor = [], 0  # (turn, start, end) of every turn whose text is in the rendering
     for k, m in enumerate(messages):
         part = next((t.strip() for t in (m.get("content"), m.get("reasoning_content"))
@@ -192,6 +191,17 @@ def _cut_turn(tokenizer, text: str, messages: Sequence[dict], cut_at: list[int])
         return k, sizes[k]
     k = next((k for k, s, _e in reversed(found) if s <= starts[j]), found[0][0])
     return k, sizes[k]
+
+
+def _name_cuts(samples: list, shift: int, locate) -> None:
+    """Replace each truncated sample's ``cut_at`` (:func:`truncate`) with ``cut_turn`` (the record's numbering: the
+    conversation's index less ``shift``, the default system prompt's place) and ``turn_tokens``; ``locate(cut_at)``
+    is :func:`_cut_turn` on the conversation's rendering."""
+    for ex in samples:
+        cut_at = ex.pop("cut_at", None)
+        if cut_at is not None:
+            turn, ex["turn_tokens"] = locate(cut_at)
+            ex["cut_turn"] = turn - shift if turn is not None else None
 
 
 def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, spec: PreparationSpec,
@@ -292,7 +302,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             texts.append(text)
             owners.append((i, spans, whole, sum(n for _t, _w, n in p.dropped)))
     lengths: dict = {}
-    longest: dict = {}  # per conversation longer than max_len, its longest text (where a truncated sample was cut)
+    longest: dict = {}  # per conversation planned reply by reply, its longest text (where split_turns' piece was cut)
     for text, ids, offs, (i, spans, whole, dropped) in _tokenized(tokenizer, texts, owners):
         if isinstance(out[i], Exception):
             continue
@@ -304,11 +314,16 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             out[i] = e
             continue
         first = out[i] is None
-        out[i] = (out[i] or []) + [dict(truncate(a, b, max_len), user_cut=cut if first and k == 0 else 0)
-                                   for k, (a, b) in enumerate(pieces)]
-        lengths.setdefault(i, []).append(len(ids))
-        if len(ids) > max_len and len(text) > len(longest.get(i, "")):
+        new = [dict(truncate(a, b, max_len), user_cut=cut if first and k == 0 else 0)
+               for k, (a, b) in enumerate(pieces)]
+        resplit = i in general and long_conversations == "split"  # its samples are replaced below when too long
+        if not resplit:  # a truncated sample names the turn it was cut in, never silently
+            _name_cuts(new, len(conversations[i]) - len(given[i]),
+                       lambda cut_at: _cut_turn(text, ids, offs, conversations[i], cut_at))
+        elif len(ids) > max_len and len(text) > len(longest.get(i, "")):
             longest[i] = text
+        out[i] = (out[i] or []) + new
+        lengths.setdefault(i, []).append(len(ids))
         if first:
             out[i][0]["dropped"] = dropped
     for i, e in enumerate(out):  # name turns as the record numbers them (not counting a default system prompt)
@@ -327,12 +342,10 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             dropped = out[i][0]["dropped"]
             out[i] = [dict(truncate(a, b, max_len), user_cut=0) for a, b in pieces]
             out[i][0]["dropped"] = dropped
-    for i, samples in enumerate(out):  # a truncated sample names the turn it was cut in, never silently
-        for ex in samples if isinstance(samples, list) else ():
-            cut_at = ex.pop("cut_at", None)
-            if cut_at is not None and i in longest:
-                turn, ex["turn_tokens"] = _cut_turn(tokenizer, longest[i], conversations[i], cut_at)
-                ex["cut_turn"] = turn - (len(conversations[i]) - len(given[i])) if turn is not None else None
+            if any("cut_at" in ex for ex in out[i]):  # rare: a unit too long by itself; its rendering tokenized again
+                enc = tokenizer(longest[i], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+                _name_cuts(out[i], len(conversations[i]) - len(given[i]), lambda cut_at: _cut_turn(
+                    longest[i], enc["input_ids"], enc["offset_mapping"], conversations[i], cut_at))
     return out
 
 
