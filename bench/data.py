@@ -19,11 +19,14 @@ temporary folder, then prepares them as training does (stream + validate + token
   texts, ``index % P``; the call starts in all of them together and the rate is the texts over the time from
   the first start to the last end): the best P processes could do when preparation were that call alone;
 * ``before``: another checkout's ``sft`` (``--before REPO``, 1 process; a checkout from before the sharded
-  preparation loads every record, then tokenizes on rank 0; a later one is run as this one).
+  preparation loads every record, then tokenizes on rank 0; a later one is run as this one);
+* ``side``: ``--fast_model`` (a template on the fast path, ChatML) and ``--model`` (one on the per-turn path,
+  Qwen3's) on the same data, 1 process each, in turn for ``--pairs`` pairs: each pair's per-token ratio and the median.
 
     .venv/bin/python bench/data.py --conversations 1000000 --processes 2 --runs plain many
     PYTHONPATH=. .venv/bin/python bench/data.py --conversations 20000 --runs plain one many hosts
     .venv/bin/python bench/data.py --conversations 200000 --before /path/to/old/checkout
+    .venv/bin/python bench/data.py --conversations 300 --reasoning --runs side --model QWEN3 --fast_model CHATML
 
 Every process runs in its own session with ``OMP_NUM_THREADS=1`` and ``TOKENIZERS_PARALLELISM=false`` (one core
 each, so that 1 and P processes compare). Prints one line per configuration and rank and the machine's load
@@ -260,6 +263,27 @@ def run_hosts(n: int, data: str, model: str, cache: str, max_len: int, long_conv
         hosts.close()
 
 
+def side_by_side(a, data: str, work: str) -> None:
+    """``--runs side``: ``--pairs`` pairs of 1-process preparations of the same data, ``--fast_model`` (the fast path)
+    then ``--model`` (the per-turn path), each pair within the same minutes; prints each run's tokens/s and each
+    pair's ratio per token (per-turn / fast), then the median ratio."""
+    ratios = []
+    for k in range(a.pairs):
+        rates = {}
+        for name, model in (("fast", a.fast_model), ("per-turn", a.model)):
+            cache = os.path.join(work, f"cache-side-{name}-{k}")
+            r = run_ranks(1, data, model, cache, a.max_length, "after", HERE, a.long_conversations)["ranks"][0]
+            rates[name] = r["tokens"] / max(r["prepare_s"], 1e-9)
+            print(f"side pair {k + 1}, {name} path ({model}): {r['prepare_s']:.1f} s preparing, samples "
+                  f"{r['samples']}, {r['tokens']} tokens, {rates[name]:.0f} tokens/s; load {uptime()}", flush=True)
+            shutil.rmtree(cache, ignore_errors=True)
+        ratios.append(rates["per-turn"] / rates["fast"])
+        print(f"side pair {k + 1}: per-turn path at {100 * ratios[-1]:.0f}% of the fast path per token", flush=True)
+    ratios.sort()
+    print(f"side: median {100 * ratios[len(ratios) // 2]:.0f}% of the fast path per token over {len(ratios)} pairs "
+          f"(range {100 * ratios[0]:.0f}% to {100 * ratios[-1]:.0f}%)", flush=True)
+
+
 def uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -282,12 +306,21 @@ def main() -> int:
                     help="give every reply a reasoning_content (the per-turn path; pair with a Qwen3-template --model)")
     ap.add_argument("--before", default=None, help="a checkout whose sft is measured too (1 process)")
     ap.add_argument("--runs", nargs="+", default=["plain", "one", "many", "before"],
-                    choices=["plain", "one", "many", "hosts", "before"],
+                    choices=["plain", "one", "many", "hosts", "before", "side"],
                     help="plain: the tokenizer() reference with 1 and P processes; one: 1 process; many: P processes; "
-                         "hosts: P namespace hosts x 1 process (root); before: --before's sft, 1 process")
+                         "hosts: P namespace hosts x 1 process (root); before: --before's sft, 1 process; side: "
+                         "--fast_model and --model in turn, 1 process (--pairs)")
+    ap.add_argument("--fast_model", default=None,
+                    help="with 'side' in --runs: a model whose template takes the fast path (ChatML), prepared side by "
+                         "side with --model (the per-turn path, e.g. Qwen3's template) on the same data")
+    ap.add_argument("--pairs", type=int, default=3, help="'side': fast, per-turn pairs run in turn (default 3)")
     ap.add_argument("--work", default=None, help="folder for data and caches (default: a new temporary one, removed)")
     a = ap.parse_args()
-    for flag, path in (("--model", a.model), ("--data", a.data)):
+    if "side" in a.runs and not a.fast_model:
+        print("bench/data.py: --runs side compares --fast_model with --model: pass --fast_model", file=sys.stderr)
+        return 2
+    for flag, path in (("--model", a.model), ("--data", a.data)) + ((("--fast_model", a.fast_model),)
+                                                                    if a.fast_model else ()):
         if not os.path.exists(path):
             print(f"bench/data.py: {flag} {path}: not found; build the example with scripts/run_example.sh or pass "
                   f"{flag}", file=sys.stderr)
@@ -357,6 +390,8 @@ def main() -> int:
                   f"{extra}; samples {r['ranks'][0]['samples']}, {r['ranks'][0].get('tokens', 0)} tokens "
                   f"({r['ranks'][0].get('tokens', 0) / max(prep, 1e-9):.0f} tokens/s); {ranks}", flush=True)
             shutil.rmtree(cache, ignore_errors=True)
+        if "side" in a.runs and a.fast_model:
+            side_by_side(a, data, work)
         mine = {k: v for k, v in samples.items() if k[0] != "before"}
         if len(set(mine.values())) > 1:
             print(f"MISMATCH: the configurations made different numbers of samples: {mine}", flush=True)

@@ -141,7 +141,7 @@ def _write_part(p: int, job: Optional[_Job] = None) -> dict:
                     check.valid -= 1
                     check.add([template_problem(job.path, c, samples)])
                     continue
-                report.count_conversation(samples, c.id)
+                report.count_conversation(samples, c.id, c.index)
                 for ex in samples:
                     if ex["n_supervised"] > 0:
                         for k in schema.names:
@@ -381,7 +381,7 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
             ex = self._encode(rec)
             if j not in self._seen:
                 self._seen.add(j)
-                self.report.count(ex, rec["id"])
+                self.report.count(ex, rec["id"], rec.get("record"))
                 if ex["n_supervised"] == 0:
                     logger.warning("sample id=%s has no supervised token within --model_max_length %d; using the "
                                    "next sample instead", rec["id"], self.max_len)

@@ -54,6 +54,11 @@ def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
         run = special_run(tokenizer, longer, at[0][1]) if at else []
         if run and run[0] in ends:
             return run[0]
+    if text[end:] and not text[end:].strip():  # RWKV World: "\n\n", which its model stops at (llama.cpp's EOT)
+        raise TemplateError(f"the chat template writes only whitespace ({text[end:end + 8]!r}) after a reply, no "
+                            "special token: a model that stops at plain text cannot be trained to stop here (replies "
+                            "end at special tokens), and a reply holding that text itself would end early; use a "
+                            "template whose assistant turns end with a special token, e.g. ChatML")
     after = f"writes {text[end:end + 40]!r} after the last reply" if text[end:].strip() else \
         "writes nothing after the last reply (the model would not learn to stop)"
     known = ", ".join(tokenizer.convert_ids_to_tokens(sorted(ends))) or "none"

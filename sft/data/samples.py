@@ -36,15 +36,18 @@ class TruncationReport:
     dropped_chars: int = 0  # characters the template dropped (--allow_dropped_content True)
     dropped_conversations: int = 0
     cut_ids: list = field(default_factory=list)  # the first 10 records whose user turn was cut from the start
+    cut_turns: list = field(default_factory=list)  # the first 10 truncated samples: record, id, turn, its tokens
 
     @property
     def kept(self) -> int:
         return self.samples - self.n_dropped
 
-    def count(self, ex: dict, sample_id: str) -> None:
-        """Add one encoded sample (a :func:`truncate` dict) to the counts."""
+    def count(self, ex: dict, sample_id: str, record=None) -> None:
+        """Add one encoded sample (a :func:`truncate` dict) of record number ``record`` to the counts."""
         self.samples += 1
         self.truncated += int(ex["truncated"])
+        if ex["truncated"] and len(self.cut_turns) < 10:
+            self.cut_turns.append(where_cut(ex, sample_id, record))
         self.supervised_tokens += ex["n_supervised"]
         self.supervised_tokens_lost += ex["n_lost"]
         if ex["n_supervised"] == 0:
@@ -52,8 +55,8 @@ class TruncationReport:
             if len(self.dropped_ids) < 50:
                 self.dropped_ids.append(sample_id)
 
-    def count_conversation(self, samples: Sequence[dict], sample_id: str) -> None:
-        """Add the samples of one conversation (:func:`encode_samples`) to the counts."""
+    def count_conversation(self, samples: Sequence[dict], sample_id: str, record=None) -> None:
+        """Add the samples of one conversation (:func:`encode_samples`; record number ``record``) to the counts."""
         self.conversations += 1
         extra = samples[0].get("extra_samples", 0)
         self.split += int(len(samples) - extra > 1)
@@ -66,7 +69,7 @@ class TruncationReport:
         self.dropped_chars += samples[0].get("dropped", 0)
         self.dropped_conversations += int(samples[0].get("dropped", 0) > 0)
         for ex in samples:
-            self.count(ex, sample_id)
+            self.count(ex, sample_id, record)
 
     @classmethod
     def merge(cls, parts: Sequence[dict]) -> "TruncationReport":
@@ -79,6 +82,7 @@ class TruncationReport:
             out.mode = d["mode"]
             out.dropped_ids += d["dropped_ids"][:50 - len(out.dropped_ids)]
             out.cut_ids += d.get("cut_ids", [])[:10 - len(out.cut_ids)]
+            out.cut_turns += d.get("cut_turns", [])[:10 - len(out.cut_turns)]
         return out
 
     def lines(self, name: str, max_len: int) -> list[str]:
@@ -101,14 +105,16 @@ class TruncationReport:
             ids = ", ".join(map(str, self.cut_ids)) + (" ..." if self.user_turns_cut > len(self.cut_ids) else "")
             out.append(f"{name}: {self.user_turns_cut} user turns too long to fit with their reply within "
                        f"--model_max_length {max_len} were cut from the start (their last words kept): {ids}")
+        where = ("; ".join(self.cut_turns) + (" ..." if self.truncated > len(self.cut_turns) else "")
+                 + (f" (the first {len(self.cut_turns)})" if self.truncated > len(self.cut_turns) else ""))
         if self.truncated and self.mode == "split":
             out.append(f"{name}: {self.truncated} replies are too long for --model_max_length {max_len} by themselves "
                        f"(with the system prompt): their first tokens are trained, {self.supervised_tokens_lost} "
-                       "supervised tokens lost")
+                       f"supervised tokens lost: {where}")
         elif self.truncated:
             out.append(f"{name}: {self.truncated} of {self.samples} samples longer than --model_max_length "
                        f"{max_len} were truncated; {self.supervised_tokens_lost} supervised tokens lost "
-                       "(--long_conversations split keeps them)")
+                       f"(--long_conversations split keeps them): {where}")
         if self.n_dropped:
             ids = ", ".join(map(str, self.dropped_ids)) + (" ..." if self.n_dropped > len(self.dropped_ids) else "")
             out.append(f"{name}: dropped {self.n_dropped} sample(s) left with no supervised token after "
@@ -121,12 +127,81 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
 
     Returns:
         dict with ``input_ids``, ``labels`` (lists of int, length <= max_len), ``n_supervised`` (kept),
-        ``n_lost`` (supervised tokens cut off) and ``truncated`` (bool).
+        ``n_lost`` (supervised tokens cut off) and ``truncated`` (bool); a truncated one also ``cut_at``, the first
+        tokens cut off (at most 8; :func:`encode_samples` replaces them with the turn they belong to,
+        :func:`_name_cuts`).
     """
     total_sup = len(labels) - labels.count(IGNORE_INDEX)
     kept = min(len(labels), max_len) - labels[:max_len].count(IGNORE_INDEX)
-    return {"input_ids": ids[:max_len], "labels": labels[:max_len], "n_supervised": kept, "n_lost": total_sup - kept,
-            "truncated": len(ids) > max_len}
+    out = {"input_ids": ids[:max_len], "labels": labels[:max_len], "n_supervised": kept, "n_lost": total_sup - kept,
+           "truncated": len(ids) > max_len}
+    if out["truncated"]:
+        out["cut_at"] = ids[max_len:max_len + 8]
+    return out
+
+
+def where_cut(ex: dict, sample_id: str, record=None) -> str:
+    """Where a truncated sample (:func:`encode_samples`' dict) was cut, for the log: ``record 12, id='a', turn 3
+    (9000 tokens)``: the record's turn (0-based, as the record numbers them) the cut falls in and that turn's own
+    text in tokens as the template renders it."""
+    at = f"record {record}, " if record is not None else ""
+    turn = ex.get("cut_turn")
+    what = ("the --system_message" if turn == -1 else f"turn {turn}") if turn is not None else "a turn"
+    size = f" ({ex['turn_tokens']} tokens)" if ex.get("turn_tokens") is not None else ""
+    return f"{at}id={sample_id!r}, {what}{size}"
+
+
+def _find(ids: list[int], part: list[int]) -> int:
+    """The index of the first occurrence of ``part`` in ``ids`` (token ids), -1 where there is none."""
+    import array
+
+    if not part or len(part) > len(ids):
+        return -1
+    hay, needle, size = array.array("q", ids).tobytes(), array.array("q", part).tobytes(), 8
+    at = hay.find(needle)
+    while at != -1 and at % size:  # a match must start on a token's boundary
+        at = hay.find(needle, at + 1)
+    return at // size if at != -1 else -1
+
+
+def _cut_turn(text: str, ids: list[int], offsets: list, messages: Sequence[dict], cut_at: list[int]
+              ) -> tuple[Optional[int], Optional[int]]:
+    """``(turn, tokens)``: the index in ``messages`` of the turn whose text the cut falls in (``cut_at``: the first
+    tokens cut off, found in ``ids``, the tokens of ``text``, the conversation's rendering, with their character
+    ``offsets``), and the tokens of that turn's text there. Turns are found by their text (content, else reasoning),
+    in order; where the cut tokens are not found (a piece tokenized on its own), the longest turn. ``(None, None)``
+    where no turn's text is found."""
+    from bisect import bisect_left
+
+    starts = [s for s, _e in offsets]
+    found, cursor = [], 0  # (turn, start, end) of every turn whose text is in the rendering
+    for k, m in enumerate(messages):
+        part = next((t.strip() for t in (m.get("content"), m.get("reasoning_content"))
+                     if isinstance(t, str) and t.strip()), "")
+        at = text.find(part, cursor) if part else -1
+        if at != -1:
+            found.append((k, at, at + len(part)))
+            cursor = at + len(part)
+    if not found:
+        return None, None
+    sizes = {k: bisect_left(starts, e) - bisect_left(starts, s) for k, s, e in found}
+    j = _find(ids, cut_at)
+    if j == -1:
+        k = max(sizes, key=sizes.get)
+        return k, sizes[k]
+    k = next((k for k, s, _e in reversed(found) if s <= starts[j]), found[0][0])
+    return k, sizes[k]
+
+
+def _name_cuts(samples: list, shift: int, locate) -> None:
+    """Replace each truncated sample's ``cut_at`` (:func:`truncate`) with ``cut_turn`` (the record's numbering: the
+    conversation's index less ``shift``, the default system prompt's place) and ``turn_tokens``; ``locate(cut_at)``
+    is :func:`_cut_turn` on the conversation's rendering."""
+    for ex in samples:
+        cut_at = ex.pop("cut_at", None)
+        if cut_at is not None:
+            turn, ex["turn_tokens"] = locate(cut_at)
+            ex["cut_turn"] = turn - shift if turn is not None else None
 
 
 def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, spec: PreparationSpec,
@@ -227,6 +302,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             texts.append(text)
             owners.append((i, spans, whole, sum(n for _t, _w, n in p.dropped)))
     lengths: dict = {}
+    longest: dict = {}  # per conversation planned reply by reply, its longest text (where split_turns' piece was cut)
     for text, ids, offs, (i, spans, whole, dropped) in _tokenized(tokenizer, texts, owners):
         if isinstance(out[i], Exception):
             continue
@@ -238,8 +314,15 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             out[i] = e
             continue
         first = out[i] is None
-        out[i] = (out[i] or []) + [dict(truncate(a, b, max_len), user_cut=cut if first and k == 0 else 0)
-                                   for k, (a, b) in enumerate(pieces)]
+        new = [dict(truncate(a, b, max_len), user_cut=cut if first and k == 0 else 0)
+               for k, (a, b) in enumerate(pieces)]
+        resplit = i in general and long_conversations == "split"  # its samples are replaced below when too long
+        if not resplit:  # a truncated sample names the turn it was cut in, never silently
+            _name_cuts(new, len(conversations[i]) - len(given[i]),
+                       lambda cut_at: _cut_turn(text, ids, offs, conversations[i], cut_at))
+        elif len(ids) > max_len and len(text) > len(longest.get(i, "")):
+            longest[i] = text
+        out[i] = (out[i] or []) + new
         lengths.setdefault(i, []).append(len(ids))
         if first:
             out[i][0]["dropped"] = dropped
@@ -259,6 +342,10 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             dropped = out[i][0]["dropped"]
             out[i] = [dict(truncate(a, b, max_len), user_cut=0) for a, b in pieces]
             out[i][0]["dropped"] = dropped
+            if any("cut_at" in ex for ex in out[i]):  # rare: a unit too long by itself; its rendering tokenized again
+                enc = tokenizer(longest[i], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+                _name_cuts(out[i], len(conversations[i]) - len(given[i]), lambda cut_at: _cut_turn(
+                    longest[i], enc["input_ids"], enc["offset_mapping"], conversations[i], cut_at))
     return out
 
 

@@ -105,6 +105,9 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
       rendering repeats is not trained twice); a reply with reasoning is generated from the block's inside on: the
       reasoning, the close (:func:`close_text`), the reply as rendered;
     - ``full`` continues ``prompt``: the definition, ``full`` minus ``prompt``;
+    - the prompt opens reasoning in words the reply's rendering does not have (Apriel-1.6's "Here are my reasoning
+      steps:\n") and the rendering writes the reply's reasoning right after the text the two share: the prompt as it
+      is, then the rendering from the reasoning on (the reasoning, the template's close of it, the reply);
     - whitespace tolerance: ``full`` and ``prompt`` differ only in whitespace after their common prefix (a
       template's indentation or line breaks leaking into one of them; the characters that are not whitespace are
       the same, in order): the prompt as it is, then the reply's own rendering from its first character that is
@@ -122,6 +125,9 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
     if block is None:
         if full.startswith(prompt):
             return prompt, full[len(prompt):], 0
+        c = len(os.path.commonprefix([prompt, full]))
+        if reasoning.strip() and prompt[c:].strip() and full[c:].lstrip().startswith(reasoning.strip()):
+            return prompt, full[c:].lstrip(), 0  # a prompt that opens reasoning in words (Apriel's "Here are my...")
         try:
             return prompt, full[_past_whitespace(prompt, full):].lstrip(), 0
         except Diverges:

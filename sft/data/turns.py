@@ -29,6 +29,8 @@ dropped). Decided once per template by rendering a probe (:func:`reasoning_form`
 from __future__ import annotations
 
 import json
+import os
+import re
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -153,6 +155,14 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
                           "another template") from None
         except Diverges as e:
             c = e.at
+            off = re.search(r"</[^<>\s]*(?:think|thought|reason)[^<>\s]*>\s*\Z", prompt, re.IGNORECASE)
+            if reasoning and off:  # Laguna-XS: <assistant>\n</think> by default, <think> with enable_thinking
+                switch = (" (--chat_template_kwargs '{\"enable_thinking\": true}': this template reads it)"
+                          if "enable_thinking" in source else "")
+                raise refusal(k, f"the chat template's generation prompt for this reply ends with {off[0].strip()!r} "
+                              "alone: reasoning switched off, so the model generates no reasoning after it, and this "
+                              "reply has some", f"switch the template's reasoning on{switch}, or remove the reply's "
+                              "reasoning_content") from None
             raise refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
                           f"its rendering of the reply has {full[c:c + 40]!r} there, so what the model generates "
                           "after the prompt is not defined", "use a template whose replies continue its generation "
@@ -343,8 +353,9 @@ def ends_at_next_role(tokenizer) -> bool:
 def stop_tokens(tokenizer, eot_id: int) -> list[str]:
     """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.end_tokens.
     end_of_turn_id`), and the token that closes a reply holding a tool call when the template closes those with
-    another one (gpt-oss's ``<|call|>``, Llama 3.1's ``<|eom_id|>``): the last special token of such a reply
-    rendered alone (only whitespace after it), or, where a reply ends at the next role's token
+    another one (gpt-oss's ``<|call|>``, Llama 3.1's ``<|eom_id|>``, gemma-4's ``<|tool_response>``): the last special
+    token of such a reply rendered alone (only whitespace after it; the reply: the rendering after the text it shares
+    with the generation prompt), or, where a reply ends at the next role's token
     (:func:`ends_at_next_role`), the first special token after it when a tool result follows. Probed once per
     template and cached."""
     cache = _cache(tokenizer)
@@ -372,8 +383,11 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
                 token = tokenizer.convert_ids_to_tokens(run[0]) if run else None
                 if token and token not in stops:
                     stops.append(token)
-        elif full.startswith(prompt) and "probe_tool" in full[len(prompt):]:
-            enc = tokenizer(full[len(prompt):], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        elif "probe_tool" in full[len(os.path.commonprefix([prompt, full])):]:
+            # after the text the prompt and the reply share: a prompt that ends with an empty thought channel
+            # (gemma-4's <|channel>thought\n<channel|>) is not what a reply holding a call renders
+            reply = full[len(os.path.commonprefix([prompt, full])):]
+            enc = tokenizer(reply, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
             special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
             for tid, (a, b) in reversed(list(zip(enc["input_ids"], enc["offset_mapping"]))):
                 token = tokenizer.convert_ids_to_tokens(tid)
@@ -381,7 +395,7 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
                     if token not in stops:
                         stops.append(token)
                     break
-                if full[len(prompt):][a:b].strip():
+                if reply[a:b].strip():
                     break
         cache[key] = stops
     return cache[key]

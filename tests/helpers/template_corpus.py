@@ -8,6 +8,7 @@ The tokenizer of every template is the real Qwen vocabulary with the template's 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -44,9 +45,38 @@ KINDS = {
 
 # The end tokens of the models whose templates need them as evidence (their generation_config.json eos_token_id):
 # GLM-4.6 / GLM-4.7-Flash stop at the next role's token; Command-R7B at <|END_OF_TURN_TOKEN|> after <|END_RESPONSE|>.
+# The templates that write nothing after the last reply, with the end token that they write after every other reply
+# and that their model stops at: Apertus' <|assistant_end|> (its tokenizer's eos, id 68); Apriel-1.6's <|end|> (what
+# the template writes after the last reply too with its own training_prompt=true, as Apriel-1.5's writes after every
+# reply); Hy3's <｜hy_eos:opensource｜> (the template sets eos_token to it, and writes it after the last reply with its
+# own is_training=true).
 MODEL_END = {"GLM-4.6": ["<|endoftext|>", "<|user|>", "<|observation|>"],
              "GLM-4.7-Flash": ["<|endoftext|>", "<|user|>", "<|observation|>"],
-             "CohereForAI-c4ai-command-r7b-12-2024-tool_use": ["<|END_OF_TURN_TOKEN|>"]}
+             "CohereForAI-c4ai-command-r7b-12-2024-tool_use": ["<|END_OF_TURN_TOKEN|>"],
+             "Apertus-8B-Instruct": ["<|assistant_end|>"],
+             "Apriel-1.6-15b-Thinker-fixed": ["<|end|>"],
+             "tencent-Hy3": ["<｜hy_eos:opensource｜>"]}
+
+# The --chat_template_kwargs a kind needs where a template's refusal without them names them: Laguna-XS switches its
+# reasoning off by default (its generation prompt ends with </think> alone), so reasoning data trains with it on.
+KWARGS = {("poolside-Laguna-XS-2.1", "multi-turn reasoning"): {"enable_thinking": True},
+          ("poolside-Laguna-XS.2", "multi-turn reasoning"): {"enable_thinking": True}}
+
+# Control tokens a template builds with str.format from a literal it sets (Hy3: '<｜hy_eos{}｜>'.format(HYTK) with
+# HYTK = ':opensource'): the literal and the value.
+FORMATTED = re.compile(r"'([^'{}]*\{\}[^'{}]*)'\.format\((\w+)\)")
+SET_LITERAL = re.compile(r"set\s+(\w+)\s*=\s*'([^']*)'")
+
+
+def control_tokens(text: str) -> set:
+    """The control tokens of a template's text: :data:`CONTROL`'s matches, with those built by ``str.format``
+    (:data:`FORMATTED`) as the template renders them."""
+    found = set(CONTROL.findall(text))
+    values = dict(SET_LITERAL.findall(text))
+    for literal, name in FORMATTED.findall(text):
+        if name in values:
+            found |= set(CONTROL.findall(literal.replace("{}", values[name])))
+    return found
 
 
 def templates() -> dict[str, str]:
@@ -62,7 +92,7 @@ def shared_tokenizer(all_templates: dict[str, str]):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(assets.qwen_tokenizer_dir())
-    found = sorted({t for text in all_templates.values() for t in CONTROL.findall(text)} | {"<s>", "</s>"})
+    found = sorted({t for text in all_templates.values() for t in control_tokens(text)} | {"<s>", "</s>"})
     tok.add_special_tokens({"extra_special_tokens": found}, replace_extra_special_tokens=False)
     tok.bos_token, tok.eos_token = "<s>", "</s>"
     return tok
@@ -76,7 +106,7 @@ def use(tok, template: str):
 # Reasoning blocks as the corpus's templates write them: (opening with its label, closing tag, the close as the model
 # writes it after reasoning). A fixed table, independent of sft.data.turns' rules for finding them.
 BLOCKS = [("<think>", "</think>", None), ("<|START_THINKING|>", "<|END_THINKING|>", None),
-          ("<|channel>thought", "<channel|>", "\n<channel|>")]
+          ("<|channel>thought", "<channel|>", "\n<channel|>"), ("<think:opensource>", "</think:opensource>", None)]
 
 
 def _generated(tok, original, shown, k, tools):
@@ -123,6 +153,9 @@ def _generated(tok, original, shown, k, tools):
         return prompt, head + rest, len(head)
     if full.startswith(prompt):
         return prompt, full[len(prompt):], 0
+    common = len(os.path.commonprefix([prompt, full]))
+    if reasoning and full[common:].lstrip().startswith(reasoning):  # reasoning opened in words (Apriel-1.6)
+        return prompt, full[common:].lstrip(), 0
     squeezed = re.sub(r"\s+", "", prompt)  # whitespace tolerance: the same text but for whitespace, then the reply
     at = next((j for j in range(len(full) + 1) if re.sub(r"\s+", "", full[:j]) == squeezed), None)
     if at is not None:
@@ -225,10 +258,17 @@ def check_definition(tok, conv, samples, eot: int, trained=None) -> None:
 
 def outcomes() -> dict[str, list[str]]:
     """``{template name: [outcome per kind of KINDS]}`` over the whole corpus."""
+    from sft.data.chat_template import with_template_kwargs
+
     found = templates()
     tok = shared_tokenizer(found)
-    return {name: [outcome(use(tok, text), kind, MODEL_END.get(name, ())) for kind in KINDS]
-            for name, text in found.items()}
+
+    def one(name, text, kind):
+        kwargs = KWARGS.get((name, kind))
+        out = outcome(use(tok, with_template_kwargs(text, kwargs) if kwargs else text), kind, MODEL_END.get(name, ()))
+        return out + (f" with --chat_template_kwargs '{json.dumps(kwargs)}'" if kwargs else "")
+
+    return {name: [one(name, text, kind) for kind in KINDS] for name, text in found.items()}
 
 
 def markdown_table(table: dict[str, list[str]]) -> str:

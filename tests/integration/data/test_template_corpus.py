@@ -29,7 +29,13 @@ def test_every_real_template_trains_each_kind_by_the_definition_or_refuses_it_in
     assert table["GLM-4.6"][0] == "trains" and table["GLM-4.7-Flash"][2].startswith("trains")
     # the reply as rendered after the prompt's last turn where the history changes with it
     assert table["mistralai-Mistral-Nemo-Instruct-2407"][0] == "trains (2 samples)"
-    assert trained == [62, 60, 49], trained
+    # templates that write nothing after the last reply, with their model's end token (Apertus, Apriel-1.6, Hy3)
+    assert table["Apertus-8B-Instruct"][:2] == ["trains"] * 2 and table["tencent-Hy3"][0] == "trains"
+    assert table["Apriel-1.6-15b-Thinker-fixed"][1] == "trains (2 samples)"  # reasoning opened in words
+    assert table["google-gemma-4-31B-it"][2] == "trains (2 samples)"  # a tool call ends at <|tool_response>
+    assert table["poolside-Laguna-XS-2.1"][1].endswith("""'{"enable_thinking": true}'""")
+    assert "plain text" in table["llama-cpp-rwkv-world"][0]
+    assert trained == [64, 65, 52], trained
     docs = open(os.path.join(ROOT, "docs", "data-format.md"), encoding="utf-8").read()
     assert markdown_table(table) in docs, \
         "docs/data-format.md: regenerate its table: python -m tests.helpers.template_corpus"

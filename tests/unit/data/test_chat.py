@@ -92,9 +92,13 @@ def test_template_without_special_end_token_is_refused(qwen_tok):
     import copy
 
     tok = copy.deepcopy(qwen_tok[0])
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}" \
                         "{% if add_generation_prompt %}assistant: {% endif %}"
     with pytest.raises(TemplateError, match="writes nothing after the last reply .* not a special end-of-turn token"):
+        end_of_turn_id(tok)
+    tok.chat_template = tok.chat_template.replace("{% endfor %}", "\n\n{% endfor %}")  # RWKV World's plain-text end
+    with pytest.raises(TemplateError, match="writes only whitespace .'.n.n'. after a reply, no special token: a model "
+                                            "that stops at plain text"):
         end_of_turn_id(tok)
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} END\n{% endfor %}"
     with pytest.raises(TemplateError, match="writes ' END.n' after the last reply, not a special end-of-turn token"):

@@ -43,7 +43,30 @@ TOKENS = ["<|user|>", "<|assistant|>", "<|system|>", "<|observation|>", "<tool_c
           "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<|turn>", "<turn|>", "<|channel>", "<channel|>",
           "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|USER_TOKEN|>",
           "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>", "<|END_THINKING|>", "[INST]", "[/INST]",
-          "</s>"]
+          "</s>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", "<|begin_user|>",
+          "<|begin_assistant|>", "<|end|>"]
+# Apriel-1.6: the prompt opens reasoning in words; the last reply's reasoning and [BEGIN FINAL RESPONSE] are rendered,
+# <|end|> only after a reply that another turn follows
+APRIEL = ("{% for m in messages %}{% if m.role == 'user' %}<|begin_user|>\n{{ m.content }}\n{% else %}"
+          "\n<|begin_assistant|>\n{% if m.reasoning_content and loop.last %}{{ m.reasoning_content }}"
+          "\n[BEGIN FINAL RESPONSE]\n{% endif %}{{ m.content }}{% if not loop.last %}\n<|end|>\n{% endif %}"
+          "{% endif %}{% endfor %}{% if add_generation_prompt %}\n<|begin_assistant|>\nHere are my reasoning steps:\n"
+          "{% endif %}")
+# Laguna-XS: reasoning off by default, the prompt then ends with </think> alone
+LAGUNA = ("{% set enable_thinking = enable_thinking | default(false) %}"
+          "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+          "{% if m.role == 'assistant' %}{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n"
+          "{% else %}</think>\n{% endif %}{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{{ '<think>' if enable_thinking else '</think>' }}"
+          "{% endif %}")
+# gemma-4's tool calls: a call with no result after it ends with <|tool_response>, where the model stops
+GEMMA4_TOOLS = ("{% for m in messages %}{% if m.role == 'tool' %}<|tool_response>{{ m.content }}<tool_response|>"
+                "{% else %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}<|tool_call>call:{{ c.function.name }}"
+                "{{ c.function.arguments | tojson }}<tool_call|>{% endfor %}"
+                "{% if m.tool_calls and loop.last %}<|tool_response>{% elif not m.tool_calls %}<turn|>\n{% endif %}"
+                "{% endif %}{% endfor %}{% if add_generation_prompt %}<|turn>model\n<|channel>thought\n<channel|>"
+                "{% endif %}")
 SYSTEM_IN_LAST_TURN = ("{% if messages[0].role == 'system' %}{% set sys = messages[0].content %}"
                        "{% set msgs = messages[1:] %}{% else %}{% set msgs = messages %}{% endif %}"
                        "{% for m in msgs %}{% if m.role == 'user' %}[INST]{% if loop.last and sys is defined %}"
@@ -204,3 +227,36 @@ def test_a_reply_that_changes_the_history_before_it_is_trained_as_rendered_after
     (ctx1, first), (ctx2, second) = trained(family_tok, SYSTEM_IN_LAST_TURN, record)
     assert ctx1.endswith("[INST]Be terse.\n\nIs 91 prime?[/INST]") and first == ["No.</s>"]
     assert ctx2.endswith("No.</s>[INST]Be terse.\n\nAnd 97?[/INST]") and second == ["Yes.</s>"]
+
+
+def test_a_prompt_that_opens_reasoning_in_words_trains_the_reasoning_and_refuses_a_reply_without(family_tok):
+    record = copy.deepcopy(RECORD)
+    record["messages"][3]["reasoning_content"] = "97 has no divisor up to 9."
+    end = family_tok.convert_tokens_to_ids(["<|end|>"])
+    (ctx1, first), (ctx2, second) = trained(family_tok, APRIEL, record, end)
+    assert ctx1.endswith("<|begin_assistant|>\nHere are my reasoning steps:\n") and ctx2.endswith("steps:\n")
+    assert first[0].endswith("91 = 7 x 13.\n[BEGIN FINAL RESPONSE]\nNo.<|end|>")  # trim_blocks: no "\\n"
+    assert second[0].endswith("97 has no divisor up to 9.\n[BEGIN FINAL RESPONSE]\nYes.<|end|>")
+    with pytest.raises(TemplateError, match="ends with 'Here are my reasoning steps:\\\\n'"):
+        trained(family_tok, APRIEL, RECORD, end)  # "Yes." without reasoning: the model would write reasoning first
+
+
+def test_a_prompt_that_switches_reasoning_off_refuses_reasoning_naming_the_switch_that_trains_it(family_tok):
+    with pytest.raises(TemplateError, match="ends with '</think>' alone: reasoning switched off.*"
+                                           "enable_thinking.*: true"):
+        trained(family_tok, LAGUNA)
+    ((ctx, spans),) = trained(family_tok, with_template_kwargs(LAGUNA, {"enable_thinking": True}))
+    assert ctx.endswith("assistant\n<think"), ctx  # ">\\n" one token; one sample: the history keeps the reasoning
+    assert spans[0].endswith("91 = 7 x 13.\n</think>\nNo.<|im_end|>") and spans[1].endswith("</think>\nYes.<|im_end|>")
+
+
+def test_a_tool_call_ends_where_the_template_writes_the_tool_results_opening(family_tok):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    record = {"tools": [weather], "messages": [
+        {"role": "user", "content": "Rain in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "yes"}, {"role": "assistant", "content": "Yes."}]}
+    samples = trained(family_tok, GEMMA4_TOOLS, record)
+    call = '<|tool_call>call:get_weather{"city": "Paris"}<tool_call|><|tool_response>'
+    assert [spans for _ctx, spans in samples] == [[call], ["Yes.<turn|>"]]
