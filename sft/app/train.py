@@ -1,6 +1,6 @@
 """One training run, in one straight line: parse -> validate -> runtime (started once) -> plan -> train -> save.
 
-:func:`train` parses and :func:`begin`\ s (validation, then the runtime: the one call of
+:func:`train` parses and :func:`begin` starts (validation, then the runtime: the one call of
 :func:`sft.distributed.process_group.start_runtime`); :func:`run` decides the resume (:func:`sft.train.resume.
 plan_resume`) and the run's settings (:func:`sft.app.settings.derive`), builds the Trainer in steps
 (:func:`build_trainer`: :func:`sft.app.data.prepare_data` -> :func:`prepare_model` -> :func:`plan_memory` ->

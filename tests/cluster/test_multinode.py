@@ -226,6 +226,41 @@ def test_fsdp2_by_hand_on_two_hosts_equals_one_host(preset_name, saved, make_hos
     assert_same_training(out, ref)
 
 
+def test_sequence_parallel_inside_hosts_and_data_parallel_across(make_hosts, job, tmp_path, tiny_model_dir, data):
+    """2 namespace hosts x 2 processes with --sequence_parallel_size 2 (LoRA, ZeRO-2 preset): each host's two
+    processes share every micro batch's row (a group of consecutive ranks: inside a host), the two hosts read
+    different micro batches (data parallel across). The same losses and adapter as one host running 2 processes
+    without sequence parallelism: the data-parallel size is 2 both ways, so both read the same micro batches (LoRA
+    dropout off: two processes cannot draw one process's masks)."""
+    extra = ["--lora_dropout", "0"]
+    hosts = make_hosts(2)
+    ref_job = Job(tmp_path / "ref-logs")
+    (tmp_path / "ref-logs").mkdir()
+    try:
+        ref_job.start(hosts.cmd(0, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, "--output_dir",
+                                    str(tmp_path / "ref"), *TRAIN, *extra]),
+                      node_env(NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001), "ref")
+        assert ref_job.wait() == [0], ref_job.tails()
+    finally:
+        ref_job.close()
+    out = tmp_path / "out"
+    start_by_hand(job, hosts, 2, tiny_model_dir, data, out, extra=[*extra, "--sequence_parallel_size", "2"],
+                  envs={0: {"NPROC_PER_NODE": 2}, 1: {"NPROC_PER_NODE": 2}})
+    assert job.wait() == [0, 0], job.tails()
+    log = job.text(0)
+    assert "world size 4" in log.splitlines()[0] and "data-parallel size 2 (world size 4 / sequence-parallel size 2)" \
+        in log, job.tails()
+    assert "span two nodes" not in log
+    losses, weights = results(out)
+    ref_losses, ref_weights = results(tmp_path / "ref")
+    assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL_LOSS, (losses, ref_losses)
+    import torch
+
+    assert weights.keys() == ref_weights.keys()
+    for k in weights:  # another summation order (attention over all-to-all, 4 ranks' all-reduce): fp32 noise only
+        torch.testing.assert_close(weights[k], ref_weights[k], atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------------ faults
 
 def test_node_that_never_starts(make_hosts, job, tmp_path, tiny_model_dir, data):
