@@ -83,9 +83,8 @@ if (( ! ELASTIC && NNODES == 1 && NPROC == 1 )); then
   exec "$PYTHON" "$PROGRAM" "${ARGS[@]}"
 fi
 # Several processes: check flags and data once, in one process, so a mistake is reported once and
-# cleanly instead of by every rank and then by torchrun. WORLD_SIZE: the job's (an elastic job's largest), which
-# the checks of --sequence_parallel_size and of a ZeRO checkpoint's world size compare against.
-WORLD_SIZE="$WORLD" "$PYTHON" -m sft check "${ARGS[@]}" || exit $?
+# cleanly instead of by every rank and then by torchrun.
+"$PYTHON" -m sft check "${ARGS[@]}" || exit $?
 # Preflight: node rank 0 checks that MASTER_PORT is free and waits for every node to say hello on it;
 # the others wait (up to RDZV_TIMEOUT) for it to accept connections. Any problem ends every node here.
 if [[ "${SFT_PREFLIGHT:-1}" != 0 ]]; then "$PYTHON" -m sft.distributed rendezvous --gpus "$NGPU" || exit $?; fi

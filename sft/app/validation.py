@@ -127,6 +127,12 @@ def _check_eval(data_args, training_args) -> list[str]:
     return p
 
 
+def world_problem(size: int, world_size: int) -> str:
+    """The refusal of a sequence-parallel size that does not divide the world size."""
+    return (f"--sequence_parallel_size {size}: does not divide the world size {world_size} (nodes x processes per "
+            f"node); launch a multiple of {size} processes or give a divisor of {world_size}")
+
+
 def _check_sequence_parallel(data_args, training_args) -> list[str]:
     n = training_args.sequence_parallel_size
     if n == 1:
@@ -135,12 +141,11 @@ def _check_sequence_parallel(data_args, training_args) -> list[str]:
     if n < 1:
         return [f"{flag}: must be at least 1 (1: off)"]
     world = training_args.world_size
-    if world % n:
-        return [f"{flag}: does not divide the world size {world} (nodes x processes per node); launch a multiple of "
-                f"{n} processes or give a divisor of {world}"]
+    if world % n and "WORLD_SIZE" in os.environ:  # a training process; a lone check (the launcher's) cannot know
+        return [world_problem(n, world)]
     if data_args.lazy_preprocess:
         return [f"{flag} with --lazy_preprocess True: the micro batches of a sequence-parallel group are planned from "
-                "every sample's length; drop --lazy_preprocess"]
+                "every sample's length; pass --lazy_preprocess False"]
     if not data_args.packing and not data_args.padding_free:
         return [f"{flag} with --padding_free False: sequence parallelism splits padding-free or packed rows; drop "
                 "--padding_free False"]
@@ -313,7 +318,7 @@ def _check_output(t) -> list[str]:
         try:
             plan_world_size_change(resolve_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir),
                                    int(os.environ["WORLD_SIZE"]), t.per_device_train_batch_size,
-                                   t.gradient_accumulation_steps)
+                                   t.gradient_accumulation_steps, max(1, t.sequence_parallel_size))
         except ConfigError as e:
             p += e.problems
     # NCCL_TRACE_DIR: made by a CUDA run's start for the flight recorder's dumps, not the user's content

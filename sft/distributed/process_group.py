@@ -242,6 +242,11 @@ def start_runtime(training_args) -> Runtime:
         import torch.distributed as dist
 
         grouped = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if grouped else 1
+        if world % max(1, training_args.sequence_parallel_size):  # one line, exit 2, on every rank
+            raise ConfigError([f"--sequence_parallel_size {training_args.sequence_parallel_size}: does not divide the "
+                               f"world size {world} (nodes x processes per node); launch a multiple of "
+                               f"{training_args.sequence_parallel_size} processes or give a divisor of {world}"])
         runtime = Runtime(world_size=dist.get_world_size() if grouped else 1, rank=dist.get_rank() if grouped else 0,
                           local_rank=int(os.environ.get("LOCAL_RANK", "0")) if grouped else 0, device=str(device),
                           backend=dist.get_backend() if grouped else None,

@@ -41,6 +41,17 @@ def test_sigkill_at_random_steps_then_resume_is_bit_exact(tmp_path):
     assert "resuming from" in logs and "Traceback" not in logs
 
 
+def test_sigkill_under_sequence_parallelism_then_resume_is_bit_exact(tmp_path):
+    """Two processes sharing every row (--sequence_parallel_size 2), killed with SIGKILL at a random step, resumed:
+    the same weights as the uninterrupted run."""
+    r = loop("--iterations", "1", "--steps", "5", "--nproc", "2", "--kill_seed", "3", "--workdir", str(tmp_path),
+             "--extra", "--sequence_parallel_size 2")
+    assert r.returncode == 0 and "exact: 1/1" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count("] killed ") == 1
+    log = open(tmp_path / "run0.log").read()
+    assert "resuming from" in log and "sequence-parallel size 2" in log and "Traceback" not in log
+
+
 def test_sigterm_to_launcher_with_two_processes_exits_75_and_resumes_exactly(tmp_path):
     r = loop("--iterations", "1", "--steps", "6", "--save_steps", "2", "--nproc", "2", "--launcher",
              "--signal", "TERM", "--kill_seed", "2", "--workdir", str(tmp_path))
