@@ -220,20 +220,28 @@ def _export_weights(checkpoint: str, out_dir: str, kind: str, dtype: str, max_sh
     if dtype == "auto":
         dtype = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
         dtype = dtype if dtype in DTYPES else "float32"
-    model = model.to(getattr(torch, dtype))
-    model.config.dtype = getattr(torch, dtype)
+    target = getattr(torch, dtype)
+    with torch.no_grad():  # the model keeps float32 (and its float32 buffers: rotary frequencies) with the values
+        for p in model.parameters():  # the folder will hold, so that it is the reference below
+            p.copy_(p.to(target))
+    state, cast = {}, {}
+    for k, v in model.state_dict().items():  # tied weights stay one tensor (save_pretrained writes it once)
+        if v.data_ptr() not in cast:
+            cast[v.data_ptr()] = v.to(target)
+        state[k] = cast[v.data_ptr()]
     model.config.use_cache = True
     model.config.pad_token_id = tok.pad_token_id
     if os.path.isfile(os.path.join(checkpoint, "generation_config.json")):
         model.generation_config = transformers.GenerationConfig.from_pretrained(checkpoint)
 
     def write(tmp: str) -> None:
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        model.save_pretrained(tmp, state_dict=state, max_shard_size=max_shard_size)
+        model.config.dtype = target  # save_pretrained records the parameters' dtype (float32 here)
+        model.config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
 
     out = write_folder(out_dir, write, ".export-")
-    reference = model.float()  # the weights as written (cast to dtype), computed in float32 like the reload
-    tokens, diff = _compare(out, reference, tok, EXACT_ATOL, f"the checkpoint's weights ({source}, as {dtype})")
+    tokens, diff = _compare(out, model, tok, EXACT_ATOL, f"the checkpoint's weights ({source}, as {dtype})")
     return Exported(out, kind, source, tuple(sorted(os.listdir(out))), tokens, diff, EXACT_ATOL)
 
 
