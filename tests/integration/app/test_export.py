@@ -83,7 +83,7 @@ def test_zero3_checkpoint_exports_to_a_model_folder_with_the_runs_logits(tmp_pat
     assert (got - _logits(tiny_model_dir)).abs().max() > 1e-3  # the 2 steps moved the logits: the check can fail
 
 
-def test_fsdp2_sharded_checkpoint_exports_to_a_model_folder_with_equal_logits(tmp_path, tiny_model_dir):
+def test_fsdp2_sharded_checkpoint_exports_to_a_model_folder_with_equal_logits(tmp_path, tiny_model_dir, capsys):
     """torch.distributed.checkpoint shards of an FSDP2 model (2 processes, each writing its own __R_0.distcp,
     accelerate's ``pytorch_model_fsdp_0/{"model": ...}`` layout; tests/helpers/dcp_worker.py) are read in one
     process and give the logits of the model they were written from."""
@@ -91,11 +91,11 @@ def test_fsdp2_sharded_checkpoint_exports_to_a_model_folder_with_equal_logits(tm
     _torchrun([os.path.join(ROOT, "tests", "helpers", "dcp_worker.py"), tiny_model_dir, str(ckpt), str(ref)])
     assert sorted(n for n in os.listdir(ckpt / "pytorch_model_fsdp_0") if n.endswith(".distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]
-    r = _export(ckpt, tmp_path / "exported")
-    assert r.returncode == 0, r.stderr[-3000:]
-    print(r.stdout)
-    assert "torch.distributed.checkpoint shards: pytorch_model_fsdp_0/, 2 .distcp files" in r.stdout
-    assert _diff_line(r.stdout) <= 1e-5
+    assert export_main([str(ckpt), str(tmp_path / "exported")]) == 0  # in process (the command: the ZeRO-3 test)
+    stdout = capsys.readouterr().out
+    print(stdout)
+    assert "torch.distributed.checkpoint shards: pytorch_model_fsdp_0/, 2 .distcp files" in stdout
+    assert _diff_line(stdout) <= 1e-5
     got = _logits(tmp_path / "exported")
     torch.testing.assert_close(got, _logits(ref), rtol=0, atol=1e-5)
     assert (got - _logits(tiny_model_dir)).abs().max() > 1e-3
@@ -146,18 +146,18 @@ def _copy(src, dst):
 
 
 def test_damaged_or_unmarked_checkpoint_refused_by_name(full_checkpoint, tmp_path, capsys):
-    """A flipped byte in the weights (through the command, as a user runs it) and a checkpoint without its marker:
-    exit 2, one line naming the checkpoint and the file, no traceback, nothing written."""
+    """A flipped byte in the weights and a checkpoint without its marker: exit 2, one line naming the checkpoint and
+    the file, no traceback, nothing written."""
     bad = _copy(full_checkpoint, tmp_path / "checkpoint-3")
     with open(bad / "model.safetensors", "r+b") as f:
         f.seek(-100, os.SEEK_END)
         byte = f.read(1)
         f.seek(-100, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
-    r = _export(bad, tmp_path / "out")
-    assert r.returncode == 2, r.stderr[-2000:]
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert export_main([str(bad), str(tmp_path / "out")]) == 2  # run_cli: the policy of every command
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
     assert errors[0].startswith(f"error: {bad}: not a complete, intact checkpoint: model.safetensors: its xxh3_128 "
                                 "checksum differs"), errors[0]
     os.remove(bad / "sft_checkpoint_complete.json")
