@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -140,6 +141,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, merge: bool = False, base: 
     """
     if dtype not in DTYPES:
         raise SFTError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
+    if not re.fullmatch(r"[1-9]\d*[KMG]i?B", str(max_shard_size)):  # what save_pretrained takes (transformers 5.24)
+        raise SFTError(f"--max_shard_size {max_shard_size}: give a size such as 5GB, 500MB or 2GiB")
     check_checkpoint(checkpoint)
     kind = checkpoint_kind(checkpoint)
     if kind != "lora" and (merge or base):

@@ -65,6 +65,8 @@ def test_flags_that_do_not_fit_the_checkpoint_refused_before_loading(tmp_path):
         export_checkpoint(lora, str(tmp_path / "o"), base=str(tmp_path))
     with pytest.raises(SFTError, match="--dtype int8"):
         export_checkpoint(full, str(tmp_path / "o"), dtype="int8")
+    with pytest.raises(SFTError, match="--max_shard_size 5 GB: give a size such as 5GB"):
+        export_checkpoint(full, str(tmp_path / "o"), max_shard_size="5 GB")
     with pytest.raises(SFTError, match="is, holds or lies inside the checkpoint folder"):
         export_checkpoint(full, os.path.join(full, "exported"))
     assert not (tmp_path / "o").exists()
