@@ -1,4 +1,5 @@
-"""``python -m sft COMMAND [ARGS...]``: train | check | merge | generate | show-sample | ray (see :mod:`sft.cli`)."""
+"""``python -m sft COMMAND [ARGS...]``: train | check | merge | export | generate | show-sample | ray
+(see :mod:`sft.cli`)."""
 import sys
 
 from sft.cli import main

@@ -2,9 +2,10 @@
 
 Commands: ``train`` (``finetune.py``, ``sft-train``), ``check`` (``sft-check``: the configuration and every data
 record, exit 0 when all is well; the launcher runs it once before starting several processes), ``merge``
-(``sft-merge``), ``generate`` (``sft-generate``), ``show-sample`` (``sft-show-sample``); the Ray launcher is
-:func:`sft.ray.driver.main` (``sft-ray``). Each command parses its arguments and calls one function of
-:mod:`sft.app` or :mod:`sft.model.export`; nothing here knows how a job is done.
+(``sft-merge``), ``export`` (``sft-export``: a checkpoint to a model folder), ``generate`` (``sft-generate``),
+``show-sample`` (``sft-show-sample``); the Ray launcher is :func:`sft.ray.driver.main` (``sft-ray``).
+Each command parses its arguments and calls one function of :mod:`sft.app` or :mod:`sft.model.export`; nothing here
+knows how a job is done.
 
 This module imports only the standard library and :mod:`sft.policy` at import time.
 """
@@ -66,6 +67,38 @@ def merge_main(argv: Optional[Sequence[str]] = None) -> int:
         from sft.model.export import merge_adapter
 
         print(f"merged model written to {merge_adapter(a.adapter_dir, a.out_dir, a.base, a.overwrite)}")
+    return run_cli(body)
+
+
+def export_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``sft-export CHECKPOINT OUT_DIR [--merge [--base BASE_DIR]] [--dtype auto] [--max_shard_size 5GB]
+    [--overwrite]``: turn a checkpoint-N folder (DeepSpeed ZeRO-2/3 shards, FSDP2 sharded or full, a full model, a
+    LoRA adapter) into a model folder that loads with plain ``from_pretrained``, verified by reloading it and comparing
+    logits; an incomplete or damaged checkpoint is refused."""
+    ap = argparse.ArgumentParser(prog="sft-export", description=export_main.__doc__.split(":", 1)[1].strip())
+    ap.add_argument("checkpoint")
+    ap.add_argument("out_dir")
+    ap.add_argument("--merge", action="store_true", help="a LoRA checkpoint: merge the adapter into its base model "
+                    "(default: copy the adapter folder)")
+    ap.add_argument("--base", default=None, help="with --merge: the base model folder (default: from "
+                    "adapter_config.json)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="dtype of the written weights (auto: the checkpoint config's dtype)")
+    ap.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
+    ap.add_argument("--overwrite", action="store_true", help="allow a non-empty OUT_DIR (a model folder only)")
+    a = ap.parse_args(argv)
+
+    def body():
+        from sft.app.export import KINDS, export_checkpoint
+
+        done = export_checkpoint(a.checkpoint, a.out_dir, a.merge, a.base, a.overwrite, a.dtype, a.max_shard_size)
+        print(f"exported {a.checkpoint} ({KINDS[done.kind]}: {done.source}) to {done.out_dir}: "
+              f"{', '.join(done.files)}")
+        if done.tokens:
+            print(f"verified: reloaded with AutoModelForCausalLM.from_pretrained, logits on {done.tokens} tokens "
+                  f"differ from the checkpoint's by at most {done.max_abs_diff:.3g} (tolerance {done.tolerance:g})")
+        else:
+            print("verified: every copied file has the checksum the checkpoint's completion marker recorded")
     return run_cli(body)
 
 
@@ -144,8 +177,8 @@ def ray_main(argv: Optional[Sequence[str]] = None) -> int:
     return run_cli(body)
 
 
-COMMANDS = {"train": train_main, "check": check_main, "merge": merge_main, "generate": generate_main,
-            "show-sample": show_sample_main, "ray": ray_main}
+COMMANDS = {"train": train_main, "check": check_main, "merge": merge_main, "export": export_main,
+            "generate": generate_main, "show-sample": show_sample_main, "ray": ray_main}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -60,7 +60,8 @@ def test_console_scripts_name_the_cli_functions():
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
-    assert set(scripts) == {"sft-train", "sft-check", "sft-ray", "sft-merge", "sft-generate", "sft-show-sample"}
+    assert set(scripts) == {"sft-train", "sft-check", "sft-ray", "sft-merge", "sft-export", "sft-generate",
+                            "sft-show-sample"}
     import importlib
 
     for target in scripts.values():
