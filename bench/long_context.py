@@ -57,8 +57,13 @@ def parse(argv=None) -> argparse.Namespace:
 def long_conversation(tokens: int) -> dict:
     """One conversation of about ``tokens`` x 1.3 tokens (at ~4 characters per token) of real chats: the chats of
     chitchat-dataset one after another, human / gpt turns alternating."""
-    sys.path.insert(0, ROOT)
-    from scripts.prepare_example import chitchat_records
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_example", os.path.join(ROOT, "scripts",
+                                                                                  "prepare_example.py"))
+    prepare_example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_example)
+    chitchat_records = prepare_example.chitchat_records
 
     turns, chars = [], 0
     for record in chitchat_records(None):
