@@ -31,8 +31,15 @@ def split_config(argv: list[str]) -> tuple[Optional[str], list[str]]:
     return path, rest
 
 
+# Other tools' YAML keys for the same setting, read as this toolkit's flag: accelerate's / TRL's ParallelismConfig
+# (sp_size), axolotl (sequence_parallel_degree, later context_parallel_size).
+SYNONYMS = {"sp_size": "sequence_parallel_size", "sequence_parallel_degree": "sequence_parallel_size",
+            "context_parallel_size": "sequence_parallel_size"}
+
+
 def read_yaml(path: str, known: set[str]) -> dict:
-    """The ``--config`` YAML file's mapping of flag: value (``known``: the flag names, for unknown-key messages).
+    """The ``--config`` YAML file's mapping of flag: value (``known``: the flag names, for unknown-key messages);
+    a key of :data:`SYNONYMS` is read as the flag it names.
 
     Raises:
         ConfigError: no such file, not a file, invalid YAML, not a mapping, or unknown keys.
@@ -62,6 +69,11 @@ def read_yaml(path: str, known: set[str]) -> dict:
     if not isinstance(data, dict):
         raise ConfigError([f"--config {path}: top level is a {type(data).__name__}; it must be a mapping "
                            "of flag: value pairs"])
+    for synonym, name in SYNONYMS.items():
+        if synonym in data and name in known:
+            if name in data:
+                raise ConfigError([f"--config {path}: both '{synonym}' and '{name}' are given; keep '{name}'"])
+            data[name] = data.pop(synonym)
     unknown = sorted(str(k) for k in data if not (isinstance(k, str) and k in known))
     if unknown:
         raise ConfigError([f"--config {path}: unknown key '{k}'"

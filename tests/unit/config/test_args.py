@@ -27,6 +27,16 @@ def test_yaml_defaults_and_command_line_wins(tiny_model_dir, toy_data, tmp_path)
     assert l.lora_r == 16 and t.learning_rate == 0.5 and m.model_name_or_path == tiny_model_dir and t.use_lora
 
 
+def test_yaml_synonyms_of_the_sequence_parallel_size(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    for key in ("sp_size", "sequence_parallel_degree", "context_parallel_size"):
+        cfg.write_text(f"{key}: 4\n")
+        assert parse_args(["--config", str(cfg)])[2].sequence_parallel_size == 4
+    cfg.write_text("sp_size: 4\nsequence_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match="both 'sp_size' and 'sequence_parallel_size' are given"):
+        parse_args(["--config", str(cfg)])
+
+
 @pytest.mark.parametrize("text,fragment", [
     ("lora_alhpa: 4\n", "unknown key 'lora_alhpa' (did you mean 'lora_alpha'?)"),
     ("lora_r: [1\n", "not valid YAML"),
