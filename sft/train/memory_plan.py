@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -179,6 +180,22 @@ class MemoryPlan:
     checkpointing: bool
     available: int
     where: str
+    sequence_parallel: int = 1
+    world_size: int = 1
+    head_per_token: int = 0  # the LM head's bytes per token of this rank, up to head_max (0: the head as it is)
+    head_max: Optional[int] = None
+
+    def head_for(self, rank_tokens: int) -> int:
+        """The LM head's bytes for ``rank_tokens`` tokens on this rank."""
+        if self.head_per_token <= 0:
+            return self.head
+        head = self.head_per_token * int(rank_tokens)
+        return head if self.head_max is None else min(head, self.head_max)
+
+    @property
+    def rank_tokens(self) -> int:
+        """The tokens of the largest micro batch this rank holds: ``ceil(tokens / sequence_parallel)``."""
+        return -(-self.tokens // max(1, self.sequence_parallel))
 
     @property
     def peak(self) -> int:
@@ -190,9 +207,11 @@ class MemoryPlan:
 
     def line(self) -> str:
         g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+        split = (f" / {self.sequence_parallel} sequence-parallel ranks = {self.rank_tokens} per rank"
+                 if self.sequence_parallel > 1 else "")
         return (f"memory plan: weights {g(self.weights)} + gradients {g(self.gradients)} + optimizer "
                 f"{g(self.optimizer)} + activations {g(self.activations)} ({self.tokens} tokens in the largest micro "
-                f"batch x {self.per_token / 2 ** 10:.0f} KiB, gradient checkpointing "
+                f"batch{split} x {self.per_token / 2 ** 10:.0f} KiB, gradient checkpointing "
                 f"{'on' if self.checkpointing else 'off'}) + LM head {g(self.head)} = {g(self.peak)} GiB planned peak "
                 f"of {g(self.available)} GiB {self.where}")
 
@@ -258,6 +277,10 @@ class ParallelShape:
         zero_stage: DeepSpeed's ZeRO stage (0: no DeepSpeed, the default).
         deepspeed: DeepSpeed trains the model (fp32 master weights and moments; default False).
         fsdp: FSDP2 shards parameters, gradients and optimizer state (default False).
+        sequence_parallel: N consecutive ranks share one micro batch's tokens (``--sequence_parallel_size``; must
+            divide ``world_size``; default 1: off): each holds the activations of ``ceil(tokens / N)`` of them;
+            weights, gradients and optimizer state are counted as without it (sharded, where they are, over the whole
+            world).
     """
 
     world_size: int = 1
@@ -265,6 +288,7 @@ class ParallelShape:
     zero_stage: int = 0
     deepspeed: bool = False
     fsdp: bool = False
+    sequence_parallel: int = 1
 
 
 def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: ParallelShape = ParallelShape(),
@@ -272,7 +296,8 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
          held_available: Optional[tuple[int, int, str]] = None,
          measured: Optional[tuple[float, float]] = None) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``model`` (loaded, adapters applied) for a largest micro batch of ``tokens``,
-    spread over the processes as ``parallel`` says (:class:`ParallelShape`).
+    spread over the processes as ``parallel`` says (:class:`ParallelShape`; under sequence parallelism of N this rank's
+    activations and LM head are those of ``ceil(tokens / N)`` tokens).
 
     ``held_available``: ``(held, available, what)`` as :func:`held_and_available` returns it (measured when None).
     ``measured``: :func:`measure_saved_bytes`'s result; the activations per token are then that total (checkpointing
@@ -288,6 +313,8 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     n_trainable = sum(numel(p) for p in trainable)
     trainable_bytes = sum(numel(p) * p.element_size() for p in trainable)
     w = max(1, int(parallel.world_size))
+    sp = max(1, int(parallel.sequence_parallel))
+    rank_tokens = math.ceil(int(tokens) / sp)  # this rank's share of the micro batch's tokens
     gradients = trainable_bytes // w if (fsdp or zero_stage >= 2) else trainable_bytes
     if deepspeed:  # fp32 master weights and fp32 moments (ZeRO's mixed precision), partitioned from stage 1
         optimizer = (4 * n_trainable + optimizer_state_bytes(optim, 4 * n_trainable, n_trainable))
@@ -322,13 +349,14 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     vocab = _dim(config, "vocab_size", default=0)
     # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS fp32 logits, doubled by the softmax backward
     if supervised_head:
-
-        head = 2 * 4 * min(int(tokens) * vocab, MAX_LOGIT_ELEMENTS)
+        head_per_token, head_max = 2 * 4 * vocab, 2 * 4 * MAX_LOGIT_ELEMENTS
     else:  # every position: logits, their fp32 upcast and the fp32 gradient of the log-softmax
-        head = int(tokens) * vocab * (act_bytes + 4 + 4)
+        head_per_token, head_max = vocab * (act_bytes + 4 + 4), None
+    head = head_per_token * rank_tokens if head_max is None else min(head_per_token * rank_tokens, head_max)
     return MemoryPlan(weights=int(weights), gradients=int(gradients), optimizer=int(optimizer),
-                      activations=int(per_token * int(tokens)), head=int(head), tokens=int(tokens),
-                      per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where)
+                      activations=int(per_token * rank_tokens), head=int(head), tokens=int(tokens),
+                      per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where,
+                      sequence_parallel=sp, world_size=w, head_per_token=int(head_per_token), head_max=head_max)
 
 
 def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
@@ -338,10 +366,28 @@ def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
 
 
 def fitting_tokens(p: MemoryPlan) -> int:
-    """The most tokens a micro batch may hold for ``p`` to fit (0 when nothing fits). The LM head's part is taken as it
-    is (at supervised positions it is one chunk whatever the tokens, else it only shrinks with them)."""
+    """The most tokens a micro batch may hold for ``p`` to fit (0 when nothing fits): the most one rank's activations
+    may hold, times ``p.sequence_parallel``. The LM head's part is taken as it is (at supervised positions it is one
+    chunk whatever the tokens, else it only shrinks with them)."""
     room = FIT * p.available - (p.peak - p.activations)
-    return max(0, int(room // p.per_token)) if p.per_token > 0 else 0
+    return max(0, int(room // p.per_token)) * p.sequence_parallel if p.per_token > 0 else 0
+
+
+def fitting_sequence_parallel(p: MemoryPlan) -> Optional[int]:
+    """The smallest sequence-parallel size N (a power of two above ``p.sequence_parallel``, at most the world size and
+    dividing it) at which ``p``'s micro batch fits, each rank holding the activations of ``ceil(tokens / N)`` tokens;
+    None where none does (or one process). Weights, gradients and optimizer state are taken as they are."""
+    if p.per_token <= 0:
+        return None
+    fixed = p.peak - p.activations - p.head
+    n = 2
+    while n <= p.world_size:
+        rank_tokens = math.ceil(p.tokens / n)
+        if (n > p.sequence_parallel and p.world_size % n == 0
+                and fixed + p.head_for(rank_tokens) + p.per_token * rank_tokens <= FIT * p.available):
+            return n
+        n *= 2
+    return None
 
 
 def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refuse",
@@ -393,6 +439,10 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
                      f"packed rows: a smaller --per_device_train_batch_size or --model_max_length)")
     if not on:
         fixes.append("--gradient_checkpointing True")
+    sp = fitting_sequence_parallel(worst)
+    if sp is not None:
+        fixes.append(f"--sequence_parallel_size {sp} (the micro batch's {worst.tokens} tokens split over {sp} ranks: "
+                     f"{math.ceil(worst.tokens / sp)} per rank)")
     fixes.extend(fixes_extra)
     who = f" on rank {worst_rank}" if len(plans) > 1 else ""
     message = (f"this run does not fit in memory{who}, refused before step 1: {worst.line()}, more than {FIT:.0%} of "
