@@ -53,17 +53,24 @@ logger = logging.getLogger("sft")
 
 GIB = 2 ** 30
 FIT = 0.9  # a plan fits when it needs at most this share of the available memory
-# What a step's activations take at their peak over what autograd keeps for backward (the gradients of the
-# activations during backward, the allocator's slack), measured on a CPU (2-core AMD EPYC, fp32, SmolLM2-135M,
-# padding-free, micro batches of up to 8,192 tokens; bench/memory_plan.py): full fine-tuning 1.17 over 3 steps, 1.35
-# over 20 steps (40,000 conversations); LoRA (frozen base, dropout 0.05) 1.5-2.0, and killed at 23 GiB where 1.35
-# would have fit. Not yet measured on a GPU.
+# Measured by bench/memory_plan.py (docs/benchmarks.md#memory-plan): SmolLM2-135M-Instruct on a 2-core Intel Xeon
+# with AMX (bf16 weights and autocast, as --bf16 auto chooses there), one padding-free step of 2,048 and 8,192 tokens in
+# a fresh process, VmHWM against the plan's other parts (weights = resident set after loading, gradients, AdamW state,
+# the LM head). Without checkpointing, a step's activations at their peak over what the probe sees autograd keep
+# (the activations' gradients in backward, the allocator's slack): full fine-tuning 1.38 (2k) and 1.43 (8k);
 BACKWARD_FACTOR = 1.4
-BACKWARD_FACTOR_FROZEN = 2.0
-# With gradient checkpointing, at least this share of the activations planned without it: on the same CPU the
-# measured peak of a checkpointed step was 0.19 (full fine-tuning) and 0.26 (LoRA) of that, far above the layer inputs
-# and two layers that theory keeps (the recomputation's allocations, freed and made again in every layer).
-CHECKPOINTED_SHARE = 0.27
+# with a frozen base (LoRA r 64, dropout 0.05) 0.99 (2k), 1.xx (8k).
+BACKWARD_FACTOR_FROZEN = 1.2
+# With gradient checkpointing every layer's input is kept (layers x hidden x activation bytes per token) and one layer
+# at a time is recomputed and run backward: theory says 2 layers' worth of what autograd keeps; the measured peak at
+# 8,192 tokens is the inputs plus 5.7 (full) and 5.9 (LoRA) layers' worth (glibc's heap keeps the freed
+# recomputations' pages: the CPU allocator's slack, not the tensors). Not yet measured on a GPU.
+CHECKPOINTED_LAYERS = 6
+# The LM head at supervised positions (sft.model.loss): bytes per logit of one chunk at the peak of its backward (the
+# logits in the compute dtype, their fp32 upcast, the log-softmax and its gradient, less what is freed on the way):
+# measured 12.2 (bf16 autocast) and 12.4-12.6 (fp32) with SmolLM2's 49,152-token vocabulary, 1,024 and 4,096 supervised
+# positions (VmHWM over supervised_lm_loss forward + backward on random hidden states).
+HEAD_BYTES_PER_LOGIT = 12.5
 
 
 def _dim(config, *names, default=0) -> int:
@@ -333,23 +340,21 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
     lora_bytes = lora[0].element_size() if lora else 0
     config = getattr(model, "config", None)
+    h = _dim(config, "hidden_size", "n_embd", default=1)
+    layers = _dim(config, "num_hidden_layers", "n_layer", default=1)
     if measured is not None:
-        total, layer = measured
-        h = _dim(config, "hidden_size", "n_embd", default=1)
-        layers = _dim(config, "num_hidden_layers", "n_layer", default=1)
-        saved_off, saved_on = total, layers * act_bytes * h + 2 * layer
+        saved_off, layer = measured
     else:
-        saved_off, saved_on = (activation_bytes_per_token(config, act_bytes, on, lora_bytes,
-                                                          lora_dropout and bool(lora))
-                               for on in (False, True))
+        saved_off = activation_bytes_per_token(config, act_bytes, False, lora_bytes, lora_dropout and bool(lora))
+        layer = saved_off / layers
     frozen_base = sum(numel(p) for p in params) > 2 * n_trainable  # adapters, not the weights, are trained
-    factor = BACKWARD_FACTOR_FROZEN if frozen_base else BACKWARD_FACTOR
-    per_token = int(max(saved_on * factor, CHECKPOINTED_SHARE * saved_off * factor) if checkpointing
-                    else saved_off * factor)
+    per_token = int(saved_off * (BACKWARD_FACTOR_FROZEN if frozen_base else BACKWARD_FACTOR))
+    if checkpointing:  # every layer's input, and what one layer's recomputation and backward take (module docstring)
+        per_token = min(per_token, int(layers * act_bytes * h + CHECKPOINTED_LAYERS * layer))
     vocab = _dim(config, "vocab_size", default=0)
-    # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS fp32 logits, doubled by the softmax backward
+    # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS logits (every token taken as supervised: an upper bound)
     if supervised_head:
-        head_per_token, head_max = 2 * 4 * vocab, 2 * 4 * MAX_LOGIT_ELEMENTS
+        head_per_token, head_max = int(HEAD_BYTES_PER_LOGIT * vocab), int(HEAD_BYTES_PER_LOGIT * MAX_LOGIT_ELEMENTS)
     else:  # every position: logits, their fp32 upcast and the fp32 gradient of the log-softmax
         head_per_token, head_max = vocab * (act_bytes + 4 + 4), None
     head = head_per_token * rank_tokens if head_max is None else min(head_per_token * rank_tokens, head_max)

@@ -80,7 +80,7 @@ def test_token_budget_rules(tiny_model_dir, toy_data, tmp_path, extra, msg):
 
 @pytest.fixture(scope="module")
 def llama():
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=16,
                          num_attention_heads=4, num_key_value_heads=2)
     return LlamaForCausalLM(config)
 
@@ -90,9 +90,9 @@ def test_activations_per_token_follow_the_model_shape_and_checkpointing(llama):
     full, ckpt = activation_bytes_per_token(c, 2, False), activation_bytes_per_token(c, 2, True)
     assert ckpt < full / 2
     assert activation_bytes_per_token(c, 4, False) > full  # fp32 activations
-    c2 = LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 8})
+    c2 = LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 20})
     assert activation_bytes_per_token(c2, 2, False) - full == 4 * (full - activation_bytes_per_token(
-        LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 3}), 2, False))  # linear in the layer count
+        LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 15}), 2, False))  # linear in the layer count
     assert activation_bytes_per_token(c, 2, False, lora_in_bytes=4, lora_dropout=True) > full
 
 
@@ -288,3 +288,24 @@ def test_a_refusal_names_the_sequence_parallel_size_that_fits(llama, world, sp, 
         assert _sp_planner(llama, available, world, named)(True).fits  # the size it names fits
         if named // 2 > sp:
             assert not _sp_planner(llama, available, world, named // 2)(True).fits
+
+
+def test_checkpointed_activations_are_every_layer_input_and_a_few_layers(llama):
+    """With checkpointing: every layer's input (layers x hidden x activation bytes) plus CHECKPOINTED_LAYERS layers'
+    worth of what autograd keeps, never more than the plan without it; the supervised LM head is
+    HEAD_BYTES_PER_LOGIT per logit of one chunk (at most MAX_LOGIT_ELEMENTS)."""
+    from sft.model.loss import MAX_LOGIT_ELEMENTS
+    from sft.train.memory_plan import BACKWARD_FACTOR, CHECKPOINTED_LAYERS, HEAD_BYTES_PER_LOGIT
+
+    c = llama.config
+    total, layer = 20_000.0 * c.num_hidden_layers, 20_000.0
+    on, off = (plan(llama, tokens=10, checkpointing=ck, optim="sgd", measured=(total, layer),
+                    held_available=(0, GIB, "test")) for ck in (True, False))
+    assert on.per_token == int(c.num_hidden_layers * 4 * c.hidden_size + CHECKPOINTED_LAYERS * layer)
+    assert off.per_token == int(total * BACKWARD_FACTOR) > on.per_token
+    shallow = plan(llama, tokens=10, checkpointing=True, optim="sgd", measured=(3 * layer, layer),
+                   held_available=(0, GIB, "test"))
+    assert shallow.per_token == int(3 * layer * BACKWARD_FACTOR)  # a 3-layer model: checkpointing saves nothing
+    assert on.head == int(HEAD_BYTES_PER_LOGIT * c.vocab_size) * 10
+    big = plan(llama, tokens=10 ** 7, checkpointing=True, optim="sgd", held_available=(0, GIB, "test"))
+    assert big.head == int(HEAD_BYTES_PER_LOGIT * MAX_LOGIT_ELEMENTS)
