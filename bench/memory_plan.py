@@ -10,13 +10,13 @@ defaults: r 64, alpha 16, dropout 0.05, every linear layer), gradient checkpoint
 ``--tokens`` tokens per micro batch (and ``--tokens_checkpointed``, with checkpointing only: without it they need more
 memory than a 24 GiB host has), padding-free (one ``[1, tokens]`` row of documents of ``--doc_length`` random token
 ids, position ids restarting per document, :data:`sft.model.attention.PACKED_ATTENTION`, every token supervised: the
-plan's LM head assumes so), in the dtype ``--bf16 auto`` chooses on this machine (:func:`sft.config.precision.auto_bf16`;
-bf16 weights and autocast as the Trainer's, LoRA adapters fp32). Each process loads the model as ``sft-train`` does
-(:func:`sft.model.loading.load_model`, :func:`sft.model.loading.apply_lora`), plans as ``sft-train`` does before step 1
-(:func:`sft.train.memory_plan.held_and_available` after loading, the forward probe, :func:`sft.train.memory_plan.plan`
-for ``adamw_torch`` with the LM head at supervised positions), then turns checkpointing on as the Trainer does
-(non-reentrant), creates AdamW's state with one step on zero gradients (so the measured step is like step 2, the
-first that holds optimizer state next to activations), resets the peak (``VmHWM``,
+plan's LM head assumes so), in the dtype ``--bf16 auto`` chooses on this machine
+(:func:`sft.config.precision.auto_bf16`; bf16 weights and autocast as the Trainer's, LoRA adapters fp32). Each process
+loads the model as ``sft-train`` does (:func:`sft.model.loading.load_model`, :func:`sft.model.loading.apply_lora`),
+plans as ``sft-train`` does before step 1 (:func:`sft.train.memory_plan.held_and_available` after loading, the forward
+probe, :func:`sft.train.memory_plan.plan` for ``adamw_torch`` with the LM head at supervised positions), then turns
+checkpointing on as the Trainer does (non-reentrant), creates AdamW's state with one step on zero gradients (so the
+measured step is like step 2, the first that holds optimizer state next to activations), resets the peak (``VmHWM``,
 :func:`sft.train.metrics.reset_peak_memory`) and runs one step: forward with the supervised head
 (:func:`sft.model.loss.compute_supervised_loss`), backward, gradient clipping, ``optimizer.step``. *Measured* is
 ``VmHWM`` after that step: the whole process's peak resident set
@@ -160,7 +160,8 @@ def steps(a: argparse.Namespace, argv) -> int:
         r = json.loads(line) if p.returncode == 0 and line else None
         rows.append((kind, ckpt, tokens, p.returncode, r))
         print(f"{kind} checkpointing {ckpt} {tokens} tokens: exit {p.returncode} in {time.perf_counter() - t0:.0f} s"
-              + (f" (step {r['seconds']:.0f} s)" if r else f"\n{p.stderr[-2000:]}"), flush=True)
+              + (f" (step {r['seconds']:.0f} s): planned {r['planned'] / GIB:.2f}, measured "
+                 f"{r['measured'] / GIB:.2f} GiB" if r else f"\n{p.stderr[-2000:]}"), flush=True)
     first = next((r for *_, r in rows if r), None)
     print(f"\n{'run':<22}{'tokens':>7}{'planned':>9}{'measured':>9}{'ratio':>7}  {'after load: planned':>20}"
           f"{'measured':>9}{'ratio':>7}{'KiB/token':>10}")

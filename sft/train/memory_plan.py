@@ -59,7 +59,7 @@ FIT = 0.9  # a plan fits when it needs at most this share of the available memor
 # the LM head). Without checkpointing, a step's activations at their peak over what the probe sees autograd keep
 # (the activations' gradients in backward, the allocator's slack): full fine-tuning 1.38 (2k) and 1.43 (8k);
 BACKWARD_FACTOR = 1.4
-# with a frozen base (LoRA r 64, dropout 0.05) 0.99 (2k), 1.xx (8k).
+# with a frozen base (LoRA r 64, dropout 0.05) 0.99 (2k) and 1.16 (8k).
 BACKWARD_FACTOR_FROZEN = 1.2
 # With gradient checkpointing every layer's input is kept (layers x hidden x activation bytes per token) and one layer
 # at a time is recomputed and run backward: theory says 2 layers' worth of what autograd keeps; the measured peak at
