@@ -9,31 +9,42 @@ The planned peak (bytes) is the sum of
 * ``optimizer``: the optimizer's state per trainable parameter (:func:`optimizer_state_bytes`; under DeepSpeed an
   fp32 master copy and fp32 Adam moments, sharded by the world size from ZeRO-1 on), created at the first optimizer
   step, so step 2 is the first that holds it next to activations;
-* ``activations``: :func:`activation_bytes_per_token` x the tokens of the largest micro batch (padding-free: the
+* ``activations``: bytes per token (below) x the tokens of the largest micro batch this rank holds (padding-free: the
   :class:`sft.train.trainer.TokenBudgetBatchSampler`'s largest; padded: micro batch x longest sample; packed: micro
-  batch x longest row);
-* ``head``: the LM head's logits, upcast and gradient for every position when the head does not run at supervised
-  positions only (:mod:`sft.model.loss`), else one chunk.
-
+  batch x longest row; under sequence parallelism of N, :class:`ParallelShape`, ``ceil(tokens / N)`` of them);
+* ``head``: at supervised positions only (:mod:`sft.model.loss`), :data:`HEAD_BYTES_PER_LOGIT` per logit of one chunk
+  of at most ``MAX_LOGIT_ELEMENTS`` (every token of the micro batch taken as supervised, an upper bound: the plan does
+  not know the labels); at every position, the logits, their fp32 upcast and fp32 gradient.
 
 Available (bytes): CUDA: free device memory + what this process already allocated (``torch.cuda.mem_get_info``);
 CPU: the resident set + ``MemAvailable`` (``/proc/meminfo``, or the cgroup's ``memory.max - memory.current`` when
 smaller) divided among the processes of this node. A plan fits when it is at most :data:`FIT` of available; the
 rest is left to the allocator's caching and fragmentation. With several processes every rank plans, and the
-decision (checkpointing on, refusal) is taken on the worst rank, so all ranks take the same one.
+decision (checkpointing on, refusal) is taken on the worst rank, so all ranks take the same one. A refusal names the
+fixes: the token budget that fits, checkpointing, the smallest sequence-parallel size that fits
+(:func:`fitting_sequence_parallel`), and the caller's (LoRA, a ZeRO stage).
 
-The activations per token are measured where the model can run a forward pass on its training device before the
-Trainer wraps it (:func:`measure_saved_bytes`: what autograd keeps for backward over 256 tokens, through the real
-modules, casts, LoRA dropout and attention kernel); with gradient checkpointing, every layer's input plus two layers
-(the one recomputed and its gradients), but at least :data:`CHECKPOINTED_SHARE` of the plan without it. Elsewhere
-(DeepSpeed ZeRO-3, whose weights are partitioned, or a forward that fails) they are counted from the model's shape,
-after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4.1: the tensors
-each layer saves for backward, per token), redone for transformers' Llama / Qwen2 / Mistral layers (RMSNorm in fp32,
-rotary q and k, grouped KV heads, SwiGLU MLP, SDPA or flash kernels that keep no score matrix) and peft's LoRA (each
-adapted layer's input cast to the adapter's dtype, a dropout mask and output when ``lora_dropout > 0``); on SmolLM2-135M
-the count is within 4% of the measurement (1,360 vs 1,311 KiB per token; with LoRA r 16, dropout 0.05: 2,091 vs 2,033).
-Either is multiplied by :data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen): the peak of a
-step's activations over what forward keeps, measured.
+Activations per token. What autograd keeps for backward is measured where the model can run a forward pass on its
+training device before the Trainer wraps it (:func:`measure_saved_bytes`: 256 tokens through the real modules, casts,
+LoRA dropout and attention kernel; per token and per decoder layer). Elsewhere (DeepSpeed ZeRO-3, whose weights are
+partitioned, or a forward that fails) it is counted from the model's shape (:func:`activation_bytes_per_token`), after
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4.1: the tensors each
+layer saves for backward, per token), redone for transformers' Llama / Qwen2 / Mistral layers (RMSNorm in fp32, rotary
+q and k, grouped KV heads, SwiGLU MLP, SDPA or flash kernels that keep no score matrix) and peft's LoRA (each adapted
+layer's input cast to the adapter's dtype, a dropout mask and output when ``lora_dropout > 0``); on SmolLM2-135M in
+fp32 the count is within 4% of the probe (1,360 vs 1,311 KiB per token; with LoRA r 16, dropout 0.05: 2,091 vs
+2,033). Then:
+
+* without checkpointing, that times :data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen):
+  a step's activations at their peak (the activations' gradients in backward, the allocator's slack) over what the
+  probe sees kept;
+* with checkpointing of every decoder layer, every layer's input (layers x hidden x the activation dtype's bytes)
+  plus :data:`CHECKPOINTED_LAYERS` layers' worth of what the probe sees one layer keep (theory says two: the layer
+  recomputed and its backward), never more than without checkpointing.
+
+The three factors and the head's bytes are measured (``bench/memory_plan.py``: one step per configuration in a
+fresh process, its ``VmHWM`` against the plan; table in docs/benchmarks.md#memory-plan) on one CPU, SmolLM2-135M, bf16;
+not yet on a GPU, whose caching allocator keeps other slack.
 """
 from __future__ import annotations
 
@@ -53,18 +64,20 @@ logger = logging.getLogger("sft")
 
 GIB = 2 ** 30
 FIT = 0.9  # a plan fits when it needs at most this share of the available memory
-# Measured by bench/memory_plan.py (docs/benchmarks.md#memory-plan): SmolLM2-135M-Instruct on a 2-core Intel Xeon
-# with AMX (bf16 weights and autocast, as --bf16 auto chooses there), one padding-free step of 2,048 and 8,192 tokens in
-# a fresh process, VmHWM against the plan's other parts (weights = resident set after loading, gradients, AdamW state,
-# the LM head). Without checkpointing, a step's activations at their peak over what the probe sees autograd keep
-# (the activations' gradients in backward, the allocator's slack): full fine-tuning 1.38 (2k) and 1.43 (8k);
+# Measured with bench/memory_plan.py's worker (docs/benchmarks.md#memory-plan): SmolLM2-135M-Instruct on a 2-core
+# Intel Xeon with AMX (bf16 weights and autocast, as --bf16 auto chooses there), one padding-free step of 2,048 and
+# 8,192 tokens (half of them supervised) in a fresh process; a step's activations = its VmHWM - the resident set after
+# loading - gradients - AdamW's two moments - the LM head (HEAD_BYTES_PER_LOGIT, measured alone). Without
+# checkpointing, those over what the probe sees autograd keep (the activations' gradients in backward, the allocator's
+# slack): full fine-tuning 1.38 (2k) and 1.43 (8k);
 BACKWARD_FACTOR = 1.4
 # with a frozen base (LoRA r 64, dropout 0.05) 0.99 (2k) and 1.16 (8k).
 BACKWARD_FACTOR_FROZEN = 1.2
 # With gradient checkpointing every layer's input is kept (layers x hidden x activation bytes per token) and one layer
-# at a time is recomputed and run backward: theory says 2 layers' worth of what autograd keeps; the measured peak at
-# 8,192 tokens is the inputs plus 5.7 (full) and 5.9 (LoRA) layers' worth (glibc's heap keeps the freed
-# recomputations' pages: the CPU allocator's slack, not the tensors). Not yet measured on a GPU.
+# at a time is recomputed and run backward: theory says 2 layers' worth of what the probe sees one layer keep; at 8,192
+# tokens the step held the inputs plus 5.7 (full) and 5.9 (LoRA) layers' worth (at 2,048, where the fixed parts
+# dominate: 2.8 and 9). The excess over theory is not explained; the CPU allocator keeping the pages of freed
+# recomputations is a guess, not checked. Not yet measured on a GPU.
 CHECKPOINTED_LAYERS = 6
 # The LM head at supervised positions (sft.model.loss): bytes per logit of one chunk at the peak of its backward (the
 # logits in the compute dtype, their fp32 upcast, the log-softmax and its gradient, less what is freed on the way):
