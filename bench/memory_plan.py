@@ -176,7 +176,8 @@ def steps(a: argparse.Namespace, argv) -> int:
               f"{r['parts']['per_token'] / 1024:>10.0f}")
     if first:
         print(f"(GiB; {'bf16' if first['bf16'] else 'fp32'}; measured: VmHWM over one step after loading, the probe "
-              f"and AdamW's state; after load: less the resident set after loading, {first['loaded'] / GIB:.2f} GiB; "
+              f"and AdamW's state; after load: less each process's resident set after loading, the first's "
+              f"{first['loaded'] / GIB:.2f} GiB; "
               f"ratio: planned / measured; KiB/token: the plan's activations per token)")
     return 0 if all(r is not None for *_, r in rows) else 1
 
