@@ -9,36 +9,48 @@ The planned peak (bytes) is the sum of
 * ``optimizer``: the optimizer's state per trainable parameter (:func:`optimizer_state_bytes`; under DeepSpeed an
   fp32 master copy and fp32 Adam moments, sharded by the world size from ZeRO-1 on), created at the first optimizer
   step, so step 2 is the first that holds it next to activations;
-* ``activations``: :func:`activation_bytes_per_token` x the tokens of the largest micro batch (padding-free: the
+* ``activations``: bytes per token (below) x the tokens of the largest micro batch this rank holds (padding-free: the
   :class:`sft.train.trainer.TokenBudgetBatchSampler`'s largest; padded: micro batch x longest sample; packed: micro
-  batch x longest row);
-* ``head``: the LM head's logits, upcast and gradient for every position when the head does not run at supervised
-  positions only (:mod:`sft.model.loss`), else one chunk.
-
+  batch x longest row; under sequence parallelism of N, :class:`ParallelShape`, ``ceil(tokens / N)`` of them);
+* ``head``: at supervised positions only (:mod:`sft.model.loss`), :data:`HEAD_BYTES_PER_LOGIT` per logit of one chunk
+  of at most ``MAX_LOGIT_ELEMENTS`` (every token of the micro batch taken as supervised, an upper bound: the plan does
+  not know the labels); at every position, the logits, their fp32 upcast and fp32 gradient.
 
 Available (bytes): CUDA: free device memory + what this process already allocated (``torch.cuda.mem_get_info``);
 CPU: the resident set + ``MemAvailable`` (``/proc/meminfo``, or the cgroup's ``memory.max - memory.current`` when
 smaller) divided among the processes of this node. A plan fits when it is at most :data:`FIT` of available; the
 rest is left to the allocator's caching and fragmentation. With several processes every rank plans, and the
-decision (checkpointing on, refusal) is taken on the worst rank, so all ranks take the same one.
+decision (checkpointing on, refusal) is taken on the worst rank, so all ranks take the same one. A refusal names the
+fixes: the token budget that fits, checkpointing, the smallest sequence-parallel size that fits
+(:func:`fitting_sequence_parallel`), and the caller's (LoRA, a ZeRO stage).
 
-The activations per token are measured where the model can run a forward pass on its training device before the
-Trainer wraps it (:func:`measure_saved_bytes`: what autograd keeps for backward over 256 tokens, through the real
-modules, casts, LoRA dropout and attention kernel); with gradient checkpointing, every layer's input plus two layers
-(the one recomputed and its gradients), but at least :data:`CHECKPOINTED_SHARE` of the plan without it. Elsewhere
-(DeepSpeed ZeRO-3, whose weights are partitioned, or a forward that fails) they are counted from the model's shape,
-after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4.1: the tensors
-each layer saves for backward, per token), redone for transformers' Llama / Qwen2 / Mistral layers (RMSNorm in fp32,
-rotary q and k, grouped KV heads, SwiGLU MLP, SDPA or flash kernels that keep no score matrix) and peft's LoRA (each
-adapted layer's input cast to the adapter's dtype, a dropout mask and output when ``lora_dropout > 0``); on SmolLM2-135M
-the count is within 4% of the measurement (1,360 vs 1,311 KiB per token; with LoRA r 16, dropout 0.05: 2,091 vs 2,033).
-Either is multiplied by :data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen): the peak of a
-step's activations over what forward keeps, measured.
+Activations per token. What autograd keeps for backward is measured where the model can run a forward pass on its
+training device before the Trainer wraps it (:func:`measure_saved_bytes`: 256 tokens through the real modules, casts,
+LoRA dropout and attention kernel; per token and per decoder layer). Elsewhere (DeepSpeed ZeRO-3, whose weights are
+partitioned, or a forward that fails) it is counted from the model's shape (:func:`activation_bytes_per_token`), after
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4.1: the tensors each
+layer saves for backward, per token), redone for transformers' Llama / Qwen2 / Mistral layers (RMSNorm in fp32, rotary
+q and k, grouped KV heads, SwiGLU MLP, SDPA or flash kernels that keep no score matrix) and peft's LoRA (each adapted
+layer's input cast to the adapter's dtype, a dropout mask and output when ``lora_dropout > 0``); on SmolLM2-135M in
+fp32 the count is within 4% of the probe (1,360 vs 1,311 KiB per token; with LoRA r 16, dropout 0.05: 2,091 vs
+2,033). Then:
+
+* without checkpointing, that times :data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen):
+  a step's activations at their peak (the activations' gradients in backward, the allocator's slack) over what the
+  probe sees kept;
+* with checkpointing of every decoder layer, every layer's input (layers x hidden x the activation dtype's bytes)
+  plus :data:`CHECKPOINTED_LAYERS` layers' worth of what the probe sees one layer keep (theory says two: the layer
+  recomputed and its backward), never more than without checkpointing.
+
+The three factors and the head's bytes are measured (``bench/memory_plan.py``: one step per configuration in a
+fresh process, its ``VmHWM`` against the plan; table in docs/benchmarks.md#memory-plan) on one CPU, SmolLM2-135M, bf16;
+not yet on a GPU, whose caching allocator keeps other slack.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,17 +64,26 @@ logger = logging.getLogger("sft")
 
 GIB = 2 ** 30
 FIT = 0.9  # a plan fits when it needs at most this share of the available memory
-# What a step's activations take at their peak over what autograd keeps for backward (the gradients of the
-# activations during backward, the allocator's slack), measured on a CPU (2-core AMD EPYC, fp32, SmolLM2-135M,
-# padding-free, micro batches of up to 8,192 tokens; bench/memory_plan.py): full fine-tuning 1.17 over 3 steps, 1.35
-# over 20 steps (40,000 conversations); LoRA (frozen base, dropout 0.05) 1.5-2.0, and killed at 23 GiB where 1.35
-# would have fit. Not yet measured on a GPU.
+# Measured with bench/memory_plan.py's worker (docs/benchmarks.md#memory-plan): SmolLM2-135M-Instruct on a 2-core
+# Intel Xeon with AMX (bf16 weights and autocast, as --bf16 auto chooses there), one padding-free step of 2,048 and
+# 8,192 tokens (half of them supervised) in a fresh process; a step's activations = its VmHWM - the resident set after
+# loading - gradients - AdamW's two moments - the LM head (HEAD_BYTES_PER_LOGIT, measured alone). Without
+# checkpointing, those over what the probe sees autograd keep (the activations' gradients in backward, the allocator's
+# slack): full fine-tuning 1.38 (2k) and 1.43 (8k);
 BACKWARD_FACTOR = 1.4
-BACKWARD_FACTOR_FROZEN = 2.0
-# With gradient checkpointing, at least this share of the activations planned without it: on the same CPU the
-# measured peak of a checkpointed step was 0.19 (full fine-tuning) and 0.26 (LoRA) of that, far above the layer inputs
-# and two layers that theory keeps (the recomputation's allocations, freed and made again in every layer).
-CHECKPOINTED_SHARE = 0.27
+# with a frozen base (LoRA r 64, dropout 0.05) 0.99 (2k) and 1.16 (8k).
+BACKWARD_FACTOR_FROZEN = 1.2
+# With gradient checkpointing every layer's input is kept (layers x hidden x activation bytes per token) and one layer
+# at a time is recomputed and run backward: theory says 2 layers' worth of what the probe sees one layer keep; at 8,192
+# tokens the step held the inputs plus 5.7 (full) and 5.9 (LoRA) layers' worth (at 2,048, where the fixed parts
+# dominate: 2.8 and 9). The excess over theory is not explained; the CPU allocator keeping the pages of freed
+# recomputations is a guess, not checked. Not yet measured on a GPU.
+CHECKPOINTED_LAYERS = 6
+# The LM head at supervised positions (sft.model.loss): bytes per logit of one chunk at the peak of its backward (the
+# logits in the compute dtype, their fp32 upcast, the log-softmax and its gradient, less what is freed on the way):
+# measured 12.2 (bf16 autocast) and 12.4-12.6 (fp32) with SmolLM2's 49,152-token vocabulary, 1,024 and 4,096 supervised
+# positions (VmHWM over supervised_lm_loss forward + backward on random hidden states).
+HEAD_BYTES_PER_LOGIT = 12.5
 
 
 def _dim(config, *names, default=0) -> int:
@@ -179,6 +200,22 @@ class MemoryPlan:
     checkpointing: bool
     available: int
     where: str
+    sequence_parallel: int = 1
+    world_size: int = 1
+    head_per_token: int = 0  # the LM head's bytes per token of this rank, up to head_max (0: the head as it is)
+    head_max: Optional[int] = None
+
+    def head_for(self, rank_tokens: int) -> int:
+        """The LM head's bytes for ``rank_tokens`` tokens on this rank."""
+        if self.head_per_token <= 0:
+            return self.head
+        head = self.head_per_token * int(rank_tokens)
+        return head if self.head_max is None else min(head, self.head_max)
+
+    @property
+    def rank_tokens(self) -> int:
+        """The tokens of the largest micro batch this rank holds: ``ceil(tokens / sequence_parallel)``."""
+        return -(-self.tokens // max(1, self.sequence_parallel))
 
     @property
     def peak(self) -> int:
@@ -190,9 +227,11 @@ class MemoryPlan:
 
     def line(self) -> str:
         g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+        split = (f" / {self.sequence_parallel} sequence-parallel ranks = {self.rank_tokens} per rank"
+                 if self.sequence_parallel > 1 else "")
         return (f"memory plan: weights {g(self.weights)} + gradients {g(self.gradients)} + optimizer "
                 f"{g(self.optimizer)} + activations {g(self.activations)} ({self.tokens} tokens in the largest micro "
-                f"batch x {self.per_token / 2 ** 10:.0f} KiB, gradient checkpointing "
+                f"batch{split} x {self.per_token / 2 ** 10:.0f} KiB, gradient checkpointing "
                 f"{'on' if self.checkpointing else 'off'}) + LM head {g(self.head)} = {g(self.peak)} GiB planned peak "
                 f"of {g(self.available)} GiB {self.where}")
 
@@ -258,6 +297,10 @@ class ParallelShape:
         zero_stage: DeepSpeed's ZeRO stage (0: no DeepSpeed, the default).
         deepspeed: DeepSpeed trains the model (fp32 master weights and moments; default False).
         fsdp: FSDP2 shards parameters, gradients and optimizer state (default False).
+        sequence_parallel: N consecutive ranks share one micro batch's tokens (``--sequence_parallel_size``; must
+            divide ``world_size``; default 1: off): each holds the activations of ``ceil(tokens / N)`` of them;
+            weights, gradients and optimizer state are counted as without it (sharded, where they are, over the whole
+            world).
     """
 
     world_size: int = 1
@@ -265,6 +308,7 @@ class ParallelShape:
     zero_stage: int = 0
     deepspeed: bool = False
     fsdp: bool = False
+    sequence_parallel: int = 1
 
 
 def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: ParallelShape = ParallelShape(),
@@ -272,7 +316,8 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
          held_available: Optional[tuple[int, int, str]] = None,
          measured: Optional[tuple[float, float]] = None) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``model`` (loaded, adapters applied) for a largest micro batch of ``tokens``,
-    spread over the processes as ``parallel`` says (:class:`ParallelShape`).
+    spread over the processes as ``parallel`` says (:class:`ParallelShape`; under sequence parallelism of N this rank's
+    activations and LM head are those of ``ceil(tokens / N)`` tokens).
 
     ``held_available``: ``(held, available, what)`` as :func:`held_and_available` returns it (measured when None).
     ``measured``: :func:`measure_saved_bytes`'s result; the activations per token are then that total (checkpointing
@@ -288,6 +333,8 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     n_trainable = sum(numel(p) for p in trainable)
     trainable_bytes = sum(numel(p) * p.element_size() for p in trainable)
     w = max(1, int(parallel.world_size))
+    sp = max(1, int(parallel.sequence_parallel))
+    rank_tokens = math.ceil(int(tokens) / sp)  # this rank's share of the micro batch's tokens
     gradients = trainable_bytes // w if (fsdp or zero_stage >= 2) else trainable_bytes
     if deepspeed:  # fp32 master weights and fp32 moments (ZeRO's mixed precision), partitioned from stage 1
         optimizer = (4 * n_trainable + optimizer_state_bytes(optim, 4 * n_trainable, n_trainable))
@@ -306,29 +353,28 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
     lora_bytes = lora[0].element_size() if lora else 0
     config = getattr(model, "config", None)
+    h = _dim(config, "hidden_size", "n_embd", default=1)
+    layers = _dim(config, "num_hidden_layers", "n_layer", default=1)
     if measured is not None:
-        total, layer = measured
-        h = _dim(config, "hidden_size", "n_embd", default=1)
-        layers = _dim(config, "num_hidden_layers", "n_layer", default=1)
-        saved_off, saved_on = total, layers * act_bytes * h + 2 * layer
+        saved_off, layer = measured
     else:
-        saved_off, saved_on = (activation_bytes_per_token(config, act_bytes, on, lora_bytes,
-                                                          lora_dropout and bool(lora))
-                               for on in (False, True))
+        saved_off = activation_bytes_per_token(config, act_bytes, False, lora_bytes, lora_dropout and bool(lora))
+        layer = saved_off / layers
     frozen_base = sum(numel(p) for p in params) > 2 * n_trainable  # adapters, not the weights, are trained
-    factor = BACKWARD_FACTOR_FROZEN if frozen_base else BACKWARD_FACTOR
-    per_token = int(max(saved_on * factor, CHECKPOINTED_SHARE * saved_off * factor) if checkpointing
-                    else saved_off * factor)
+    per_token = int(saved_off * (BACKWARD_FACTOR_FROZEN if frozen_base else BACKWARD_FACTOR))
+    if checkpointing:  # every layer's input, and what one layer's recomputation and backward take (module docstring)
+        per_token = min(per_token, int(layers * act_bytes * h + CHECKPOINTED_LAYERS * layer))
     vocab = _dim(config, "vocab_size", default=0)
-    # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS fp32 logits, doubled by the softmax backward
+    # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS logits (every token taken as supervised: an upper bound)
     if supervised_head:
-
-        head = 2 * 4 * min(int(tokens) * vocab, MAX_LOGIT_ELEMENTS)
+        head_per_token, head_max = int(HEAD_BYTES_PER_LOGIT * vocab), int(HEAD_BYTES_PER_LOGIT * MAX_LOGIT_ELEMENTS)
     else:  # every position: logits, their fp32 upcast and the fp32 gradient of the log-softmax
-        head = int(tokens) * vocab * (act_bytes + 4 + 4)
+        head_per_token, head_max = vocab * (act_bytes + 4 + 4), None
+    head = head_per_token * rank_tokens if head_max is None else min(head_per_token * rank_tokens, head_max)
     return MemoryPlan(weights=int(weights), gradients=int(gradients), optimizer=int(optimizer),
-                      activations=int(per_token * int(tokens)), head=int(head), tokens=int(tokens),
-                      per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where)
+                      activations=int(per_token * rank_tokens), head=int(head), tokens=int(tokens),
+                      per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where,
+                      sequence_parallel=sp, world_size=w, head_per_token=int(head_per_token), head_max=head_max)
 
 
 def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
@@ -338,10 +384,28 @@ def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
 
 
 def fitting_tokens(p: MemoryPlan) -> int:
-    """The most tokens a micro batch may hold for ``p`` to fit (0 when nothing fits). The LM head's part is taken as it
-    is (at supervised positions it is one chunk whatever the tokens, else it only shrinks with them)."""
+    """The most tokens a micro batch may hold for ``p`` to fit (0 when nothing fits): the most one rank's activations
+    may hold, times ``p.sequence_parallel``. The LM head's part is taken as it is (at supervised positions it is one
+    chunk whatever the tokens, else it only shrinks with them)."""
     room = FIT * p.available - (p.peak - p.activations)
-    return max(0, int(room // p.per_token)) if p.per_token > 0 else 0
+    return max(0, int(room // p.per_token)) * p.sequence_parallel if p.per_token > 0 else 0
+
+
+def fitting_sequence_parallel(p: MemoryPlan) -> Optional[int]:
+    """The smallest sequence-parallel size N (a power of two above ``p.sequence_parallel``, at most the world size and
+    dividing it) at which ``p``'s micro batch fits, each rank holding the activations of ``ceil(tokens / N)`` tokens;
+    None where none does (or one process). Weights, gradients and optimizer state are taken as they are."""
+    if p.per_token <= 0:
+        return None
+    fixed = p.peak - p.activations - p.head
+    n = 2
+    while n <= p.world_size:
+        rank_tokens = math.ceil(p.tokens / n)
+        if (n > p.sequence_parallel and p.world_size % n == 0
+                and fixed + p.head_for(rank_tokens) + p.per_token * rank_tokens <= FIT * p.available):
+            return n
+        n *= 2
+    return None
 
 
 def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refuse",
@@ -393,6 +457,10 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
                      f"packed rows: a smaller --per_device_train_batch_size or --model_max_length)")
     if not on:
         fixes.append("--gradient_checkpointing True")
+    sp = fitting_sequence_parallel(worst)
+    if sp is not None:
+        fixes.append(f"--sequence_parallel_size {sp} (the micro batch's {worst.tokens} tokens split over {sp} ranks: "
+                     f"{math.ceil(worst.tokens / sp)} per rank)")
     fixes.extend(fixes_extra)
     who = f" on rank {worst_rank}" if len(plans) > 1 else ""
     message = (f"this run does not fit in memory{who}, refused before step 1: {worst.line()}, more than {FIT:.0%} of "

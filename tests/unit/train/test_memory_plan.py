@@ -80,7 +80,7 @@ def test_token_budget_rules(tiny_model_dir, toy_data, tmp_path, extra, msg):
 
 @pytest.fixture(scope="module")
 def llama():
-    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=16,
                          num_attention_heads=4, num_key_value_heads=2)
     return LlamaForCausalLM(config)
 
@@ -90,9 +90,9 @@ def test_activations_per_token_follow_the_model_shape_and_checkpointing(llama):
     full, ckpt = activation_bytes_per_token(c, 2, False), activation_bytes_per_token(c, 2, True)
     assert ckpt < full / 2
     assert activation_bytes_per_token(c, 4, False) > full  # fp32 activations
-    c2 = LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 8})
+    c2 = LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 20})
     assert activation_bytes_per_token(c2, 2, False) - full == 4 * (full - activation_bytes_per_token(
-        LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 3}), 2, False))  # linear in the layer count
+        LlamaConfig(**{**c.to_dict(), "num_hidden_layers": 15}), 2, False))  # linear in the layer count
     assert activation_bytes_per_token(c, 2, False, lora_in_bytes=4, lora_dropout=True) > full
 
 
@@ -231,3 +231,81 @@ def test_the_probe_measures_what_autograd_keeps_and_plans_with_it(llama):
         assert measure_saved_bytes(llama, tokens=64) is None
     finally:
         llama.activation_checkpointing_disable()
+
+
+def test_sequence_parallel_ranks_hold_the_activations_of_their_share_of_the_tokens(llama):
+    """ParallelShape(sequence_parallel=N): each of the N ranks holds ceil(tokens / N) tokens' activations and LM head;
+    weights, gradients and optimizer state are as without it; the most tokens that fit grow N-fold."""
+    held = (GIB // 4, 8 * GIB, "test")
+    one = plan(llama, tokens=1001, checkpointing=False, optim="adamw_torch", supervised_head=False,
+               parallel=ParallelShape(world_size=4), held_available=held)
+    four = plan(llama, tokens=1001, checkpointing=False, optim="adamw_torch", supervised_head=False,
+                parallel=ParallelShape(world_size=4, sequence_parallel=4), held_available=held)
+    assert (four.rank_tokens, four.tokens, four.per_token) == (251, 1001, one.per_token)  # ceil(1001 / 4)
+    assert four.activations == 251 * one.per_token and one.activations == 1001 * one.per_token
+    assert four.head * 1001 == one.head * 251  # every position's logits: this rank's positions only
+    assert (four.weights, four.gradients, four.optimizer) == (one.weights, one.gradients, one.optimizer)
+    assert "1001 tokens in the largest micro batch / 4 sequence-parallel ranks = 251 per rank x" in four.line()
+    assert "sequence-parallel" not in one.line()
+    assert fitting_tokens(four) == 4 * fitting_tokens(plan(
+        llama, tokens=251, checkpointing=False, optim="adamw_torch", supervised_head=False,
+        parallel=ParallelShape(world_size=4), held_available=held))
+
+
+def _sp_planner(llama, available, world, sp=1):
+    return lambda on, tokens=None: plan(llama, tokens=tokens or 20_000, checkpointing=on, optim="adamw_torch",
+                                        parallel=ParallelShape(world_size=world, sequence_parallel=sp),
+                                        held_available=(GIB // 4, available, "test memory"))
+
+
+@pytest.mark.parametrize("world,sp,fits_at,named", [
+    (8, 1, 4, 4),        # 2 is too few, 4 fits: the smallest power of two that fits is named
+    (8, 2, 4, 4),        # already 2: the next that fits
+    (8, 1, 16, None),    # 16 would fit, but the world has 8 ranks
+    (6, 1, 4, None),     # 4 does not divide 6, 2 does not fit
+    (6, 1, 2, 2),
+    (1, 1, 2, None),     # one process: nothing to split over
+])
+def test_a_refusal_names_the_sequence_parallel_size_that_fits(llama, world, sp, fits_at, named):
+    from sft.train.memory_plan import fitting_sequence_parallel
+
+    full = _sp_planner(llama, 0, world)(True)
+    per_rank = -(-full.tokens // fits_at)
+    # room for the activations and LM head of ceil(20000 / fits_at) tokens per rank, and not of twice as many
+    fixed = full.peak - full.activations - full.head
+    available = int((fixed + full.head_for(per_rank) + full.per_token * per_rank) / 0.9) + 1
+    p = _sp_planner(llama, available, world, sp)(True)
+    assert not p.fits
+    assert fitting_sequence_parallel(p) == named
+    with pytest.raises(SFTError) as e:
+        choose_checkpointing(_sp_planner(llama, available, world, sp), True)
+    text = str(e.value)
+    if named is None:
+        assert "--sequence_parallel_size" not in text
+    else:
+        assert f"--sequence_parallel_size {named} (the micro batch's 20000 tokens split over {named} ranks: " \
+               f"{-(-20000 // named)} per rank)" in text
+        assert _sp_planner(llama, available, world, named)(True).fits  # the size it names fits
+        if named // 2 > sp:
+            assert not _sp_planner(llama, available, world, named // 2)(True).fits
+
+
+def test_checkpointed_activations_are_every_layer_input_and_a_few_layers(llama):
+    """With checkpointing: every layer's input (layers x hidden x activation bytes) plus CHECKPOINTED_LAYERS layers'
+    worth of what autograd keeps, never more than the plan without it; the supervised LM head is
+    HEAD_BYTES_PER_LOGIT per logit of one chunk (at most MAX_LOGIT_ELEMENTS)."""
+    from sft.model.loss import MAX_LOGIT_ELEMENTS
+    from sft.train.memory_plan import BACKWARD_FACTOR, CHECKPOINTED_LAYERS, HEAD_BYTES_PER_LOGIT
+
+    c = llama.config
+    total, layer = 20_000.0 * c.num_hidden_layers, 20_000.0
+    on, off = (plan(llama, tokens=10, checkpointing=ck, optim="sgd", measured=(total, layer),
+                    held_available=(0, GIB, "test")) for ck in (True, False))
+    assert on.per_token == int(c.num_hidden_layers * 4 * c.hidden_size + CHECKPOINTED_LAYERS * layer)
+    assert off.per_token == int(total * BACKWARD_FACTOR) > on.per_token
+    shallow = plan(llama, tokens=10, checkpointing=True, optim="sgd", measured=(3 * layer, layer),
+                   held_available=(0, GIB, "test"))
+    assert shallow.per_token == int(3 * layer * BACKWARD_FACTOR)  # a 3-layer model: checkpointing saves nothing
+    assert on.head == int(HEAD_BYTES_PER_LOGIT * c.vocab_size) * 10
+    big = plan(llama, tokens=10 ** 7, checkpointing=True, optim="sgd", held_available=(0, GIB, "test"))
+    assert big.head == int(HEAD_BYTES_PER_LOGIT * MAX_LOGIT_ELEMENTS)
