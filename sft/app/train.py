@@ -233,7 +233,7 @@ def plan_memory(model, train_ds, data_args, training_args, lora_args, settings: 
     fsdp_own = bool(t.fsdp and isinstance(t.fsdp_config, dict) and t.fsdp_config.get("activation_checkpointing"))
     parallel = ParallelShape(world_size=settings.world_size, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE",
                              "1")), zero_stage=t.parsed.zero_stage if t.deepspeed else 0, deepspeed=bool(t.deepspeed),
-                             fsdp=bool(t.fsdp))
+                             fsdp=bool(t.fsdp), sequence_parallel=settings.sequence_parallel)
     fixes = [] if t.use_lora else ["--use_lora True (adapters only: no gradients or optimizer state for the base "
                                    "weights)"]
     if parallel.world_size > 1 and not t.deepspeed and not t.fsdp:
