@@ -45,6 +45,10 @@ fp32 the count is within 4% of the probe (1,360 vs 1,311 KiB per token; with LoR
 The three factors and the head's bytes are measured (``bench/memory_plan.py``: one step per configuration in a
 fresh process, its ``VmHWM`` against the plan; table in docs/benchmarks.md#memory-plan) on one CPU, SmolLM2-135M, bf16;
 not yet on a GPU, whose caching allocator keeps other slack.
+
+The module is over 400 lines because each factor keeps its derivation and measurement next to it, and the plan, the
+probe that measures a model's saved bytes and the fitting rules (budget, checkpointing, sequence-parallel size) are
+one decision.
 """
 from __future__ import annotations
 
