@@ -255,6 +255,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     closing = frozenset(tokenizer.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot_id
     out: list = [None] * len(conversations)
     general = set()  # conversations planned reply by reply (split for length by sft.data.split_turns)
+    plans: dict = {}  # their whole plans, in split mode: split_turns takes the replies of its first piece from them
     texts, owners = [], []  # texts to tokenize; per text (conversation, spans, splittable)
     for i, (messages, tl) in enumerate(zip(conversations, tools)):
         # plain once the template's form of reasoning is in place (inside the content, for ChatML, SmolLM2, ...)
@@ -298,6 +299,8 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             conversations[i] = shown
         else:
             general.add(i)
+            if long_conversations == "split":
+                plans[i] = p
         for text, spans, _last in p.samples:
             texts.append(text)
             owners.append((i, spans, whole, sum(n for _t, _w, n in p.dropped)))
@@ -335,7 +338,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         if i in general and long_conversations == "split" and isinstance(out[i], list) and max(n) > max_len:
             try:
                 pieces = split_turns(tokenizer, conversations[i], tools[i], stops, closing, max_len,
-                                     trained_turns(conversations[i], last_reply_only))
+                                     trained_turns(conversations[i], last_reply_only), plans.get(i))
             except TemplateError as e:
                 out[i] = e
                 continue
