@@ -171,10 +171,23 @@ def _cut_turn(text: str, ids: list[int], offsets: list, messages: Sequence[dict]
     ``offsets``), and the tokens of that turn's text there. Turns are found by their text (content, else reasoning),
     in order; where the cut tokens are not found (a piece tokenized on its own), the longest turn. ``(None, None)``
     where no turn's text is found."""
-    from bisect import bisect_left
-
     starts = [s for s, _e in offsets]
-    found, cursor = [], 0  # (turn, start, end) of every turn whose text is in the rendering
+    found = _turn_texts(text, messages)
+    if not found:
+        return None, None
+    sizes = _turn_sizes(text, offsets, messages, found)
+    j = _find(ids, cut_at)
+    if j == -1:
+        k = max(sizes, key=sizes.get)
+        return k, sizes[k]
+    k = next((k for k, s, _e in reversed(found) if s <= starts[j]), found[0][0])
+    return k, sizes[k]
+
+
+def _turn_texts(text: str, messages: Sequence[dict]) -> list[tuple[int, int, int]]:
+    """``[(turn, start, end), ...]``: the characters of each turn's text (content, else reasoning) in ``text``, the
+    conversation's rendering, found in order; a turn whose text is not found is left out."""
+    found, cursor = [], 0
     for k, m in enumerate(messages):
         part = next((t.strip() for t in (m.get("content"), m.get("reasoning_content"))
                      if isinstance(t, str) and t.strip()), "")
@@ -182,15 +195,15 @@ def _cut_turn(text: str, ids: list[int], offsets: list, messages: Sequence[dict]
         if at != -1:
             found.append((k, at, at + len(part)))
             cursor = at + len(part)
-    if not found:
-        return None, None
-    sizes = {k: bisect_left(starts, e) - bisect_left(starts, s) for k, s, e in found}
-    j = _find(ids, cut_at)
-    if j == -1:
-        k = max(sizes, key=sizes.get)
-        return k, sizes[k]
-    k = next((k for k, s, _e in reversed(found) if s <= starts[j]), found[0][0])
-    return k, sizes[k]
+    return found
+
+
+def _turn_sizes(text: str, offsets: list, messages: Sequence[dict], found: Optional[list] = None) -> dict:
+    """Per turn found in ``text`` (:func:`_turn_texts`), the tokens of its text there (tokens at ``offsets``)."""
+    from bisect import bisect_left
+
+    starts = [s for s, _e in offsets]
+    return {k: bisect_left(starts, e) - bisect_left(starts, s) for k, s, e in (found or _turn_texts(text, messages))}
 
 
 def _name_cuts(samples: list, shift: int, locate) -> None:
@@ -235,6 +248,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         (its message names the turn). This is the one place where a conversation becomes samples.
     """
     max_len, system_message, long_conversations = spec.max_len, spec.system_message, spec.long_conversations
+    splitting = long_conversations in ("split", "refuse")  # refuse: split, and refuse what split must cut in a turn
     last_reply_only, allow_dropped_content = spec.last_reply_only, spec.allow_dropped_content
     from sft.data.chat import Encoded, _Renderer, labels_from_spans
     from sft.data.split_turns import split_turns
@@ -299,7 +313,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             conversations[i] = shown
         else:
             general.add(i)
-            if long_conversations == "split":
+            if splitting:
                 plans[i] = p
         for text, spans, _last in p.samples:
             texts.append(text)
@@ -311,15 +325,20 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             continue
         try:
             full = Encoded(ids, labels_from_spans(ids, offs, spans, closing), text, offs, spans)
-            pieces, cut = (([full], 0) if not whole or long_conversations != "split" or len(ids) <= max_len
+            pieces, cut = (([full], 0) if not whole or not splitting or len(ids) <= max_len
                            else split_conversation(tokenizer, conversations[i], eot_id, max_len, full))
         except TemplateError as e:
             out[i] = e
             continue
+        if cut and long_conversations == "refuse":  # a user turn too long to fit with its reply
+            turn, n = _longest_pair(text, offs, conversations[i])
+            out[i] = _too_long(turn - (len(conversations[i]) - len(given[i])) if turn is not None else None, n,
+                               max_len, "a user turn")
+            continue
         first = out[i] is None
         new = [dict(truncate(a, b, max_len), user_cut=cut if first and k == 0 else 0)
                for k, (a, b) in enumerate(pieces)]
-        resplit = i in general and long_conversations == "split"  # its samples are replaced below when too long
+        resplit = i in general and splitting  # its samples are replaced below when too long
         if not resplit:  # a truncated sample names the turn it was cut in, never silently
             _name_cuts(new, len(conversations[i]) - len(given[i]),
                        lambda cut_at: _cut_turn(text, ids, offs, conversations[i], cut_at))
@@ -335,7 +354,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     for i, n in lengths.items():
         if isinstance(out[i], list):  # what the template's rewriting cost: samples and tokens beyond the last one
             out[i][0]["extra_samples"], out[i][0]["extra_tokens"] = len(n) - 1, sum(n) - n[-1]
-        if i in general and long_conversations == "split" and isinstance(out[i], list) and max(n) > max_len:
+        if i in general and splitting and isinstance(out[i], list) and max(n) > max_len:
             try:
                 pieces = split_turns(tokenizer, conversations[i], tools[i], stops, closing, max_len,
                                      trained_turns(conversations[i], last_reply_only), plans.get(i))
@@ -349,7 +368,40 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
                 enc = tokenizer(longest[i], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
                 _name_cuts(out[i], len(conversations[i]) - len(given[i]), lambda cut_at: _cut_turn(
                     longest[i], enc["input_ids"], enc["offset_mapping"], conversations[i], cut_at))
+    if long_conversations == "refuse":  # a turn that split had to cut: the conversation is refused, naming it
+        for i, samples in enumerate(out):
+            cut = next((ex for ex in samples if ex["truncated"]), None) if isinstance(samples, list) else None
+            if cut is not None:
+                out[i] = _too_long(cut.get("cut_turn"), cut.get("turn_tokens"), max_len, "a turn")
     return out
+
+
+def _too_long(turn: Optional[int], tokens: Optional[int], max_len: int, what: str) -> TemplateError:
+    """``--long_conversations refuse``'s refusal of a conversation with a turn (``turn``, in the record's numbering;
+    ``tokens``, its own text's size) too long for ``max_len`` with the context it needs; a record problem (exit 2
+    under ``--on_bad_record error``)."""
+    from sft.data.turns import refusal
+
+    size = f" ({tokens} tokens)" if tokens is not None else ""
+    name = "this turn" if turn is not None else what
+    e = refusal(turn, f"{name}{size} does not fit in --model_max_length {max_len} with the context it needs (the "
+                "system prompt, its user turn or reply), so it would be cut (--long_conversations refuse)",
+                "shorten or remove the turn, raise --model_max_length, or pass --long_conversations split to train "
+                "its first tokens")
+    e.kind = "turn longer than --model_max_length"
+    return e
+
+
+def _longest_pair(text: str, offsets: list, messages: Sequence[dict]) -> tuple[Optional[int], Optional[int]]:
+    """``(turn, tokens)``: the user turn whose exchange (it and the reply after it) is the longest in ``text``, the
+    conversation's rendering (tokens at character ``offsets``): where :func:`sft.data.long_conversations.
+    split_conversation` cut a user turn, the one that did not fit with its reply."""
+    sizes = _turn_sizes(text, offsets, messages)
+    users = [k for k, m in enumerate(messages) if m["role"] == "user" and k in sizes]
+    if not users:
+        return None, None
+    k = max(users, key=lambda u: sizes[u] + sizes.get(u + 1, 0))
+    return k, sizes[k]
 
 
 def lazy_refusal(n_samples: int) -> TemplateError:
