@@ -145,10 +145,14 @@ def where_cut(ex: dict, sample_id: str, record=None) -> str:
     (9000 tokens)``: the record's turn (0-based, as the record numbers them) the cut falls in and that turn's own
     text in tokens as the template renders it."""
     at = f"record {record}, " if record is not None else ""
+    return f"{at}id={sample_id!r}, {cut_turn_text(ex)}"
+
+
+def cut_turn_text(ex: dict) -> str:
+    """The turn a truncated sample was cut in and that turn's size: ``turn 3 (9000 tokens)``."""
     turn = ex.get("cut_turn")
     what = ("the --system_message" if turn == -1 else f"turn {turn}") if turn is not None else "a turn"
-    size = f" ({ex['turn_tokens']} tokens)" if ex.get("turn_tokens") is not None else ""
-    return f"{at}id={sample_id!r}, {what}{size}"
+    return what + (f" ({ex['turn_tokens']} tokens)" if ex.get("turn_tokens") is not None else "")
 
 
 def _find(ids: list[int], part: list[int]) -> int:
