@@ -6,8 +6,9 @@ import os
 from typing import Iterator, Optional
 
 from sft.data.chat import visualize
+from sft.data.cut_turns import cut_turn_text
 from sft.data.records import RecordCheck, iter_conversations, template_problem
-from sft.data.samples import cut_turn_text, encode_samples
+from sft.data.samples import encode_samples
 from sft.data.spec import PreparationSpec
 from sft.errors import DataError, SFTError
 from sft.model.loading import load_tokenizer
