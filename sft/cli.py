@@ -124,16 +124,17 @@ def generate_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def show_sample_main(argv: Optional[Sequence[str]] = None) -> int:
     """``sft-show-sample MODEL_DIR DATA_FILE [--index 0] [--model_max_length N] [--system_message S]
-    [--long_conversations split|truncate] [--mask_history] [--allow_dropped_content] [--chat_template FILE]``: print
-    the rendered training sample(s) of one record with the supervised tokens marked «like this» (several when a long
-    conversation is split or the chat template renders earlier turns differently once later turns exist)."""
+    [--long_conversations split|truncate|refuse] [--mask_history] [--allow_dropped_content]
+    [--chat_template FILE]``: print the rendered training sample(s) of one record with the supervised tokens marked
+    «like this» (several when a long conversation is split or the chat template renders earlier turns differently once
+    later turns exist)."""
     ap = argparse.ArgumentParser(prog="sft-show-sample", description=show_sample_main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("model_dir")
     ap.add_argument("data_file")
     ap.add_argument("--index", type=int, default=0, help="0-based index among the valid records")
     ap.add_argument("--model_max_length", type=int, default=8192)
     ap.add_argument("--system_message", default=None)
-    ap.add_argument("--long_conversations", choices=["split", "truncate"], default="split")
+    ap.add_argument("--long_conversations", choices=["split", "truncate", "refuse"], default="split")
     ap.add_argument("--mask_history", nargs="?", const=True, default=False, type=_boolean,
                     help="train only the last reply (as sft-train's flag; a bare flag means True)")
     ap.add_argument("--allow_dropped_content", nargs="?", const=True, default=False, type=_boolean,

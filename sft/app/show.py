@@ -6,6 +6,7 @@ import os
 from typing import Iterator, Optional
 
 from sft.data.chat import visualize
+from sft.data.cut_turns import cut_turn_text
 from sft.data.records import RecordCheck, iter_conversations, template_problem
 from sft.data.samples import encode_samples
 from sft.data.spec import PreparationSpec
@@ -50,7 +51,9 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, spec: Preparatio
     for k, ex in enumerate(samples):
         part = f" sample {k + 1} of {len(samples)}:" if len(samples) > 1 else ""
         yield (f"record {c.index} id={c.id}:{part} {len(ex['input_ids'])} tokens, {ex['n_supervised']} supervised"
-               + (f", truncated ({ex['n_lost']} supervised tokens lost)" if ex["truncated"] else "")
+               + (f", truncated ({ex['n_lost']} supervised tokens lost; cut in {cut_turn_text(ex)})" if ex["truncated"]
+                  else "")
                + (f", {ex['user_cut']} user turn(s) too long for --model_max_length {spec.max_len} cut from the "
                   "start (their last words kept)" if ex.get("user_cut") else ""))
         yield visualize(tok, ex["input_ids"], ex["labels"], color=color)
+

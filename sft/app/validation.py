@@ -121,9 +121,10 @@ def _check_eval(data_args, training_args) -> list[str]:
     if training_args.eval_on_start and not has_eval:
         p.append("--eval_on_start True: the evaluation before training needs --eval_data_path or --eval_split_ratio; "
                  "add one or drop --eval_on_start")
-    if data_args.long_conversations == "split" and data_args.lazy_preprocess:
-        p.append("--long_conversations split with --lazy_preprocess True: a lazy dataset cannot know how many samples "
-                 "a conversation gives before reading it; drop --lazy_preprocess or use --long_conversations truncate")
+    if data_args.long_conversations in ("split", "refuse") and data_args.lazy_preprocess:
+        p.append(f"--long_conversations {data_args.long_conversations} with --lazy_preprocess True: a lazy dataset "
+                 "cannot know how many samples a conversation gives before reading it; drop --lazy_preprocess or use "
+                 "--long_conversations truncate")
     return p
 
 

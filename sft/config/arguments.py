@@ -115,9 +115,12 @@ class DataArguments:
         metadata={"help": "A conversation longer than --model_max_length: 'split' cuts it at turn boundaries into "
                   "several samples (each starts with the system prompt and as much earlier context as fits, "
                   "unsupervised), so every reply that fits with its own user turn is trained exactly once; "
-                  "'truncate' keeps its first --model_max_length tokens. Unset: split, or truncate with "
-                  "--lazy_preprocess True (which cannot know a conversation's sample count before reading it).",
-                  "choices": ["split", "truncate"]},
+                  "'truncate' keeps its first --model_max_length tokens; 'refuse' splits as 'split' does, but a "
+                  "conversation with a turn too long to fit with its context (which 'split' would cut) is an invalid "
+                  "record, named with its turn and size in tokens (--on_bad_record error: exit 2). Unset: split, or "
+                  "truncate with --lazy_preprocess True (which cannot know a conversation's sample count before "
+                  "reading it).",
+                  "choices": ["split", "truncate", "refuse"]},
     )
     mask_history: bool = field(default=False, metadata={
         "help": "Train only the last assistant reply of each conversation; earlier replies are context "

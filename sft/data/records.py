@@ -198,7 +198,8 @@ def _control_problem(path: str, conv: Conversation, control_tokens: Sequence[str
 def template_problem(path: str, conv: Conversation, err: Exception) -> Problem:
     """The chat template's refusal of one conversation (:func:`sft.data.samples.encode_samples`) as its problem."""
     what, fix = getattr(err, "what", str(err)), getattr(err, "fix", "use another chat template")
-    return Problem(path, conv.index, conv.id, what, fix, getattr(err, "turn", None), kind="refused by the template")
+    return Problem(path, conv.index, conv.id, what, fix, getattr(err, "turn", None),
+                   kind=getattr(err, "kind", "refused by the template"))
 
 
 @dataclass

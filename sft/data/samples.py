@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from sft.data.chat import IGNORE_INDEX, with_system
+from sft.data.cut_turns import cut_turn, longest_pair, name_cuts, too_long, where_cut
 from sft.data.long_conversations import split_conversation
 from sft.data.shared_prefix import tokenize_shared
 from sft.data.spec import PreparationSpec
@@ -140,70 +141,6 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
     return out
 
 
-def where_cut(ex: dict, sample_id: str, record=None) -> str:
-    """Where a truncated sample (:func:`encode_samples`' dict) was cut, for the log: ``record 12, id='a', turn 3
-    (9000 tokens)``: the record's turn (0-based, as the record numbers them) the cut falls in and that turn's own
-    text in tokens as the template renders it."""
-    at = f"record {record}, " if record is not None else ""
-    turn = ex.get("cut_turn")
-    what = ("the --system_message" if turn == -1 else f"turn {turn}") if turn is not None else "a turn"
-    size = f" ({ex['turn_tokens']} tokens)" if ex.get("turn_tokens") is not None else ""
-    return f"{at}id={sample_id!r}, {what}{size}"
-
-
-def _find(ids: list[int], part: list[int]) -> int:
-    """The index of the first occurrence of ``part`` in ``ids`` (token ids), -1 where there is none."""
-    import array
-
-    if not part or len(part) > len(ids):
-        return -1
-    hay, needle, size = array.array("q", ids).tobytes(), array.array("q", part).tobytes(), 8
-    at = hay.find(needle)
-    while at != -1 and at % size:  # a match must start on a token's boundary
-        at = hay.find(needle, at + 1)
-    return at // size if at != -1 else -1
-
-
-def _cut_turn(text: str, ids: list[int], offsets: list, messages: Sequence[dict], cut_at: list[int]
-              ) -> tuple[Optional[int], Optional[int]]:
-    """``(turn, tokens)``: the index in ``messages`` of the turn whose text the cut falls in (``cut_at``: the first
-    tokens cut off, found in ``ids``, the tokens of ``text``, the conversation's rendering, with their character
-    ``offsets``), and the tokens of that turn's text there. Turns are found by their text (content, else reasoning),
-    in order; where the cut tokens are not found (a piece tokenized on its own), the longest turn. ``(None, None)``
-    where no turn's text is found."""
-    from bisect import bisect_left
-
-    starts = [s for s, _e in offsets]
-    found, cursor = [], 0  # (turn, start, end) of every turn whose text is in the rendering
-    for k, m in enumerate(messages):
-        part = next((t.strip() for t in (m.get("content"), m.get("reasoning_content"))
-                     if isinstance(t, str) and t.strip()), "")
-        at = text.find(part, cursor) if part else -1
-        if at != -1:
-            found.append((k, at, at + len(part)))
-            cursor = at + len(part)
-    if not found:
-        return None, None
-    sizes = {k: bisect_left(starts, e) - bisect_left(starts, s) for k, s, e in found}
-    j = _find(ids, cut_at)
-    if j == -1:
-        k = max(sizes, key=sizes.get)
-        return k, sizes[k]
-    k = next((k for k, s, _e in reversed(found) if s <= starts[j]), found[0][0])
-    return k, sizes[k]
-
-
-def _name_cuts(samples: list, shift: int, locate) -> None:
-    """Replace each truncated sample's ``cut_at`` (:func:`truncate`) with ``cut_turn`` (the record's numbering: the
-    conversation's index less ``shift``, the default system prompt's place) and ``turn_tokens``; ``locate(cut_at)``
-    is :func:`_cut_turn` on the conversation's rendering."""
-    for ex in samples:
-        cut_at = ex.pop("cut_at", None)
-        if cut_at is not None:
-            turn, ex["turn_tokens"] = locate(cut_at)
-            ex["cut_turn"] = turn - shift if turn is not None else None
-
-
 def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, spec: PreparationSpec,
                    tools: Optional[Sequence[Optional[list]]] = None) -> list:
     """The training samples of each conversation (``spec.system_message`` applied where a conversation has no system
@@ -235,6 +172,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         (its message names the turn). This is the one place where a conversation becomes samples.
     """
     max_len, system_message, long_conversations = spec.max_len, spec.system_message, spec.long_conversations
+    splitting = long_conversations in ("split", "refuse")  # refuse: split, and refuse what split must cut in a turn
     last_reply_only, allow_dropped_content = spec.last_reply_only, spec.allow_dropped_content
     from sft.data.chat import Encoded, _Renderer, labels_from_spans
     from sft.data.split_turns import split_turns
@@ -255,6 +193,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     closing = frozenset(tokenizer.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot_id
     out: list = [None] * len(conversations)
     general = set()  # conversations planned reply by reply (split for length by sft.data.split_turns)
+    plans: dict = {}  # their whole plans, in split mode: split_turns takes the replies of its first piece from them
     texts, owners = [], []  # texts to tokenize; per text (conversation, spans, splittable)
     for i, (messages, tl) in enumerate(zip(conversations, tools)):
         # plain once the template's form of reasoning is in place (inside the content, for ChatML, SmolLM2, ...)
@@ -298,6 +237,8 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             conversations[i] = shown
         else:
             general.add(i)
+            if splitting:
+                plans[i] = p
         for text, spans, _last in p.samples:
             texts.append(text)
             owners.append((i, spans, whole, sum(n for _t, _w, n in p.dropped)))
@@ -308,18 +249,23 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             continue
         try:
             full = Encoded(ids, labels_from_spans(ids, offs, spans, closing), text, offs, spans)
-            pieces, cut = (([full], 0) if not whole or long_conversations != "split" or len(ids) <= max_len
+            pieces, cut = (([full], 0) if not whole or not splitting or len(ids) <= max_len
                            else split_conversation(tokenizer, conversations[i], eot_id, max_len, full))
         except TemplateError as e:
             out[i] = e
             continue
+        if cut and long_conversations == "refuse":  # a user turn too long to fit with its reply
+            turn, n = longest_pair(text, offs, conversations[i])
+            out[i] = too_long(turn - (len(conversations[i]) - len(given[i])) if turn is not None else None, n,
+                               max_len, "a user turn")
+            continue
         first = out[i] is None
         new = [dict(truncate(a, b, max_len), user_cut=cut if first and k == 0 else 0)
                for k, (a, b) in enumerate(pieces)]
-        resplit = i in general and long_conversations == "split"  # its samples are replaced below when too long
+        resplit = i in general and splitting  # its samples are replaced below when too long
         if not resplit:  # a truncated sample names the turn it was cut in, never silently
-            _name_cuts(new, len(conversations[i]) - len(given[i]),
-                       lambda cut_at: _cut_turn(text, ids, offs, conversations[i], cut_at))
+            name_cuts(new, len(conversations[i]) - len(given[i]),
+                       lambda cut_at: cut_turn(text, ids, offs, conversations[i], cut_at))
         elif len(ids) > max_len and len(text) > len(longest.get(i, "")):
             longest[i] = text
         out[i] = (out[i] or []) + new
@@ -332,10 +278,10 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     for i, n in lengths.items():
         if isinstance(out[i], list):  # what the template's rewriting cost: samples and tokens beyond the last one
             out[i][0]["extra_samples"], out[i][0]["extra_tokens"] = len(n) - 1, sum(n) - n[-1]
-        if i in general and long_conversations == "split" and isinstance(out[i], list) and max(n) > max_len:
+        if i in general and splitting and isinstance(out[i], list) and max(n) > max_len:
             try:
                 pieces = split_turns(tokenizer, conversations[i], tools[i], stops, closing, max_len,
-                                     trained_turns(conversations[i], last_reply_only))
+                                     trained_turns(conversations[i], last_reply_only), plans.get(i))
             except TemplateError as e:
                 out[i] = e
                 continue
@@ -344,8 +290,13 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             out[i][0]["dropped"] = dropped
             if any("cut_at" in ex for ex in out[i]):  # rare: a unit too long by itself; its rendering tokenized again
                 enc = tokenizer(longest[i], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-                _name_cuts(out[i], len(conversations[i]) - len(given[i]), lambda cut_at: _cut_turn(
+                name_cuts(out[i], len(conversations[i]) - len(given[i]), lambda cut_at: cut_turn(
                     longest[i], enc["input_ids"], enc["offset_mapping"], conversations[i], cut_at))
+    if long_conversations == "refuse":  # a turn that split had to cut: the conversation is refused, naming it
+        for i, samples in enumerate(out):
+            cut = next((ex for ex in samples if ex["truncated"]), None) if isinstance(samples, list) else None
+            if cut is not None:
+                out[i] = too_long(cut.get("cut_turn"), cut.get("turn_tokens"), max_len, "a turn")
     return out
 
 

@@ -23,7 +23,8 @@ class PreparationSpec:
             ``"skip"``: it is dropped and counted (``--on_bad_record``).
         lazy: True: the shards hold the validated records and a sample is encoded when it is read
             (``--lazy_preprocess``; default False).
-        long_conversations: ``"split"`` (default) or ``"truncate"``: what becomes of a conversation longer than
+        long_conversations: ``"split"`` (default), ``"truncate"`` or ``"refuse"`` (split, and a turn split would
+            cut refuses its conversation): what becomes of a conversation longer than
             ``max_len`` (``--long_conversations``, as :attr:`DataArguments.long_conversations_mode` resolves it);
             with ``lazy`` always ``"truncate"``, whatever is given here.
         cache_dir: the folder of the prepared shards (``--data_cache_dir``); None (default):

@@ -26,7 +26,7 @@ from bisect import bisect_right
 from typing import Optional, Sequence
 
 from sft.data.shared_prefix import tokenize_shared
-from sft.data.turns import plan, render_with_tools
+from sft.data.turns import TurnPlan, ends_at_next_role, plan, render_with_tools
 
 
 def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
@@ -39,13 +39,16 @@ def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
 
 
 def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequence[str], closing, max_len: int,
-                trained: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+                trained: Sequence[int], whole: Optional[TurnPlan] = None) -> list[tuple[list[int], list[int]]]:
     """The pieces of one conversation as ``[(input_ids, labels), ...]`` (see the module docstring).
 
     Args:
         messages: validated messages (the default system prompt applied); ``tools``: the record's tools or None.
         stops / closing: the texts / ids of the tokens that close a reply (:func:`sft.data.turns.stop_tokens`).
         trained: indices of the assistant turns to train (:func:`sft.data.turns.trained_turns`).
+        whole: the whole conversation's plan (:func:`sft.data.turns.plan` of ``messages``), if made: a piece that
+            starts with the conversation takes its replies from it instead of rendering them again (as a piece
+            does from an earlier piece with the same first unit, after an overflow).
 
     Raises:
         TemplateError: as :func:`sft.data.turns.plan`, for a piece.
@@ -61,10 +64,26 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
                for u, (a, _b) in enumerate(units)]
 
     memo: dict = {}  # cut -> its samples: the plan is made again after an overflow, most cuts stay
+    # what plan found per reply, kept across pieces: (first context unit, the reply's index in the piece, whether the
+    # piece has the message after it) -> plan's result. Pieces with the same first unit hold the same messages up to
+    # each reply (the trained flags aside, which the template does not see), so a reply renders alike in all of them;
+    # where its end is read off the next message (sft.data.turns.ends_at_next_role) only if that message is there too
+    next_role = ends_at_next_role(tokenizer)
+    replies: dict = {}
+    if whole is not None and messages[units[0][0]]["role"] != "tool":  # a piece from unit 0: the conversation's start
+        replies.update(((0, k, next_role and k + 1 < len(messages)), r) for k, r in whole.replies.items())
+
+    def plan_piece(c: int, i: int, j: int) -> list:
+        msgs = piece(c, i, j)
+        key = [(c, k, next_role and k + 1 < len(msgs)) for k in range(len(msgs))]
+        p = plan(tokenizer, msgs, tools, stops, known={k: replies[key[k]] for k in range(len(msgs))
+                                                        if key[k] in replies}, count_dropped=False)
+        replies.update((key[k], r) for k, r in p.replies.items())
+        return p.samples
 
     def encode_all(cuts) -> list[list[tuple[list[int], list[int]]]]:
         todo = [cut for cut in dict.fromkeys(cuts) if cut not in memo]
-        planned = [plan(tokenizer, piece(*cut), tools, stops).samples for cut in todo]
+        planned = [plan_piece(*cut) for cut in todo]
         texts = [t for samples in planned for t, _s, _l in samples]
         enc = tokenize_shared(tokenizer, texts, [k for k, samples in enumerate(planned) for _ in samples])
         at = 0

@@ -50,6 +50,7 @@ class TurnPlan:
 
     samples: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
+    replies: dict = field(default_factory=dict)  # per trained reply, what plan found (plan's ``known``)
 
 
 def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool = False) -> str:
@@ -124,13 +125,18 @@ def trained_turns(messages: Sequence[dict], last_reply_only: bool = False) -> li
 
 
 def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequence[str],
-         last_reply_only: bool = False) -> TurnPlan:
+         last_reply_only: bool = False, known: Optional[dict] = None, count_dropped: bool = True) -> TurnPlan:
     """The samples of one conversation by the definition (module docstring).
 
     Args:
         messages: validated message dicts (:mod:`sft.data.messages`), the default system prompt applied.
         tools: the record's tool schemas, or None.
         stops: the texts of the tokens that close a reply (:func:`stop_tokens`); a reply ends at the first of them.
+        known: per reply index, its result from another plan whose messages up to that reply (and the next
+            message, for a template whose replies end at the next role's token) are these (:attr:`TurnPlan.replies`:
+            :mod:`sft.data.split_turns` reuses the whole conversation's plan for a piece that starts with it);
+            those replies are not rendered again.
+        count_dropped: False: leave :attr:`TurnPlan.dropped` empty (a caller that does not read it).
 
     Raises:
         TemplateError: the template cannot render the conversation (its own message), renders a reply's context
@@ -140,57 +146,70 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
     """
     shown = template_messages(tokenizer, messages)
     info, empty = {}, []
-    source = tokenizer.chat_template or ""
+    out = TurnPlan()
     for k in trained_turns(messages, last_reply_only):
-        reasoning = messages[k].get("reasoning_content") or ""
-        try:
-            prompt = render_with_tools(tokenizer, shown[:k], tools, generation_prompt=True)
-            full = render_with_tools(tokenizer, shown[:k + 1], tools)
-            bare = ((lambda: render_with_tools(tokenizer, shown[:k] + [_without_reasoning(messages[k])], tools))
-                    if reasoning else (lambda: full))
-            last = (shown[k - 1].get("content") or "").strip() if k else ""
-            prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last)
-        except TemplateError as e:
-            raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
-                          "another template") from None
-        except Diverges as e:
-            c = e.at
-            off = re.search(r"</[^<>\s]*(?:think|thought|reason)[^<>\s]*>\s*\Z", prompt, re.IGNORECASE)
-            if reasoning and off:  # Laguna-XS: <assistant>\n</think> by default, <think> with enable_thinking
-                switch = (" (--chat_template_kwargs '{\"enable_thinking\": true}': this template reads it)"
-                          if "enable_thinking" in source else "")
-                raise refusal(k, f"the chat template's generation prompt for this reply ends with {off[0].strip()!r} "
-                              "alone: reasoning switched off, so the model generates no reasoning after it, and this "
-                              "reply has some", f"switch the template's reasoning on{switch}, or remove the reply's "
-                              "reasoning_content") from None
-            raise refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
-                          f"its rendering of the reply has {full[c:c + 40]!r} there, so what the model generates "
-                          "after the prompt is not defined", "use a template whose replies continue its generation "
-                          "prompt") from None
-        rendered, full = full, prompt + reply
-        ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]  # after the block's close
-        if not ends and ends_at_next_role(tokenizer) and not full[len(prompt) + own:].endswith(tuple(stops)):
-            full += _next_role(tokenizer, shown, k, tools, rendered, stops)
-            ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]
-        if not ends:
-            raise refusal(k, f"the chat template does not close this reply with its end-of-turn token "
-                          f"({' or '.join(stops)})", "use a template whose replies end with one")
-        end, stop = min(ends)
-        if not reasoning and not full[len(prompt) + own:end].strip():  # the template writes nothing of this reply:
-            m = messages[k]  # dropped, not trained
-            empty.append((k, " and ".join(f"tool call {c['function']['name']}" for c in m.get("tool_calls", ()))
-                          or "content", len(m["content"]) + len(json.dumps(m.get("tool_calls", "")))))
-            continue
-        info[k] = (full, len(prompt), end, end + len(stop))
-    out, todo = TurnPlan(), sorted(info, reverse=True)
+        got = known.get(k) if known else None
+        out.replies[k] = got = got or _reply(tokenizer, messages, shown, k, tools, stops)
+        if got[0] == "empty":
+            empty.append(got[1])
+        else:
+            info[k] = got[1]
+    todo = sorted(info, reverse=True)
     while todo:
         text = info[todo[0]][0]
         group = [j for j in todo if text.startswith(info[j][0][:info[j][3]])]
         out.samples.append((text, [info[j][1:3] for j in sorted(group)], todo[0]))
         todo = [j for j in todo if j not in group]
     out.samples.reverse()
-    out.dropped = sorted(empty + _dropped(messages, tools, info, out.samples), key=lambda x: x[0])
+    if count_dropped:
+        out.dropped = sorted(empty + _dropped(messages, tools, info, out.samples), key=lambda x: x[0])
     return out
+
+
+def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools, stops: Sequence[str]) -> tuple:
+    """Reply ``k`` of :func:`plan`: ``("info", (text, prompt_end, end, close_end))``, its sample text up to its end
+    (``text[prompt_end:end]`` trained, ``text[end:close_end]`` the stop token), or ``("empty", (k, what, chars))``
+    where the template writes nothing of it. Raises as :func:`plan`."""
+    source = tokenizer.chat_template or ""
+    reasoning = messages[k].get("reasoning_content") or ""
+    try:
+        prompt = render_with_tools(tokenizer, shown[:k], tools, generation_prompt=True)
+        full = render_with_tools(tokenizer, shown[:k + 1], tools)
+        bare = ((lambda: render_with_tools(tokenizer, shown[:k] + [_without_reasoning(messages[k])], tools))
+                if reasoning else (lambda: full))
+        last = (shown[k - 1].get("content") or "").strip() if k else ""
+        prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last)
+    except TemplateError as e:
+        raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
+                      "another template") from None
+    except Diverges as e:
+        c = e.at
+        off = re.search(r"</[^<>\s]*(?:think|thought|reason)[^<>\s]*>\s*\Z", prompt, re.IGNORECASE)
+        if reasoning and off:  # Laguna-XS: <assistant>\n</think> by default, <think> with enable_thinking
+            switch = (" (--chat_template_kwargs '{\"enable_thinking\": true}': this template reads it)"
+                      if "enable_thinking" in source else "")
+            raise refusal(k, f"the chat template's generation prompt for this reply ends with {off[0].strip()!r} "
+                          "alone: reasoning switched off, so the model generates no reasoning after it, and this "
+                          "reply has some", f"switch the template's reasoning on{switch}, or remove the reply's "
+                          "reasoning_content") from None
+        raise refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
+                      f"its rendering of the reply has {full[c:c + 40]!r} there, so what the model generates "
+                      "after the prompt is not defined", "use a template whose replies continue its generation "
+                      "prompt") from None
+    rendered, full = full, prompt + reply
+    ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]  # after the block's close
+    if not ends and ends_at_next_role(tokenizer) and not full[len(prompt) + own:].endswith(tuple(stops)):
+        full += _next_role(tokenizer, shown, k, tools, rendered, stops)
+        ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]
+    if not ends:
+        raise refusal(k, f"the chat template does not close this reply with its end-of-turn token "
+                      f"({' or '.join(stops)})", "use a template whose replies end with one")
+    end, stop = min(ends)
+    if not reasoning and not full[len(prompt) + own:end].strip():  # the template writes nothing of this reply:
+        m = messages[k]  # dropped, not trained
+        return "empty", (k, " and ".join(f"tool call {c['function']['name']}" for c in m.get("tool_calls", ()))
+                         or "content", len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))))
+    return "info", (full, len(prompt), end, end + len(stop))
 
 
 def _next_role(tokenizer, shown, k: int, tools, rendered: str, stops: Sequence[str]) -> str:

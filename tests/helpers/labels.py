@@ -14,3 +14,29 @@ def supervised_spans(tok, ids, labels) -> list[str]:
             spans.append(tok.decode(run))
             run = []
     return spans + ([tok.decode(run)] if run else [])
+
+
+def split_reused_and_fresh(tok, eot, messages, tools, max_len: int, monkeypatch) -> tuple[list, list, int, int]:
+    """:func:`sft.data.split_turns.split_turns` of one conversation twice: as preparation runs it (replies taken from
+    the whole conversation's plan and from earlier pieces with the same first unit) and with every piece planned from
+    scratch: ``(pieces, fresh pieces, renderings, fresh renderings)``."""
+    import sft.data.split_turns as split_mod
+    import sft.data.turns as turns_mod
+    from sft.data.turns import plan, stop_tokens, trained_turns
+
+    stops = stop_tokens(tok, eot)
+    closing = frozenset(tok.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot
+    whole = plan(tok, messages, tools, stops)
+    real_render, real_plan, count = turns_mod.render_with_tools, split_mod.plan, [0]
+
+    def counted(*a, **kw):
+        count[0] += 1
+        return real_render(*a, **kw)
+
+    monkeypatch.setattr(turns_mod, "render_with_tools", counted)
+    reused = split_mod.split_turns(tok, messages, tools, stops, closing, max_len, trained_turns(messages), whole)
+    renders, count[0] = count[0], 0
+    monkeypatch.setattr(split_mod, "plan", lambda tok_, m, tl, st, known=None, count_dropped=True: real_plan(
+        tok_, m, tl, st))
+    fresh = split_mod.split_turns(tok, messages, tools, stops, closing, max_len, trained_turns(messages), whole)
+    return reused, fresh, renders, count[0]

@@ -158,6 +158,14 @@ def test_memoized_sandbox_renders_and_refuses_as_transformers(smol_tok, qwen_tok
         assert expected[0] == ("refused" if refused else "ok") and (refused or expected[1] == ""), (source, expected)
         unsafe = compile_template(source)
         assert [outcome(unsafe), outcome(unsafe)] == [expected, expected], source  # the second time the memo answers
+    # a namespace's attributes (read from its dict for scalars): the same values, undefined names and refusals
+    ns = "{% set ns = namespace(i=1, s='a', n=none, l=[1], f=1.5, b=true) %}{% set ns.i = ns.i + 1 %}"
+    for source in [ns + "{{ ns.i }}{{ ns.s }}{{ ns.n }}{{ ns.l }}{{ ns.f }}{{ ns.b }}{{ ns.missing }}",
+                   ns + "{{ ns.s.upper() }}",
+                   ns + "{{ ns._Namespace__attrs }}", ns + "{{ ns.__class__.__mro__ }}", ns + "{{ ns.s.format(1) }}",
+                   "{% set ns = namespace(g=''.format) %}{{ ns.g('{0.__class__}', 1) }}"]:
+        expected, ours = outcome(_compile_jinja_template(source)), compile_template(source)
+        assert [outcome(ours), outcome(ours)] == [expected, expected], (source, expected)
 
 
 _NOT_OPAQUE = [

@@ -1,5 +1,7 @@
 """--long_conversations split: every reply supervised exactly once, cut at turn boundaries, on the real Qwen
 vocabulary (ChatML fallback) and the real SmolLM2 tokenizer (its own template and default system prompt)."""
+import re
+
 import pytest
 
 from sft.data.chat import IGNORE_INDEX, encode_conversation, with_system
@@ -170,6 +172,7 @@ def test_show_sample_prints_every_sample_of_a_split_record(tmp_path, tiny_model_
                              "--long_conversations", "truncate"]) == 0
     out = capsys.readouterr().out
     assert "sample 1 of" not in out and "truncated (" in out
+    assert re.search(r"supervised tokens lost; cut in turn \d+ \(\d+ tokens\)\)", out), out[:400]
 
 
 def test_bracket_holds_the_largest_keep_from_any_guess():

@@ -85,8 +85,12 @@ CASES = [
      "evaluation needs --eval_data_path or --eval_split_ratio"),
     ("split-with-lazy", ["--long_conversations", "split", "--lazy_preprocess", "True"],
      "--long_conversations split with --lazy_preprocess True"),
+    ("refuse-with-lazy", ["--long_conversations", "refuse", "--lazy_preprocess", "True"],
+     "--long_conversations refuse with --lazy_preprocess True"),
+    ("refuse-a-turn-too-long", ["--long_conversations", "refuse", "--model_max_length", "24"],
+     "d.jsonl, record 0, id='add', turn 0: this turn"),
     ("long-conversations-unknown", ["--long_conversations", "drop"],
-     "invalid choice: 'drop' (choose from 'split', 'truncate')"),
+     "invalid choice: 'drop' (choose from 'split', 'truncate', 'refuse')"),
     ("split-holds-out-everything", ["--eval_split_ratio", "0.999999999"], "d.jsonl: --eval_split_ratio 0.999999999 "
      "held out all 8 records, leaving none to train on"),
     ("split-holds-out-nothing", ["--eval_split_ratio", "0.000000001"], "held out none of its 8 records"),

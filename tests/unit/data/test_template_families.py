@@ -15,7 +15,7 @@ from sft.data.records import normalize_record
 from sft.data.samples import encode_samples
 from sft.data.spec import PreparationSpec
 from sft.errors import TemplateError
-from tests.helpers.labels import supervised_spans
+from tests.helpers.labels import split_reused_and_fresh, supervised_spans
 from tests.helpers.template_corpus import check_definition
 
 R1_DISTILL = ("{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
@@ -260,3 +260,28 @@ def test_a_tool_call_ends_where_the_template_writes_the_tool_results_opening(fam
     samples = trained(family_tok, GEMMA4_TOOLS, record)
     call = '<|tool_call>call:get_weather{"city": "Paris"}<tool_call|><|tool_response>'
     assert [spans for _ctx, spans in samples] == [[call], ["Yes.<turn|>"]]
+
+
+def test_glm_split_reuses_a_reply_only_where_its_next_roles_token_is_the_same(family_tok, tmp_path, monkeypatch):
+    """A GLM reply ends at the next message's role token (a call at <|observation|>), or at the end-of-turn token
+    where its piece ends with it: a reply taken from the whole plan or an earlier piece is reused only where the
+    piece has the same next message (the same pieces as planning each from scratch)."""
+    family_tok.chat_template = GLM
+    ends = family_tok.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    eot = end_of_turn_id(family_tok, model_end_ids(str(tmp_path)))
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    msgs = [m for r in range(6) for m in (
+        {"role": "user", "content": f"Rain in city {r}, and some words around it?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"c{r}", "type": "function", "function": {"name": "get_weather", "arguments": {"city": f"{r}"}}}]},
+        {"role": "tool", "tool_call_id": f"c{r}", "content": "yes"},
+        {"role": "assistant", "content": f"Yes, it rains in city {r}."})]
+    conv = normalize_record("r.jsonl", 0, {"tools": [weather], "messages": msgs})
+    reused, fresh, renders, fresh_renders = split_reused_and_fresh(family_tok, eot, conv.messages, conv.tools,
+                                                                   90, monkeypatch)
+    assert len(fresh) > 2 and renders < fresh_renders, (len(fresh), renders, fresh_renders)
+    assert reused == fresh
+    calls = {run.split("</tool_call>")[1] for ids, labels in fresh for run in supervised_spans(family_tok, ids, labels)
+             if "</tool_call>" in run}
+    assert calls == {"<|observation|>", "<|user|>"}, calls  # a call with its result in the piece, and one without

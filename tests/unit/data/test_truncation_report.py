@@ -66,3 +66,33 @@ def test_the_report_keeps_the_first_ten_across_merged_parts_and_a_default_system
     merged = TruncationReport.merge(parts)
     assert merged.truncated == 12 and len(merged.cut_turns) == 10
     assert "... (the first 10)" in "\n".join(merged.lines("train", 64))
+
+
+def test_refuse_names_the_turn_split_would_cut_and_splits_the_rest_as_split_does(qwen_tok, qwen3):
+    """--long_conversations refuse: a conversation with a turn too long to fit with its context is refused (a record
+    problem: file, record, id, turn, its size in tokens, the fix); one that split cuts at turn boundaries only is
+    split exactly as split does."""
+    from sft.data.records import normalize_record, template_problem
+    from sft.errors import TemplateError
+
+    reply, question = "word " * 300, "Summarize this: " + "lorem ipsum " * 400
+    long_reply = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                  {"role": "user", "content": "Talk."}, {"role": "assistant", "content": reply}]
+    long_user = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question},
+                 {"role": "assistant", "content": "It repeats."}]
+    fits = [m for r in range(8) for m in ({"role": "user", "content": f"Question {r}?"},
+                                          {"role": "assistant", "content": f"Answer {r}."})]
+    spec = PreparationSpec(max_len=64, long_conversations="refuse")
+    for tok, eot in (qwen_tok, qwen3):  # the fast path, then the per-turn path
+        out = encode_samples(tok, [long_reply, long_user, fits], eot, spec)
+        for messages, turn, text in ((long_reply, 3, reply), (long_user, 1, question)):
+            e = out[0 if messages is long_reply else 1]
+            assert isinstance(e, TemplateError) and e.turn == turn, (turn, e)
+            conv = normalize_record("data.jsonl", 5, {"id": "big", "messages": messages})
+            line = str(template_problem("data.jsonl", conv, e))
+            size = _tokens(tok, text.strip())
+            assert line.startswith(f"data.jsonl, record 5, id='big', turn {turn}: this turn ({size} tokens) does not "
+                                   "fit in --model_max_length 64"), line
+            assert "--long_conversations split" in line and "raise --model_max_length" in line
+        split = encode_samples(tok, [fits], eot, PreparationSpec(max_len=64))[0]
+        assert out[2] == split and len(split) > 1 and not any(ex["truncated"] for ex in split)

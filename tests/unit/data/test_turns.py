@@ -11,7 +11,7 @@ from sft.data.spec import PreparationSpec
 from sft.errors import TemplateError
 from tests.helpers import assets
 from tests.helpers.data import AGENT
-from tests.helpers.labels import supervised_spans
+from tests.helpers.labels import split_reused_and_fresh, supervised_spans
 from tests.helpers.template_corpus import check_definition
 
 
@@ -277,3 +277,20 @@ def test_split_never_trains_an_answer_without_the_call_and_result_it_answers(qwe
             if "warmest" in run:  # a final answer: the results it compares are in its context
                 assert "<tool_response>" in tok.decode(ex["input_ids"])
 
+
+@pytest.mark.parametrize("max_len", [200, 300, 500])
+def test_split_takes_replies_from_the_whole_plan_and_earlier_pieces_and_trains_the_same(qwen3, monkeypatch, max_len):
+    """split_turns reuses what the whole conversation's plan (and a piece with the same first unit, after an
+    overflow) found for a reply instead of rendering it again: the same pieces, ids and labels as planning every
+    piece from scratch, with fewer renderings."""
+    tok, eot = qwen3
+    rec = long_agent_record()
+    rec["messages"] += [m for r in range(4) for m in (
+        {"role": "user", "content": f"And now think about question {r} again, at length."},
+        {"role": "assistant", "reasoning_content": f"Round {r} again: " + "thinking " * 30, "content": f"Done {r}."})]
+    conv = normalize_record("agent.jsonl", 0, rec)
+    reused, fresh, renders, fresh_renders = split_reused_and_fresh(tok, eot, conv.messages, conv.tools, max_len,
+                                                                   monkeypatch)
+    assert len(fresh) > 2  # several pieces (at 200 a round with its tool results is longer by itself)
+    assert reused == fresh
+    assert renders < fresh_renders, (renders, fresh_renders)
