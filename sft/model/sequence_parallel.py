@@ -19,7 +19,10 @@ row apart (the per-document boundaries ``cu_seq_lens_q`` describe the whole row 
   (``torch.distributed.tensor.experimental.context_parallel``) shards one causal sequence per row for SDPA and
   cannot keep a padding-free row's documents apart. Keys and values of the whole row are held during the layer's
   attention (with GQA a fraction of the hidden states: SmolLM2-135M's 3 KV heads x 64 = 192 values per token against
-  576); the attention runs SDPA once per document piece.
+  576); the attention runs causal SDPA once per document piece, without a mask (its memory stays linear in the
+  length). A piece that starts inside its document is computed from the document's first row with placeholder
+  queries before its own, whose rows are dropped: SDPA's causal form cannot offset the queries, so a later rank
+  spends the attention FLOPs of the document's earlier part once more (the cost of keeping the memory linear).
 
 :func:`use_sequence_parallel_attention` switches a model to one of them.
 """
@@ -131,12 +134,12 @@ def all_gather_attention(sp: SequenceParallel):
                 continue
             q = query[:, :, qs - offset:qe - offset]
             k, v = key[:, :, s:qe], value[:, :, s:qe]
-            if qs == s:  # the piece starts its document: plain causal
-                parts.append(sdpa(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
-            else:  # query i (global qs + i) sees keys s .. qs + i
-                keys = torch.arange(qe - s, device=q.device)
-                mask = keys[None, :] <= (torch.arange(qe - qs, device=q.device) + (qs - s))[:, None]
-                parts.append(sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
+            if qs > s:  # query i (global qs + i) sees keys s .. qs + i: SDPA's causal form aligns queries and keys
+                # at their first rows, so the piece is preceded by qs - s placeholder queries whose rows are dropped
+                # (no [queries, keys] mask: a mask sends CPU SDPA to its math kernel, memory quadratic in the length)
+                q = torch.cat([q.new_zeros(*q.shape[:2], qs - s, q.shape[3]), q], dim=2)
+            out = sdpa(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True)
+            parts.append(out[:, :, qs - s:] if qs > s else out)
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         return out.transpose(1, 2).contiguous(), None
 
