@@ -224,6 +224,9 @@ def start_runtime(training_args) -> Runtime:
     """
 
     runtime = current_runtime()
+    # before anything starts (also in a process whose runtime started earlier): one line, exit 2, on every rank
+    check_sequence_parallel_size(training_args.sequence_parallel_size, collectives.world_size()
+                                 if collectives.initialized() else training_args.world_size)
     if runtime is None:
         die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
         if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -243,10 +246,7 @@ def start_runtime(training_args) -> Runtime:
 
         grouped = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if grouped else 1
-        if world % max(1, training_args.sequence_parallel_size):  # one line, exit 2, on every rank
-            raise ConfigError([f"--sequence_parallel_size {training_args.sequence_parallel_size}: does not divide the "
-                               f"world size {world} (nodes x processes per node); launch a multiple of "
-                               f"{training_args.sequence_parallel_size} processes or give a divisor of {world}"])
+        check_sequence_parallel_size(training_args.sequence_parallel_size, world)
         runtime = Runtime(world_size=dist.get_world_size() if grouped else 1, rank=dist.get_rank() if grouped else 0,
                           local_rank=int(os.environ.get("LOCAL_RANK", "0")) if grouped else 0, device=str(device),
                           backend=dist.get_backend() if grouped else None,
@@ -255,6 +255,14 @@ def start_runtime(training_args) -> Runtime:
         start_progress_watcher(training_args)
     init_deepspeed_comm(training_args)
     return runtime
+
+
+def check_sequence_parallel_size(size: int, world_size: int) -> None:
+    """Raise ConfigError (one line) when ``--sequence_parallel_size`` does not divide the world size."""
+    if size > 1 and world_size % size:
+        raise ConfigError([f"--sequence_parallel_size {size}: does not divide the world size {world_size} (nodes x "
+                           f"processes per node); launch a multiple of {size} processes or give a divisor of "
+                           f"{world_size}"])
 
 
 def hang_timeout_s(hang_timeout: Optional[float], ddp_timeout: float) -> float:
@@ -322,7 +330,7 @@ def init_deepspeed_comm(training_args) -> None:
     GPU, with ``--ddp_timeout``); ``init_distributed`` then reuses it. A single process started without
     torchrun gets a one-process world on loopback (DeepSpeed would otherwise look for MPI).
     """
-    if not training_args.deepspeed and training_args.sequence_parallel_size <= 1:
+    if not training_args.deepspeed and (training_args.sequence_parallel_size <= 1 or training_args.world_size <= 1):
         return
     import torch
 

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from sft.cli import train_main
 from tests.helpers.data import TOY, write_jsonl
@@ -278,6 +279,7 @@ def run_corpus_case(files, model_dir, capsys, flags, code, fragment, out=None):
             "--disable_tqdm", "True"]
     flags = [f.replace("{d}", str(files)).replace("{m}", model_dir) for f in flags]
     before = snapshot(files, model_dir)
+    launch_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
     try:
         rc = train_main(base + flags)
     except SystemExit as e:  # argparse's own exit for an unknown flag
@@ -287,6 +289,9 @@ def run_corpus_case(files, model_dir, capsys, flags, code, fragment, out=None):
     assert fragment.replace("{d}", str(files)) in err, err[-2000:]
     assert "Traceback" not in err
     assert snapshot(files, model_dir) == before, "a user file was changed"
+    # nothing of a launch left in this process for the tests after it (DeepSpeed's init_distributed writes both)
+    assert {k: os.environ.get(k) for k in launch_env} == launch_env
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
     if os.path.isdir(out):
         assert not checkpoint_dirs(str(out)) and latest_complete(str(out)) is None
     return err
