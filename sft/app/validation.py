@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 from sft.config.deepspeed import EXAMPLE, mismatch_problems
 from sft.data.sources import folder_problem
-from sft.distributed.process_group import NCCL_TRACE_DIR
+from sft.distributed.process_group import NCCL_TRACE_DIR, check_sequence_parallel_size
 from sft.errors import ConfigError, SFTError
 from sft.model.loading import read_chat_template, template_kwargs
 from sft.model.quantized import HUB_ID as _HUB_ID, importable, model_folder, read_quantization, training_problems
@@ -128,12 +128,6 @@ def _check_eval(data_args, training_args) -> list[str]:
     return p
 
 
-def world_problem(size: int, world_size: int) -> str:
-    """The refusal of a sequence-parallel size that does not divide the world size."""
-    return (f"--sequence_parallel_size {size}: does not divide the world size {world_size} (nodes x processes per "
-            f"node); launch a multiple of {size} processes or give a divisor of {world_size}")
-
-
 def _check_sequence_parallel(data_args, training_args) -> list[str]:
     n = training_args.sequence_parallel_size
     if n == 1:
@@ -142,8 +136,11 @@ def _check_sequence_parallel(data_args, training_args) -> list[str]:
     if n < 1:
         return [f"{flag}: must be at least 1 (1: off)"]
     world = training_args.world_size
-    if world % n and "WORLD_SIZE" in os.environ:  # a training process; a lone check (the launcher's) cannot know
-        return [world_problem(n, world)]
+    if "WORLD_SIZE" in os.environ:  # a training process; a lone check (the launcher's) cannot know the world
+        try:
+            check_sequence_parallel_size(n, world)
+        except ConfigError as e:
+            return e.problems
     if data_args.lazy_preprocess:
         return [f"{flag} with --lazy_preprocess True: the micro batches of a sequence-parallel group are planned from "
                 "every sample's length; pass --lazy_preprocess False"]
