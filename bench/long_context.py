@@ -18,6 +18,12 @@ optimizer state and buffers do not grow with L), the job's tokens/s at step 2 (r
 N: each rank holds L / N of the row) and the loss at step 1 (equal across N within fp32 rounding when bf16 is off).
 Then, per mode, the N = 2 / N = 1 ratio of activations at each length, and the longest conversation that fits
 ``--budget_gib`` per rank extrapolated linearly from the measured activations per token (stated as extrapolated).
+
+``--memory_limit_gib X`` (root): every rank gets a memory cgroup of its own capped at X GiB (cgroup v1 or v2), as if
+each had a device of X GiB, and runs as its own torchrun node on this host (``--nnodes N --nproc_per_node 1``), so the
+memory plan reads X as what it may use and the kernel enforces it; the plan refuses (``--memory_check refuse``, the
+default, instead of ``warn``) when a rank's plan needs more than 90% of it. That is how a conversation one process
+cannot hold is shown to train on two: ``--memory_limit_gib 5 --lengths 4096 --sizes 1 2``.
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.cgroups import run_in_memory_cgroups  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, ".cache", "example", "smollm2-135m-instruct")
@@ -51,6 +61,8 @@ def parse(argv=None) -> argparse.Namespace:
                    "conversation")
     p.add_argument("--flags", default="", help="more finetune.py flags for every run (one string)")
     p.add_argument("--keep", action="store_true", help="keep the runs' folders (printed)")
+    p.add_argument("--memory_limit_gib", type=float, default=None, help="root: each rank in a memory cgroup of its "
+                   "own capped at this many GiB, as its own torchrun node (module docstring)")
     return p.parse_args(argv)
 
 
@@ -80,7 +92,8 @@ def long_conversation(tokens: int) -> dict:
     return {"id": f"long-{tokens}", "conversations": turns}
 
 
-def run_cell(work: str, model: str, mode: str, n: int, length: int, flags: list[str]) -> dict:
+def run_cell(work: str, model: str, mode: str, n: int, length: int, flags: list[str],
+             limit_gib: Optional[float] = None) -> dict:
     data = os.path.join(work, f"long-{length}.jsonl")
     if not os.path.exists(data):
         with open(data, "w") as f:
@@ -90,22 +103,31 @@ def run_cell(work: str, model: str, mode: str, n: int, length: int, flags: list[
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // n)), "SFT_CACHE_DIR": os.path.join(work, "cache")}
     args = ["--model_name_or_path", model, "--data_path", data, "--output_dir", out, "--model_max_length",
             str(length), "--long_conversations", "truncate", "--per_device_train_batch_size", "1", "--max_steps", "2",
-            "--gradient_checkpointing", "True", "--memory_check", "warn", "--save_strategy", "no", "--report_to",
+            "--gradient_checkpointing", "True", "--memory_check", "refuse" if limit_gib else "warn", "--save_strategy",
+            "no", "--report_to",
             "none", "--logging_steps", "1", "--disable_tqdm", "True", "--sequence_parallel_size", str(n),
             *MODES[mode], *flags]
     launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                                                str(n), "--master_addr", "127.0.0.1", "--master_port", "29731"]
     t0 = time.time()
-    r = subprocess.run([*launch, os.path.join(ROOT, "finetune.py"), *args], capture_output=True, text=True, env=env,
-                       cwd=ROOT)
-    log = r.stdout + r.stderr
-    cell = {"mode": mode, "n": n, "length": length, "rc": r.returncode, "wall_s": time.time() - t0}
+    if limit_gib:  # every rank its own node and its own memory cgroup
+        nodes = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--node_rank", str(i),
+                  "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", "29731",
+                  os.path.join(ROOT, "finetune.py"), *args] for i in range(n)] if n > 1 else \
+            [[sys.executable, os.path.join(ROOT, "finetune.py"), *args]]
+        rc, log = run_in_memory_cgroups(nodes, int(limit_gib * 2 ** 30), env, ROOT)
+    else:
+        r = subprocess.run([*launch, os.path.join(ROOT, "finetune.py"), *args], capture_output=True, text=True,
+                           env=env, cwd=ROOT)
+        rc, log = r.returncode, r.stdout + r.stderr
+    cell = {"mode": mode, "n": n, "length": length, "rc": rc, "wall_s": time.time() - t0}
     for key, pattern, group in (("plan", PLAN, 1), ("loading", PEAKS, 1), ("training", PEAKS, 2),
                                 ("per_device_tok_s", SPEED, 1), ("loss", LOSS, 1)):
         m = pattern.search(log)
         cell[key] = float(m.group(group)) if m else None
-    if r.returncode != 0:
-        cell["error"] = [ln for ln in log.splitlines() if ln.strip()][-1:]
+    if rc != 0:
+        refusal = next((ln for ln in log.splitlines() if "does not fit in memory" in ln), None)
+        cell["error"] = [refusal] if refusal else [ln for ln in log.splitlines() if ln.strip()][-1:]
     return cell
 
 
@@ -128,7 +150,8 @@ def main(argv=None) -> int:
             for n in a.sizes:
                 base = None
                 for length in lengths:
-                    c = run_cell(work, a.model, mode, n, length, a.flags.split())
+                    c = run_cell(work, a.model, mode, n, length, a.flags.split(), a.memory_limit_gib)
+                    width = 600 if a.memory_limit_gib else 120  # a refusal in full
                     if base is None and c["training"] is not None:
                         base = c["training"]
                     c["activations"] = c["training"] - base if c["training"] is not None and base is not None \
@@ -138,7 +161,7 @@ def main(argv=None) -> int:
                     print(f"{mode:5} {n:>2} {length:>7} {c['rc']:>3} {show(c['plan']):>9} {show(c['loading']):>9} "
                           f"{show(c['training']):>10} {show(c['activations']):>8} "
                           f"{show(c['job_tok_s'], '{:.0f}'):>8} {show(c['loss'], '{:.4f}'):>7} "
-                          f"{c['wall_s']:>7.0f}  {' '.join(c.get('error', []))[:120]}", flush=True)
+                          f"{c['wall_s']:>7.0f}  {' '.join(c.get('error', []))[:width]}", flush=True)
         print()
         for mode in a.modes:
             by = {(c["n"], c["length"]): c for c in cells if c["mode"] == mode}

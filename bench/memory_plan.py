@@ -104,8 +104,8 @@ def worker(a: argparse.Namespace) -> dict:
     register()
     use_packed_attention(model)
     model.train()
-    loaded = resident_bytes()
-    held = held_and_available(torch.device("cpu"))  # as sft-train: before the probe
+    held = held_and_available(torch.device("cpu"), model=model)  # as sft-train: before the probe
+    loaded = held[0]  # the resident set after loading, weights paged in
     probe = measure_saved_bytes(model)
     planned = plan(model, tokens=tokens, checkpointing=checkpointing, optim="adamw_torch", supervised_head=True,
                    lora_dropout=lora and a.lora_dropout > 0, held_available=held, measured=probe)

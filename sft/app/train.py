@@ -239,7 +239,7 @@ def plan_memory(model, train_ds, data_args, training_args, lora_args, settings: 
     if parallel.world_size > 1 and not t.deepspeed and not t.fsdp:
         fixes.append(f"--deepspeed finetune/ds_config_zero2.json (optimizer state and gradients sharded over the "
                      f"{parallel.world_size} processes)")
-    held = held_and_available(torch.device(t.device), parallel.local_world_size)  # before the probe: the step
+    held = held_and_available(torch.device(t.device), parallel.local_world_size, model)  # before the probe: the step
     measured = None if t.deepspeed and t.parsed.zero_stage == 3 else probe_logged(model)  # reuses the probe's memory
     lora_dropout = bool(t.use_lora and lora_args.lora_dropout > 0)
 

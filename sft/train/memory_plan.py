@@ -5,7 +5,9 @@ refusal (exit 2) with the fixes when even that does not fit.
 The planned peak (bytes) is the sum of
 * ``weights``: what the process holds after loading the model: ``torch.cuda.memory_allocated`` on CUDA; on CPU the
   resident set (``VmRSS``, so it also counts the libraries and the tokenizer);
-* ``gradients``: one per trainable parameter in its dtype (sharded by the world size under ZeRO-2/3 and FSDP);
+* ``gradients``: one per trainable parameter in its dtype (sharded by the world size under ZeRO-2/3 and FSDP; twice
+  under DDP, whose reducer copies them into its communication buckets: ``gradient_as_bucket_view`` is off in
+  accelerate's ``DistributedDataParallelKwargs``, the Trainer's);
 * ``optimizer``: the optimizer's state per trainable parameter (:func:`optimizer_state_bytes`; under DeepSpeed an
   fp32 master copy and fp32 Adam moments, sharded by the world size from ZeRO-1 on), created at the first optimizer
   step, so step 2 is the first that holds it next to activations;
@@ -16,13 +18,14 @@ The planned peak (bytes) is the sum of
   of at most ``MAX_LOGIT_ELEMENTS`` (every token of the micro batch taken as supervised, an upper bound: the plan does
   not know the labels); at every position, the logits, their fp32 upcast and fp32 gradient.
 
-Available (bytes): CUDA: free device memory + what this process already allocated (``torch.cuda.mem_get_info``);
-CPU: the resident set + ``MemAvailable`` (``/proc/meminfo``, or the cgroup's ``memory.max - memory.current`` when
-smaller) divided among the processes of this node. A plan fits when it is at most :data:`FIT` of available; the
-rest is left to the allocator's caching and fragmentation. With several processes every rank plans, and the
-decision (checkpointing on, refusal) is taken on the worst rank, so all ranks take the same one. A refusal names the
-fixes: the token budget that fits, checkpointing, the smallest sequence-parallel size that fits
-(:func:`fitting_sequence_parallel`), and the caller's (LoRA, a ZeRO stage).
+Available (bytes): CUDA: free device memory + what this process already allocated (``torch.cuda.mem_get_info``); CPU:
+the resident set + ``MemAvailable`` (``/proc/meminfo``, or what this process's memory cgroup, v1 or v2, still lets it
+take when smaller: :func:`sft.train.host_memory.cgroup_room`) divided among the processes of this node, and never more
+than that cgroup's limit divided among them. A plan fits when it is at most :data:`FIT` of available; the rest is left
+to the allocator's caching and fragmentation. With several processes every rank plans, and the decision (checkpointing
+on, refusal) is taken on the worst rank, so all ranks take the same one. A refusal names the fixes: the token budget
+that fits, checkpointing, the smallest sequence-parallel size that fits (:func:`fitting_sequence_parallel`), and the
+caller's (LoRA, a ZeRO stage).
 
 Activations per token. What autograd keeps for backward is measured where the model can run a forward pass on its
 training device before the Trainer wraps it (:func:`measure_saved_bytes`: 256 tokens through the real modules, casts,
@@ -35,16 +38,18 @@ layer's input cast to the adapter's dtype, a dropout mask and output when ``lora
 fp32 the count is within 4% of the probe (1,360 vs 1,311 KiB per token; with LoRA r 16, dropout 0.05: 2,091 vs
 2,033). Then:
 
-* without checkpointing, that times :data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen):
+* without checkpointing, that times :data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen,
+  by the activations' dtype):
   a step's activations at their peak (the activations' gradients in backward, the allocator's slack) over what the
   probe sees kept;
 * with checkpointing of every decoder layer, every layer's input (layers x hidden x the activation dtype's bytes)
-  plus :data:`CHECKPOINTED_LAYERS` layers' worth of what the probe sees one layer keep (theory says two: the layer
-  recomputed and its backward), never more than without checkpointing.
+  plus :data:`CHECKPOINTED_LAYERS` (:data:`CHECKPOINTED_LAYERS_FROZEN`; by the activations' dtype) layers' worth of
+  what the probe sees one layer keep (theory says two: the layer recomputed and its backward; CPU allocators keep
+  more), never more than without checkpointing.
 
-The three factors and the head's bytes are measured (``bench/memory_plan.py``: one step per configuration in a
-fresh process, its ``VmHWM`` against the plan; table in docs/benchmarks.md#memory-plan) on one CPU, SmolLM2-135M, bf16;
-not yet on a GPU, whose caching allocator keeps other slack.
+The four factors and the head's bytes are measured (``bench/memory_plan.py``: one step per configuration in a
+fresh process, its ``VmHWM`` against the plan; table in docs/benchmarks.md#memory-plan) on one CPU, SmolLM2-135M, fp32
+and bf16; not yet on a GPU, whose caching allocator keeps other slack.
 
 The module is over 400 lines because each factor keeps its derivation and measurement next to it, and the plan, the
 probe that measures a model's saved bytes and the fitting rules (budget, checkpointing, sequence-parallel size) are
@@ -63,26 +68,34 @@ import torch
 from sft.distributed.collectives import gather_objects, rank as global_rank
 from sft.errors import SFTError
 from sft.model.loss import MAX_LOGIT_ELEMENTS
+from sft.train.host_memory import cgroup_room, page_in, trim_heap
 
 logger = logging.getLogger("sft")
 
 GIB = 2 ** 30
 FIT = 0.9  # a plan fits when it needs at most this share of the available memory
-# Measured with bench/memory_plan.py's worker (docs/benchmarks.md#memory-plan): SmolLM2-135M-Instruct on a 2-core
-# Intel Xeon with AMX (bf16 weights and autocast, as --bf16 auto chooses there), one padding-free step of 2,048 and
-# 8,192 tokens (half of them supervised) in a fresh process; a step's activations = its VmHWM - the resident set after
-# loading - gradients - AdamW's two moments - the LM head (HEAD_BYTES_PER_LOGIT, measured alone). Without
-# checkpointing, those over what the probe sees autograd keep (the activations' gradients in backward, the allocator's
-# slack): full fine-tuning 1.38 (2k) and 1.43 (8k);
-BACKWARD_FACTOR = 1.4
-# with a frozen base (LoRA r 64, dropout 0.05) 0.99 (2k) and 1.16 (8k).
-BACKWARD_FACTOR_FROZEN = 1.2
+# Measured on a 2-core Intel Xeon with AMX, SmolLM2-135M-Instruct, fp32 and bf16 (weights and autocast), weights paged
+# in and the heap trimmed before the step and after each one (docs/benchmarks.md#memory-plan): bench/memory_plan.py's
+# worker (one padding-free step of 2,048 or 8,192 tokens in documents of 512, every token supervised, after AdamW's
+# state exists) and sft-train runs of one conversation of 1,024 to 8,192 tokens (bench/long_context.py, step 2's
+# peak). A step's activations = its VmHWM - the resident set after loading - gradients - AdamW's two moments - the
+# LM head (HEAD_BYTES_PER_LOGIT, measured alone). Keyed by the activations' bytes per element (2: bf16/fp16, 4: fp32).
+# Without checkpointing, those over what the probe sees autograd keep (the activations' gradients in backward, the
+# allocator's slack): full fine-tuning 1.20 (fp32) and 1.36 (bf16) at 2k;
+BACKWARD_FACTOR = 1.3
+# with a frozen base (LoRA r 64, dropout 0.05) 1.56 (fp32) and 0.99 (bf16) at 2k.
+BACKWARD_FACTOR_FROZEN = {2: 1.0, 4: 1.55}
 # With gradient checkpointing every layer's input is kept (layers x hidden x activation bytes per token) and one layer
-# at a time is recomputed and run backward: theory says 2 layers' worth of what the probe sees one layer keep; at 8,192
-# tokens the step held the inputs plus 5.7 (full) and 5.9 (LoRA) layers' worth (at 2,048, where the fixed parts
-# dominate: 2.8 and 9). The excess over theory is not explained; the CPU allocator keeping the pages of freed
-# recomputations is a guess, not checked. Not yet measured on a GPU.
-CHECKPOINTED_LAYERS = 6
+# at a time is recomputed and run backward: theory says 2 layers' worth of what the probe sees one layer keep. Full
+# fine-tuning held the inputs plus 2.0-2.5 layers' worth in bf16 (worker at 8k and 2k; sft-train at 4k: 2.5 plans
+# within 3%), and 2.7-4.3 (worker at 8k, documents of 512 and one of 8,192) to 6.1 (sft-train at 4k) in fp32;
+CHECKPOINTED_LAYERS = {2: 2.5, 4: 6.0}
+# with a frozen base 5.4 (sft-train, LoRA r 16 at 4k) and 7.0 (worker, r 64 and dropout at 8k) in bf16; in fp32 11
+# (worker) and 18 (sft-train, whose "layer" is smaller: no dropout, r 16). On CPU glibc keeps the freed pages of
+# the recomputed layers in its heap within a step (with MALLOC_MMAP_THRESHOLD_=1048576, which returns them, the fp32
+# worker step at 2,048 tokens held about 4.4 layers, and ran 1.3x slower). Not yet measured on a GPU, whose caching
+# allocator keeps other slack.
+CHECKPOINTED_LAYERS_FROZEN = {2: 7.0, 4: 15.0}
 # The LM head at supervised positions (sft.model.loss): bytes per logit of one chunk at the peak of its backward (the
 # logits in the compute dtype, their fp32 upcast, the log-softmax and its gradient, less what is freed on the way):
 # measured 12.2 (bf16 autocast) and 12.4-12.6 (fp32) with SmolLM2's 49,152-token vocabulary, 1,024 and 4,096 supervised
@@ -138,9 +151,9 @@ def activation_bytes_per_token(config, act_bytes: int, checkpointing: bool, lora
 def optimizer_state_bytes(optim: str, trainable_bytes: int, trainable: int) -> int:
     """Bytes of optimizer state for ``trainable`` parameters holding ``trainable_bytes`` bytes, by transformers'
     ``--optim`` name: 8-bit optimizers 2 bytes per parameter, Adafactor and plain SGD about nothing, Adagrad, Lion and
-    SGD with momentum one copy, every other one (AdamW and its variants) three copies in the parameters' dtype: torch's
-    AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the parameter, and its multi-tensor step writes
-    ``sqrt(exp_avg_sq)`` into new tensors of that size."""
+    SGD with momentum one copy, every other one (AdamW and its variants) two copies in the parameters' dtype: torch's
+    AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the parameter (its step's temporaries:
+    :func:`optimizer_step_bytes`)."""
     name = str(getattr(optim, "value", optim)).lower()
     if "8bit" in name:
         return 2 * trainable
@@ -148,7 +161,17 @@ def optimizer_state_bytes(optim: str, trainable_bytes: int, trainable: int) -> i
         return 0
     if "adagrad" in name or "lion" in name or "rmsprop" in name:
         return trainable_bytes
-    return 3 * trainable_bytes
+    return 2 * trainable_bytes
+
+
+def optimizer_step_bytes(optim: str, trainable_bytes: int) -> int:
+    """Bytes the optimizer step allocates for a moment, after backward has freed the activations and the LM head:
+    torch's multi-tensor AdamW writes ``sqrt(exp_avg_sq)`` of every parameter into new tensors (``_foreach_sqrt`` in
+    ``torch/optim/adamw.py``), one copy; 0 for the optimizers :func:`optimizer_state_bytes` counts one copy or less."""
+    name = str(getattr(optim, "value", optim)).lower()
+    if "8bit" in name or "adafactor" in name or name == "sgd" or any(k in name for k in ("adagrad", "lion", "rmsprop")):
+        return 0
+    return trainable_bytes
 
 
 def _kib_field(path: str, key: str) -> Optional[int]:
@@ -160,34 +183,34 @@ def _kib_field(path: str, key: str) -> Optional[int]:
         return None
 
 
-def _cgroup_free() -> Optional[int]:
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            return None if limit == "max" else max(0, int(limit) - int(f.read().strip()))
-    except (OSError, ValueError):
-        return None
-
-
 def resident_bytes() -> int:
     """This process's resident set now (``VmRSS``), bytes; 0 where ``/proc`` has none."""
     return _kib_field("/proc/self/status", "VmRSS") or 0
 
 
-def held_and_available(device: torch.device, local_world_size: int = 1) -> tuple[int, int, str]:
+def held_and_available(device: torch.device, local_world_size: int = 1, model=None) -> tuple[int, int, str]:
     """``(held, available, what)`` in bytes: what this process holds now and the most it may hold (module docstring);
-    ``what`` names the two for the log line."""
+    ``what`` names the two for the log line. On CPU, ``model``'s weights are paged in and the heap's free memory given
+    back first (:func:`sft.train.host_memory.page_in`, :func:`sft.train.host_memory.trim_heap`), so that the resident
+    set is what the step will hold."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         held = int(torch.cuda.memory_allocated(device))
         return held, int(free) + held, f"{device} memory (allocated + free)"
+    if model is not None:
+        page_in(model)
+    trim_heap()
     held = resident_bytes()
-    free = [v for v in (_kib_field("/proc/meminfo", "MemAvailable"), _cgroup_free()) if v is not None]
+    room = cgroup_room()
+    free = [v for v in (_kib_field("/proc/meminfo", "MemAvailable"), room and room[0]) if v is not None]
     if not free:
         return held, 0, "host memory (unknown)"
-    share = f" / {local_world_size} processes on this node" if local_world_size > 1 else ""
-    return held, held + min(free) // max(1, local_world_size), f"host memory (resident + available{share})"
+    n = max(1, local_world_size)
+    share = f" / {n} processes on this node" if n > 1 else ""
+    available = held + min(free) // n
+    if room is not None and room[1] // n < available:  # the cgroup's limit bounds it too (host_memory.cgroup_room)
+        return held, room[1] // n, f"memory cgroup limit{share}"
+    return held, available, f"host memory (resident + available{share})"
 
 
 @dataclass
@@ -208,6 +231,7 @@ class MemoryPlan:
     world_size: int = 1
     head_per_token: int = 0  # the LM head's bytes per token of this rank, up to head_max (0: the head as it is)
     head_max: Optional[int] = None
+    optimizer_step: int = 0  # what the optimizer step allocates for a moment, once activations and head are freed
 
     def head_for(self, rank_tokens: int) -> int:
         """The LM head's bytes for ``rank_tokens`` tokens on this rank."""
@@ -222,8 +246,13 @@ class MemoryPlan:
         return -(-self.tokens // max(1, self.sequence_parallel))
 
     @property
+    def fixed(self) -> int:
+        """What does not depend on the micro batch: weights + gradients + optimizer state."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
     def peak(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.head
+        return self.fixed + max(self.activations + self.head, self.optimizer_step)
 
     @property
     def fits(self) -> bool:
@@ -287,6 +316,8 @@ def measure_saved_bytes(model, tokens: int = PROBE_TOKENS) -> Optional[tuple[flo
         return None
     finally:
         model.train(was_training)
+        if device.type == "cpu":
+            trim_heap()  # the saved tensors are freed; without this glibc keeps their pages resident into training
     total = sum(saved.values()) / tokens
     return total, total / max(1, layers)
 
@@ -340,12 +371,16 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     sp = max(1, int(parallel.sequence_parallel))
     rank_tokens = math.ceil(int(tokens) / sp)  # this rank's share of the micro batch's tokens
     gradients = trainable_bytes // w if (fsdp or zero_stage >= 2) else trainable_bytes
+    if w > 1 and not deepspeed and not fsdp:  # DDP's reducer holds them again in its buckets (module docstring)
+        gradients *= 2
     if deepspeed:  # fp32 master weights and fp32 moments (ZeRO's mixed precision), partitioned from stage 1
         optimizer = (4 * n_trainable + optimizer_state_bytes(optim, 4 * n_trainable, n_trainable))
         optimizer = optimizer // w if zero_stage >= 1 else optimizer
+        optimizer_step = 0
     else:
         optimizer = optimizer_state_bytes(optim, trainable_bytes, n_trainable)
-        optimizer = optimizer // w if fsdp else optimizer
+        optimizer_step = optimizer_step_bytes(optim, trainable_bytes)
+        optimizer, optimizer_step = (optimizer // w, optimizer_step // w) if fsdp else (optimizer, optimizer_step)
     weights = held
     if fsdp and w > 1:  # loaded whole, sharded when training starts
         weights = held - sum(numel(p) * p.element_size() for p in params) * (w - 1) // w
@@ -365,9 +400,11 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
         saved_off = activation_bytes_per_token(config, act_bytes, False, lora_bytes, lora_dropout and bool(lora))
         layer = saved_off / layers
     frozen_base = sum(numel(p) for p in params) > 2 * n_trainable  # adapters, not the weights, are trained
-    per_token = int(saved_off * (BACKWARD_FACTOR_FROZEN if frozen_base else BACKWARD_FACTOR))
+    key = 2 if act_bytes <= 2 else 4
+    per_token = int(saved_off * (BACKWARD_FACTOR_FROZEN[key] if frozen_base else BACKWARD_FACTOR))
     if checkpointing:  # every layer's input, and what one layer's recomputation and backward take (module docstring)
-        per_token = min(per_token, int(layers * act_bytes * h + CHECKPOINTED_LAYERS * layer))
+        kept = (CHECKPOINTED_LAYERS_FROZEN if frozen_base else CHECKPOINTED_LAYERS)[key]
+        per_token = min(per_token, int(layers * act_bytes * h + kept * layer))
     vocab = _dim(config, "vocab_size", default=0)
     # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS logits (every token taken as supervised: an upper bound)
     if supervised_head:
@@ -378,7 +415,8 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     return MemoryPlan(weights=int(weights), gradients=int(gradients), optimizer=int(optimizer),
                       activations=int(per_token * rank_tokens), head=int(head), tokens=int(tokens),
                       per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where,
-                      sequence_parallel=sp, world_size=w, head_per_token=int(head_per_token), head_max=head_max)
+                      sequence_parallel=sp, world_size=w, head_per_token=int(head_per_token), head_max=head_max,
+                      optimizer_step=int(optimizer_step))
 
 
 def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
@@ -391,8 +429,10 @@ def fitting_tokens(p: MemoryPlan) -> int:
     """The most tokens a micro batch may hold for ``p`` to fit (0 when nothing fits): the most one rank's activations
     may hold, times ``p.sequence_parallel``. The LM head's part is taken as it is (at supervised positions it is one
     chunk whatever the tokens, else it only shrinks with them)."""
-    room = FIT * p.available - (p.peak - p.activations)
-    return max(0, int(room // p.per_token)) * p.sequence_parallel if p.per_token > 0 else 0
+    room = FIT * p.available - p.fixed - p.head
+    if p.per_token <= 0 or p.fixed + p.optimizer_step > FIT * p.available:
+        return 0
+    return max(0, int(room // p.per_token)) * p.sequence_parallel
 
 
 def fitting_sequence_parallel(p: MemoryPlan) -> Optional[int]:
@@ -401,12 +441,11 @@ def fitting_sequence_parallel(p: MemoryPlan) -> Optional[int]:
     None where none does (or one process). Weights, gradients and optimizer state are taken as they are."""
     if p.per_token <= 0:
         return None
-    fixed = p.peak - p.activations - p.head
     n = 2
     while n <= p.world_size:
         rank_tokens = math.ceil(p.tokens / n)
-        if (n > p.sequence_parallel and p.world_size % n == 0
-                and fixed + p.head_for(rank_tokens) + p.per_token * rank_tokens <= FIT * p.available):
+        if (n > p.sequence_parallel and p.world_size % n == 0 and p.fixed + max(
+                p.head_for(rank_tokens) + p.per_token * rank_tokens, p.optimizer_step) <= FIT * p.available):
             return n
         n *= 2
     return None

@@ -42,6 +42,8 @@ from typing import Optional
 import torch
 from transformers import TrainerCallback
 
+from sft.train.host_memory import trim_heap
+
 logger = logging.getLogger("sft")
 
 GIB = 2 ** 30
@@ -265,6 +267,8 @@ class ThroughputCallback(TrainerCallback):
         # the peak of loading (weights, optimizer set-up) apart from the peak of the steps: the step lines below report
         # the peak since training started
         kind, self.load_peak = peak_memory_bytes(self.device)
+        if torch.device(self.device).type == "cpu":
+            trim_heap()  # what loading and set-up freed goes back to the system before the steps' peak is counted
         self.step_peak_separate = reset_peak_memory(self.device)
         if state.is_world_process_zero:
             logger.info("memory: %s %.2f GiB after loading%s", kind, self.load_peak / GIB,
@@ -289,6 +293,10 @@ class ThroughputCallback(TrainerCallback):
         self.last = {**out, "seconds": seconds, "steps": steps, "memory_kind": kind, **c}
         self.windows.append(self.last)
         return out
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.device is not None and torch.device(self.device).type == "cpu":
+            trim_heap()  # the step's freed activations go back to the system (else the next step's peak stacks on them)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:

@@ -22,6 +22,7 @@ WORKER = os.path.join(ROOT, "tests", "helpers", "sp_worker.py")
 LORA = ["--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "1e-2"]  # no dropout: the
 FULL = ["--use_lora", "False", "--learning_rate", "1e-4"]  # same masks cannot be drawn by one process and by two
 PACKED = ["--packing", "True", "--model_max_length", "160", "--per_device_train_batch_size", "2"]
+LONG_TOKENS, CGROUP_GIB = 800, 2.0  # one process holds 800 tokens: refused at 2 GiB; 400 each: trains
 EVAL = ["--eval_split_ratio", "0.25", "--eval_strategy", "steps", "--eval_steps", "3"]  # 2 of the 8 records
 
 
@@ -86,3 +87,42 @@ def test_two_ranks_per_row_train_as_one_process(reference, tmp_path, tiny_model_
     if layout != "packed":  # one row per micro batch in both runs (packed rows are flattened under N = 2)
         assert halves == [-(-n // 2) for n in whole]
     assert "data-parallel size 1 (world size 2 / sequence-parallel size 2)" in got["log"]
+
+
+def test_a_conversation_one_process_cannot_hold_trains_on_two(tmp_path, tiny_model_dir):
+    """Two processes, each its own torchrun node in a memory cgroup of its own capped at the same size (as if each had
+    a device of that size; tests/helpers/cgroups.py, root). Data parallel (N = 1, each process holding whole
+    conversations) is refused before step 1 by the memory plan on both, which names ``--sequence_parallel_size 2``;
+    with it the same two processes train. The conversations are one long reply each, every token supervised, so the
+    LM head at supervised positions (12.5 bytes per logit of the Qwen vocabulary's 151,646) is what grows with
+    the length a process holds."""
+    from tests.helpers.cgroups import run_in_memory_cgroups
+
+    reply = " ".join(f"step {i} is fine" for i in range(400))
+    data = write_jsonl(tmp_path / "long.jsonl", [{"id": f"long-reply-{i}", "messages": [
+        {"role": "user", "content": "Count."}, {"role": "assistant", "content": reply}]} for i in range(2)])
+    env = pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def two_nodes(sp: int) -> tuple[int, str]:
+        port = str(free_port())
+        args = ["--model_name_or_path", tiny_model_dir, "--data_path", data, "--model_max_length", str(LONG_TOKENS),
+                "--long_conversations", "truncate", "--per_device_train_batch_size", "1", "--max_steps", "1",
+                "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "True",
+                "--bf16", "False", "--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0",
+                "--output_dir", str(tmp_path / f"sp{sp}"), "--sequence_parallel_size", str(sp)]
+        return run_in_memory_cgroups([[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                                       str(i), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
+                                       port, os.path.join(ROOT, "finetune.py"), *args] for i in range(2)],
+                                     int(CGROUP_GIB * 2 ** 30), env, ROOT)
+
+    try:
+        rc, log = two_nodes(1)
+    except OSError as e:
+        pytest.skip(f"no memory cgroup can be made here ({e}): needs root and a cgroup file system")
+    refusal = [ln for ln in log.splitlines() if "does not fit in memory" in ln]
+    assert rc != 0 and refusal, log[-3000:]  # each rank exits 2; torchrun reports a failed child with 1
+    assert "--sequence_parallel_size 2" in refusal[0], refusal[0]
+    rc, log = two_nodes(2)
+    assert rc == 0, log[-4000:]
+    assert f"{LONG_TOKENS} tokens in the largest micro batch / 2 sequence-parallel ranks" in log
+    assert "step 1/1" in log

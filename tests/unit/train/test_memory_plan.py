@@ -99,11 +99,20 @@ def test_activations_per_token_follow_the_model_shape_and_checkpointing(llama):
 def test_plan_counts_gradients_and_adam_state_and_shards_them(llama):
     n = sum(p.numel() for p in llama.parameters())
     p1 = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch", held_available=(GIB, 8 * GIB, "test"))
-    assert (p1.gradients, p1.optimizer, p1.weights) == (4 * n, 12 * n, GIB)  # two moments and the step's temporary
-    assert p1.activations == 1000 * p1.per_token and p1.peak > GIB
+    assert (p1.gradients, p1.optimizer, p1.weights) == (4 * n, 8 * n, GIB)  # AdamW's two moments
+    assert p1.optimizer_step == 4 * n  # the step's sqrt(exp_avg_sq) temporaries, once activations are freed
+    assert p1.activations == 1000 * p1.per_token and p1.peak == GIB + 12 * n + p1.activations + p1.head
+    tiny = plan(llama, tokens=1, checkpointing=True, optim="adamw_torch", held_available=(GIB, 8 * GIB, "test"))
+    assert tiny.activations + tiny.head < tiny.optimizer_step and tiny.peak == GIB + 16 * n  # the step is the peak
     p2 = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch",
               parallel=ParallelShape(world_size=4, zero_stage=2, deepspeed=True), held_available=(GIB, 8 * GIB, "test"))
-    assert p2.gradients == n and p2.optimizer == (4 + 12) * n // 4  # fp32 master, moments, temporary; partitioned
+    assert p2.gradients == n and p2.optimizer == (4 + 8) * n // 4  # fp32 master and moments, partitioned
+    ddp = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch", parallel=ParallelShape(world_size=2),
+               held_available=(GIB, 8 * GIB, "test"))
+    assert ddp.gradients == 8 * n and ddp.optimizer == 8 * n  # DDP's buckets hold the gradients again
+    fsdp = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch",
+                parallel=ParallelShape(world_size=2, fsdp=True), held_available=(GIB, 8 * GIB, "test"))
+    assert (fsdp.gradients, fsdp.optimizer, fsdp.optimizer_step) == (2 * n, 4 * n, 2 * n)  # sharded over 2
     assert plan(llama, tokens=1000, checkpointing=False, optim="adamw_bnb_8bit",
                 held_available=(GIB, 8 * GIB, "test")).optimizer == 2 * n
 
@@ -301,11 +310,12 @@ def test_checkpointed_activations_are_every_layer_input_and_a_few_layers(llama):
     total, layer = 20_000.0 * c.num_hidden_layers, 20_000.0
     on, off = (plan(llama, tokens=10, checkpointing=ck, optim="sgd", measured=(total, layer),
                     held_available=(0, GIB, "test")) for ck in (True, False))
-    assert on.per_token == int(c.num_hidden_layers * 4 * c.hidden_size + CHECKPOINTED_LAYERS * layer)
+    assert on.per_token == int(c.num_hidden_layers * 4 * c.hidden_size + CHECKPOINTED_LAYERS[4] * layer)
     assert off.per_token == int(total * BACKWARD_FACTOR) > on.per_token
-    shallow = plan(llama, tokens=10, checkpointing=True, optim="sgd", measured=(3 * layer, layer),
+    shallow = plan(llama, tokens=10, checkpointing=True, optim="sgd", measured=(2 * layer, layer),
                    held_available=(0, GIB, "test"))
-    assert shallow.per_token == int(3 * layer * BACKWARD_FACTOR)  # a 3-layer model: checkpointing saves nothing
+    assert c.num_hidden_layers * 4 * c.hidden_size + CHECKPOINTED_LAYERS[4] * layer > 2 * layer * BACKWARD_FACTOR
+    assert shallow.per_token == int(2 * layer * BACKWARD_FACTOR)  # two layers' worth: checkpointing saves nothing
     assert on.head == int(HEAD_BYTES_PER_LOGIT * c.vocab_size) * 10
     big = plan(llama, tokens=10 ** 7, checkpointing=True, optim="sgd", held_available=(0, GIB, "test"))
     assert big.head == int(HEAD_BYTES_PER_LOGIT * MAX_LOGIT_ELEMENTS)
