@@ -23,7 +23,7 @@ Then, per mode, the N = 2 / N = 1 ratio of activations at each length, and the l
 each had a device of X GiB, and runs as its own torchrun node on this host (``--nnodes N --nproc_per_node 1``), so the
 memory plan reads X as what it may use and the kernel enforces it; the plan refuses (``--memory_check refuse``, the
 default, instead of ``warn``) when a rank's plan needs more than 90% of it. That is how a conversation one process
-cannot hold is shown to train on two: ``--memory_limit_gib 5 --lengths 4096 --sizes 1 2``.
+cannot hold is shown to train on two: ``--memory_limit_gib 5 --modes lora --lengths 4096 --sizes 1 2``.
 """
 from __future__ import annotations
 
@@ -37,9 +37,6 @@ import sys
 import tempfile
 import time
 from typing import Optional
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.helpers.cgroups import run_in_memory_cgroups  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, ".cache", "example", "smollm2-135m-instruct")
@@ -115,7 +112,12 @@ def run_cell(work: str, model: str, mode: str, n: int, length: int, flags: list[
                   "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", "29731",
                   os.path.join(ROOT, "finetune.py"), *args] for i in range(n)] if n > 1 else \
             [[sys.executable, os.path.join(ROOT, "finetune.py"), *args]]
-        rc, log = run_in_memory_cgroups(nodes, int(limit_gib * 2 ** 30), env, ROOT)
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("cgroups", os.path.join(ROOT, "tests", "helpers", "cgroups.py"))
+        cgroups = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cgroups)
+        rc, log = cgroups.run_in_memory_cgroups(nodes, int(limit_gib * 2 ** 30), env, ROOT)
     else:
         r = subprocess.run([*launch, os.path.join(ROOT, "finetune.py"), *args], capture_output=True, text=True,
                            env=env, cwd=ROOT)

@@ -91,11 +91,12 @@ BACKWARD_FACTOR_FROZEN = {2: 1.0, 4: 1.55}
 # within 3%), and 2.7-4.3 (worker at 8k, documents of 512 and one of 8,192) to 6.1 (sft-train at 4k) in fp32;
 CHECKPOINTED_LAYERS = {2: 2.5, 4: 6.0}
 # with a frozen base 5.4 (sft-train, LoRA r 16 at 4k) and 7.0 (worker, r 64 and dropout at 8k) in bf16; in fp32 11
-# (worker) and 18 (sft-train, whose "layer" is smaller: no dropout, r 16). On CPU glibc keeps the freed pages of
-# the recomputed layers in its heap within a step (with MALLOC_MMAP_THRESHOLD_=1048576, which returns them, the fp32
+# (worker) and 18 (sft-train, whose "layer" is smaller: no dropout, r 16): about 840 KiB per token in both, so no
+# one count of layers fits both; 13 plans them within 0.83-1.16. On CPU glibc keeps the freed pages of the
+# recomputed layers in its heap within a step (with MALLOC_MMAP_THRESHOLD_=1048576, which returns them, the fp32
 # worker step at 2,048 tokens held about 4.4 layers, and ran 1.3x slower). Not yet measured on a GPU, whose caching
 # allocator keeps other slack.
-CHECKPOINTED_LAYERS_FROZEN = {2: 7.0, 4: 15.0}
+CHECKPOINTED_LAYERS_FROZEN = {2: 7.0, 4: 13.0}
 # The LM head at supervised positions (sft.model.loss): bytes per logit of one chunk at the peak of its backward (the
 # logits in the compute dtype, their fp32 upcast, the log-softmax and its gradient, less what is freed on the way):
 # measured 12.2 (bf16 autocast) and 12.4-12.6 (fp32) with SmolLM2's 49,152-token vocabulary, 1,024 and 4,096 supervised
