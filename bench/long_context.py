@@ -63,16 +63,20 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def load_file(*parts: str):
+    """The module at ``ROOT/parts...``, loaded by its path (scripts and test helpers are not packages on sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(os.path.splitext(parts[-1])[0], os.path.join(ROOT, *parts))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def long_conversation(tokens: int) -> dict:
     """One conversation of about ``tokens`` x 1.3 tokens (at ~4 characters per token) of real chats: the chats of
     chitchat-dataset one after another, human / gpt turns alternating."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prepare_example", os.path.join(ROOT, "scripts",
-                                                                                  "prepare_example.py"))
-    prepare_example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare_example)
-    chitchat_records = prepare_example.chitchat_records
+    chitchat_records = load_file("scripts", "prepare_example.py").chitchat_records
 
     turns, chars = [], 0
     for record in chitchat_records(None):
@@ -112,11 +116,7 @@ def run_cell(work: str, model: str, mode: str, n: int, length: int, flags: list[
                   "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", "29731",
                   os.path.join(ROOT, "finetune.py"), *args] for i in range(n)] if n > 1 else \
             [[sys.executable, os.path.join(ROOT, "finetune.py"), *args]]
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("cgroups", os.path.join(ROOT, "tests", "helpers", "cgroups.py"))
-        cgroups = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(cgroups)
+        cgroups = load_file("tests", "helpers", "cgroups.py")
         rc, log = cgroups.run_in_memory_cgroups(nodes, int(limit_gib * 2 ** 30), env, ROOT)
     else:
         r = subprocess.run([*launch, os.path.join(ROOT, "finetune.py"), *args], capture_output=True, text=True,

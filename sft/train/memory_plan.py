@@ -8,7 +8,7 @@ The planned peak (bytes) is the sum of
 * ``gradients``: one per trainable parameter in its dtype (sharded by the world size under ZeRO-2/3 and FSDP; twice
   under DDP, whose reducer copies them into its communication buckets: ``gradient_as_bucket_view`` is off in
   accelerate's ``DistributedDataParallelKwargs``, the Trainer's);
-* ``optimizer``: the optimizer's state per trainable parameter (:func:`optimizer_state_bytes`; under DeepSpeed an
+* ``optimizer``: the optimizer's state per trainable parameter (:func:`optimizer_bytes`; under DeepSpeed an
   fp32 master copy and fp32 Adam moments, sharded by the world size from ZeRO-1 on), created at the first optimizer
   step, so step 2 is the first that holds it next to activations;
 * ``activations``: bytes per token (below) x the tokens of the largest micro batch this rank holds (padding-free: the
@@ -149,30 +149,22 @@ def activation_bytes_per_token(config, act_bytes: int, checkpointing: bool, lora
     return layers * layer + final + p * h
 
 
-def optimizer_state_bytes(optim: str, trainable_bytes: int, trainable: int) -> int:
-    """Bytes of optimizer state for ``trainable`` parameters holding ``trainable_bytes`` bytes, by transformers'
-    ``--optim`` name: 8-bit optimizers 2 bytes per parameter, Adafactor and plain SGD about nothing, Adagrad, Lion and
-    SGD with momentum one copy, every other one (AdamW and its variants) two copies in the parameters' dtype: torch's
-    AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the parameter (its step's temporaries:
-    :func:`optimizer_step_bytes`)."""
+def optimizer_bytes(optim: str, trainable_bytes: int, trainable: int) -> tuple[int, int]:
+    """``(state, step)``: bytes of optimizer state for ``trainable`` parameters holding ``trainable_bytes`` bytes, and
+    what its step allocates for a moment, after backward has freed the activations and the LM head, by transformers'
+    ``--optim`` name. State: 8-bit optimizers 2 bytes per parameter, Adafactor and plain SGD about nothing, Adagrad,
+    Lion and SGD with momentum one copy, every other one (AdamW and its variants) two copies in the parameters' dtype
+    (torch's AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like the parameter). Step: one copy for those, whose
+    multi-tensor step writes ``sqrt(exp_avg_sq)`` of every parameter into new tensors (``_foreach_sqrt`` in
+    ``torch/optim/adamw.py``); 0 for the others."""
     name = str(getattr(optim, "value", optim)).lower()
     if "8bit" in name:
-        return 2 * trainable
+        return 2 * trainable, 0
     if "adafactor" in name or name == "sgd":
-        return 0
+        return 0, 0
     if "adagrad" in name or "lion" in name or "rmsprop" in name:
-        return trainable_bytes
-    return 2 * trainable_bytes
-
-
-def optimizer_step_bytes(optim: str, trainable_bytes: int) -> int:
-    """Bytes the optimizer step allocates for a moment, after backward has freed the activations and the LM head:
-    torch's multi-tensor AdamW writes ``sqrt(exp_avg_sq)`` of every parameter into new tensors (``_foreach_sqrt`` in
-    ``torch/optim/adamw.py``), one copy; 0 for the optimizers :func:`optimizer_state_bytes` counts one copy or less."""
-    name = str(getattr(optim, "value", optim)).lower()
-    if "8bit" in name or "adafactor" in name or name == "sgd" or any(k in name for k in ("adagrad", "lion", "rmsprop")):
-        return 0
-    return trainable_bytes
+        return trainable_bytes, 0
+    return 2 * trainable_bytes, trainable_bytes
 
 
 def _kib_field(path: str, key: str) -> Optional[int]:
@@ -375,12 +367,11 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     if w > 1 and not deepspeed and not fsdp:  # DDP's reducer holds them again in its buckets (module docstring)
         gradients *= 2
     if deepspeed:  # fp32 master weights and fp32 moments (ZeRO's mixed precision), partitioned from stage 1
-        optimizer = (4 * n_trainable + optimizer_state_bytes(optim, 4 * n_trainable, n_trainable))
+        optimizer = 4 * n_trainable + optimizer_bytes(optim, 4 * n_trainable, n_trainable)[0]
         optimizer = optimizer // w if zero_stage >= 1 else optimizer
         optimizer_step = 0
     else:
-        optimizer = optimizer_state_bytes(optim, trainable_bytes, n_trainable)
-        optimizer_step = optimizer_step_bytes(optim, trainable_bytes)
+        optimizer, optimizer_step = optimizer_bytes(optim, trainable_bytes, n_trainable)
         optimizer, optimizer_step = (optimizer // w, optimizer_step // w) if fsdp else (optimizer, optimizer_step)
     weights = held
     if fsdp and w > 1:  # loaded whole, sharded when training starts
