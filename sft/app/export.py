@@ -10,8 +10,7 @@ What a ``checkpoint-N`` folder holds decides how its weights are read (:func:`ch
 * ``dcp``: torch.distributed.checkpoint shards (a folder with ``.metadata`` and ``__R_K.distcp``, as FSDP2 writes with
   ``SHARDED_STATE_DICT``: accelerate's ``pytorch_model_fsdp_0/`` holding ``{"model": state dict}``), read into a model
   built from the checkpoint's config (DCP reshards on load, so any world size reads them in one process);
-* ``full``: a consolidated model (``model*.safetensors``: DDP, and FSDP2 with ``FULL_STATE_DICT``, the shipped
-  configs).
+* ``full``: a consolidated model (``model*.safetensors``: DDP, and FSDP2 with ``FULL_STATE_DICT``).
 
 Before anything is read the checkpoint must pass :func:`sft.train.checkpoint.verify` (completion marker, sizes,
 checksums): an incomplete or damaged checkpoint is refused, naming the file. After writing, the folder is reloaded

@@ -122,7 +122,8 @@ def run(model_args, data_args, training_args, lora_args, runtime: Runtime,
         # before the Trainer exists: its accelerator and the checkpoint marker's run shape read it
         settings = derive(training_args, runtime, resume, sft_rotation=True)
         apply_run_shape(training_args, settings)
-        callbacks = [checkpoint.callback(settings, training_args.seed, training_args.use_lora), preemption]
+        callbacks = [checkpoint.callback(settings, training_args.seed, training_args.use_lora,
+                                         background_saves(training_args)), preemption]
         RECORD.set("loading the model and the data (data preparation)")
         trainer, tok, eot = build_trainer(model_args, data_args, training_args, lora_args, runtime, settings,
                                           callbacks=callbacks)
@@ -178,7 +179,8 @@ def trainer_for(model_args, data_args, training_args, lora_args, callbacks: Sequ
     settings = derive(training_args, runtime, sft_rotation=sft_checkpoints)
     apply_run_shape(training_args, settings)
     if sft_checkpoints:
-        callbacks = [checkpoint.callback(settings, training_args.seed, training_args.use_lora), *callbacks]
+        callbacks = [checkpoint.callback(settings, training_args.seed, training_args.use_lora,
+                                         background_saves(training_args)), *callbacks]
     return build_trainer(model_args, data_args, training_args, lora_args, runtime, settings, callbacks)
 
 
@@ -246,7 +248,7 @@ def plan_memory(model, train_ds, data_args, training_args, lora_args, settings: 
     def make(on: bool, micro_batch_tokens: Optional[int] = None):  # this rank's plan (sft.train.memory_plan.plan)
         return plan(model, tokens=micro_batch_tokens or tokens, checkpointing=on, optim=t.optim, parallel=parallel,
                     supervised_head=supervised_head, lora_dropout=lora_dropout, device=t.device, held_available=held,
-                    measured=measured)
+                    measured=measured, staged_checkpoint=t.save_async)
 
     requested = True if fsdp_own else t.parsed.activation_checkpointing
     turn_on, _, budget = choose_checkpointing(make, requested, t.memory_check, tuple(fixes), floor)
@@ -265,6 +267,7 @@ def make_trainer(model, data: PreparedData, collator, training_args, settings: R
         model=model, args=training_args, train_dataset=data.train, eval_dataset=data.eval,
         data_collator=collator, processing_class=data.tok, callbacks=list(callbacks),
         supervised_head=supervised_head, train_batch_sampler=sampler,
+        background_saves=next((c.saves for c in callbacks if isinstance(c, checkpoint.AtomicCheckpoints)), None),
     )
     if settings.bf16_reason:
         logger.info("--bf16 auto: %s (%s)", "bf16" if settings.bf16 else "fp32", settings.bf16_reason)
@@ -335,11 +338,28 @@ def check_optimizer_and_scheduler(training_args, model) -> None:
                            f"{str(e).strip().splitlines()[0][:300]} (give them with --lr_scheduler_kwargs)"]) from None
 
 
+def background_saves(training_args):
+    """The run's :class:`sft.train.async_save.BackgroundSaves` under ``--save_async True`` (its gloo process group
+    made now: call on every rank), else None."""
+    if not training_args.save_async:
+        return None
+    from sft.distributed.collectives import new_gloo_group
+    from sft.train.async_save import BackgroundSaves
+
+    return BackgroundSaves(new_gloo_group())
+
+
 def save(trainer, tok, eot_id: int, output_dir: str) -> None:
-    """Rank 0 writes weights (adapter or full, safetensors), tokenizer with chat template, generation config."""
+    """Rank 0 writes weights (adapter or full, safetensors), tokenizer with chat template, generation config. Under
+    FSDP2 with ``SHARDED_STATE_DICT`` (sharded checkpoints) the final weights are gathered once, here, as
+    ``FULL_STATE_DICT`` (accelerate's ``set_state_dict_type``; transformers 5.24's ``save_model`` writes no weights
+    for sharded state dicts)."""
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.generation_config = generation_config_for(base, tok, eot_id)
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    if plugin is not None and "SHARDED" in str(plugin.state_dict_type):
+        plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(output_dir)  # barrier-safe: only the main process writes
     if trainer.is_world_process_zero():
         base.generation_config.save_pretrained(output_dir)

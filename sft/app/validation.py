@@ -347,14 +347,11 @@ def _check_fsdp(t, lora_args) -> list[str]:
         p.append(f"--fsdp_config {asked.fsdp_config} \"cpu_offload\": true on CPU: FSDP2's offload pins host "
                  "memory for GPU copies and fails without a GPU, and on CPU the parameters are in CPU memory already; "
                  "use finetune/fsdp_config_full_shard.json (no offload)")
-    if config.get("state_dict_type") == "SHARDED_STATE_DICT":
-        # transformers 5.24 Trainer.save_model writes weights under FSDP for FULL_STATE_DICT only; measured with 2 CPU
-        # processes: exit 0, checkpoints of torch.distributed.checkpoint folders, and nothing but
-        # trainer_state.json and generation_config.json in --output_dir.
-        p.append(f"--fsdp_config {asked.fsdp_config} \"state_dict_type\": \"SHARDED_STATE_DICT\": transformers "
-                 "5.24 saves no weights at the end of training with it (the run would end with no adapter, model or "
-                 "tokenizer in --output_dir; its checkpoints hold per-rank torch.distributed.checkpoint shards only); "
-                 "use \"FULL_STATE_DICT\" (finetune/fsdp_config_full_shard.json)")
+    if t.save_async and config.get("state_dict_type", "FULL_STATE_DICT") != "SHARDED_STATE_DICT":
+        p.append(f"--save_async True with --fsdp_config {asked.fsdp_config} \"state_dict_type\": "
+                 f"\"{config.get('state_dict_type', 'FULL_STATE_DICT')}\": a full state dict is gathered to rank 0 "
+                 "at every save, which is what an asynchronous save exists to avoid; use \"SHARDED_STATE_DICT\" "
+                 "(finetune/fsdp_config_full_shard.json), or drop --save_async")
     if lora_args.q_lora:
         p.append(f"--q_lora True with {fsdp}: FSDP2 shards every weight as a DTensor, and bitsandbytes' packed 4-bit "
                  "weights can only be sharded when stored in the compute dtype (bnb_4bit_quant_storage), while this "
@@ -383,5 +380,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
     if m and out and os.path.isdir(m) and os.path.realpath(m) == os.path.realpath(out):
         p.append(f"--output_dir {out}: is the base model's folder; saving would overwrite the model you train "
                  "from; choose another folder")
+    if training_args.save_async and training_args.deepspeed:
+        p.append(f"--save_async True with --deepspeed {training_args.deepspeed}: DeepSpeed writes its ZeRO checkpoint "
+                 "itself, synchronously; drop --save_async (or use --fsdp with finetune/fsdp_config_full_shard.json, "
+                 "whose sharded checkpoints are written in the background)")
     if p:
         raise ConfigError(p)

@@ -45,3 +45,24 @@ def enable_fsdp_on_cpu(accelerator, plugin_args: dict) -> bool:
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return True
+
+
+def fsdp_sharded_state(accelerator, model, optimizer) -> tuple[dict, dict]:
+    """This rank's shards of an FSDP2 model (LoRA: the adapter only) and optimizer, as accelerate's
+    ``save_fsdp_model(adapter_only=True)`` and ``save_fsdp_optimizer`` would write them under ``SHARDED_STATE_DICT``:
+    ``(model state dict, optimizer state dict)`` of ``DTensor``\\ s (no gather). Private API: accelerate 1.15.0's
+    ``_prepare_sd_options`` and ``_get_model_state_dict``."""
+    from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    options = _prepare_sd_options(accelerator.state.fsdp_plugin)
+    return (_get_model_state_dict(model, adapter_only=True, sd_options=options),
+            get_optimizer_state_dict(model, optimizer, options=options))
+
+
+def fsdp_shard_folders() -> tuple[str, str]:
+    """The folders of a checkpoint that hold the model's and the optimizer's shards under ``SHARDED_STATE_DICT``
+    (accelerate 1.15.0: ``{FSDP_MODEL_NAME}_0`` and ``{OPTIMIZER_NAME}_0``, keyed ``"model"`` and ``"optimizer"``)."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+
+    return f"{FSDP_MODEL_NAME}_0", f"{OPTIMIZER_NAME}_0"

@@ -9,7 +9,13 @@
   choice as a callable: a ``LengthGroupedSampler(batch_size, lengths=...)`` for ``group_by_length``);
 * ``Trainer._get_eval_sampler(eval_dataset)`` -> :meth:`TrainerHooks.eval_sampler` (the same, for evaluation; a
   ``transformers.trainer_pt_utils.BatchRebalanceSampler`` is passed as the data loader's ``batch_sampler`` and not
-  dealt to the ranks again by accelerate).
+  dealt to the ranks again by accelerate);
+* ``Trainer._load_best_model()`` (``--load_best_model_at_end``, after the last step) ->
+  :meth:`TrainerHooks.before_loading_best_model` first;
+* ``Trainer._save(output_dir, state_dict)`` (weights or adapter, tokenizer, training arguments; the saving process) is
+  called as :meth:`TrainerHooks.write_model_files`;
+* ``Trainer._save_optimizer_and_scheduler(output_dir)`` -> :meth:`TrainerHooks.save_optimizer_and_scheduler` (given the
+  Trainer's own as a callable: optimizer state by the engine's rules, the scheduler by the saving process).
 """
 from __future__ import annotations
 
@@ -35,6 +41,26 @@ class TrainerHooks(transformers.Trainer):
     def eval_sampler(self, eval_dataset, default: Callable):
         """The evaluation data's sampler; ``default()`` is the Trainer's own."""
         return default()
+
+    def write_model_files(self, output_dir: str, state_dict: dict) -> None:
+        """Write ``state_dict`` as the Trainer writes a checkpoint's model: ``save_pretrained`` (weights or adapter),
+        the tokenizer and ``training_args.bin``, on the saving process."""
+        super()._save(output_dir, state_dict=state_dict)
+
+    def before_loading_best_model(self) -> None:
+        """Called before the Trainer loads the best checkpoint at the end of training."""
+
+    def _load_best_model(self):
+        self.before_loading_best_model()
+        return super()._load_best_model()
+
+    def save_optimizer_and_scheduler(self, output_dir: str, default: Callable) -> None:
+        """Write a checkpoint's optimizer and scheduler state into ``output_dir``; ``default()`` is the Trainer's own."""
+        default()
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        self.save_optimizer_and_scheduler(
+            output_dir, lambda: super(TrainerHooks, self)._save_optimizer_and_scheduler(output_dir))
 
     def _get_eval_sampler(self, eval_dataset):
         return self.eval_sampler(eval_dataset, lambda: super(TrainerHooks, self)._get_eval_sampler(eval_dataset))

@@ -242,6 +242,10 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
         metadata={"help": "Seconds from SIGTERM/SIGINT to a forced exit (code 75) if the current step and the "
                   "checkpoint have not finished by then; the last complete checkpoint is kept."},
     )
+    save_async: bool = field(default=False, metadata={"help": "Write checkpoints in the background: training waits "
+        "only while the weights and optimizer state are copied to host memory; the files, checksums and completion "
+        "marker follow from a thread, one save at a time (sft/train/async_save.py). Not with --deepspeed. Under "
+        "--fsdp the config's \"state_dict_type\" must be \"SHARDED_STATE_DICT\"."})
     hang_timeout: Optional[float] = field(default=None, metadata={"help": "Seconds without progress after which a "
         "stuck or frozen rank is named (rank, host, last step and phase) and the job ends with code 1 "
         "(sft/distributed/watchdog.py; several processes under torchrun). Unset: 300, at most half of --ddp_timeout, "

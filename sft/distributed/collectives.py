@@ -1,5 +1,6 @@
-"""Every collective the rest of sft runs on the default process group, as one small function each, and the queries
-they rest on (rank, world size, backend).
+"""Every collective the rest of sft runs on the default process group (and, for background checkpoint writes, on a
+gloo group of their own: :func:`new_gloo_group`), as one small function each, and the queries they rest on (rank,
+world size, backend).
 
 Each collective is a no-op that returns the local value when there is no initialised process group (a single
 process, a test, a notebook) or when the group has one process; otherwise it is a collective of the default group,
@@ -11,8 +12,8 @@ NCCL it pickles into a tensor on the current CUDA device, ``torch.cuda.set_devic
 process group's start). :func:`any_rank` and :func:`all_ranks` reduce one int32 on ``device``, by default the
 current CUDA device under NCCL and the CPU otherwise (gloo), the device each backend requires.
 
-Each collective marks this rank as waiting in it (:meth:`sft.distributed.watchdog.Record.wait`), so that a hang
-report names where the others waited.
+Each collective of the default group marks this rank as waiting in it (:meth:`sft.distributed.watchdog.Record.wait`),
+so that a hang report names where the others waited.
 
 Imports torch only when called (the module itself is cheap to import).
 """
@@ -59,24 +60,43 @@ def _several():
     return dist if dist and dist.get_world_size() > 1 else None
 
 
-def barrier() -> None:
-    """Wait until every rank has called this (``dist.barrier``); a no-op for one process or without a group."""
+def barrier(group=None) -> None:
+    """Wait until every rank has called this (``dist.barrier``); a no-op for one process or without a group.
+    ``group``: as for :func:`gather_objects`."""
     dist = _several()
-    if dist:
+    if dist and group is not None:
+        dist.barrier(group=group)
+    elif dist:
         with RECORD.wait("collective barrier"):
             dist.barrier()
 
 
-def gather_objects(obj: Any) -> list:
+def gather_objects(obj: Any, group=None) -> list:
     """``obj`` of every rank in rank order (``all_gather_object``: ``obj`` must pickle), or ``[obj]`` for one
-    process or without a group. The list has one entry per rank."""
+    process or without a group. The list has one entry per rank. ``group``: a process group of every rank made by
+    :func:`new_gloo_group`, for a thread other than the training loop's (not recorded by the hang watchdog, which
+    follows the training loop); None: the default group."""
     dist = _several()
     if not dist:
         return [obj]
     out: list = [None] * dist.get_world_size()
+    if group is not None:
+        dist.all_gather_object(out, obj, group=group)
+        return out
     with RECORD.wait("collective all_gather_object"):
         dist.all_gather_object(out, obj)
     return out
+
+
+def new_gloo_group():
+    """A gloo process group of every rank, for collectives run by a background thread (checkpoint writes,
+    :mod:`sft.train.async_save`) while the training loop runs its own on the default group; None for one process or
+    without a group. Collective: every rank must call it, in the same order as any other group creation."""
+    dist = _several()
+    if not dist:
+        return None
+    with RECORD.wait("creating a gloo process group"):
+        return dist.new_group(backend="gloo")
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

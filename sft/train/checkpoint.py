@@ -171,14 +171,14 @@ def rotate(output_dir: str, limit: Optional[int], best: Optional[str], verified:
 class AtomicCheckpoints(TrainerCallback):
     """Marks each checkpoint complete once every rank has saved it, then applies ``save_total_limit``.
 
-    Construct with the user's ``--save_total_limit``; the Trainer's own rotation, which runs before the marker
-    exists, must be off (``save_total_limit`` None on its arguments: :func:`sft.app.settings.apply_run_shape`), so
-    that it never deletes anything.
-    """
+    Construct with the user's ``--save_total_limit``; the Trainer's own rotation (it runs before the marker exists)
+    must be off (:func:`sft.app.settings.apply_run_shape`). ``saves``: the run's
+    :class:`sft.train.async_save.BackgroundSaves` under ``--save_async`` (its thread writes, hashes and marks)."""
 
-    def __init__(self, save_total_limit: Optional[int], info: dict):
+    def __init__(self, save_total_limit: Optional[int], info: dict, saves=None):
         self.save_total_limit = save_total_limit
         self.info = info
+        self.saves = saves
 
     def on_train_begin(self, args, state, control, **kwargs):
         # Checkpoints above the step we start from belong to an abandoned history (an explicit older
@@ -192,14 +192,45 @@ class AtomicCheckpoints(TrainerCallback):
         barrier()
 
     def on_save(self, args, state, control, **kwargs):
-        barrier()  # every rank's files (RNG state, shards) are written
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        # Each rank hashes what it wrote, where it wrote it (sft.train.integrity); the saver lists what it can see.
-        mine = hash_own_files(path, args.process_index, args.should_save, (MARKER,)) if os.path.isdir(path) else {}
-        entries = {rel: e for part in gather_objects(mine) for rel, e in part.items()}
+        info, best = {**self.info, "global_step": state.global_step}, state.best_model_checkpoint
+        if self.saves is not None:
+            self.saves.start(path, lambda error: self.complete(args, path, info, best, error, self.saves.group))
+            return
+        barrier()  # every rank's files (RNG state, shards) are written
+        self.complete(args, path, info, best)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.saves is not None:
+            self.saves.wait("end of training")
+
+    def complete(self, args, path: str, info: dict, best: Optional[str], error: Optional[BaseException] = None,
+                 group=None) -> None:
+        """Every rank: flush and hash the files of checkpoint ``path`` it wrote; then the saving process marks it
+        complete and rotates. ``error``: this rank's failure to write its files (a background write), shared so that
+        no rank marks the checkpoint: raised on its rank, a :class:`CheckpointError` naming it on the others.
+        ``group``: the background write's process group (every rank then waits for the marking and rotation)."""
+        mine = {}
+        if error is None:
+            try:  # each rank hashes what it wrote, where it wrote it (sft.train.integrity)
+                mine = hash_own_files(path, args.process_index, args.should_save, (MARKER,)) \
+                    if os.path.isdir(path) else {}
+            except OSError as e:
+                error = e
+        parts = gather_objects((mine, None if error is None else f"{type(error).__name__}: {error}"), group)
+        failed = [(r, why) for r, (_, why) in enumerate(parts) if why]
+        if error is not None:
+            raise error
+        if failed:
+            r, why = failed[0]
+            raise CheckpointError(f"rank {r} could not write its files of checkpoint {path} ({why}); the checkpoint "
+                                  "has no completion marker and is ignored; the previous complete checkpoint is kept")
+        entries = {rel: e for part, _ in parts for rel, e in part.items()}
         if args.should_save:
-            mark_complete(path, {**self.info, "global_step": state.global_step}, entries)
-            rotate(args.output_dir, self.save_total_limit, state.best_model_checkpoint, verified=path)
+            mark_complete(path, {**info}, entries)
+            rotate(args.output_dir, self.save_total_limit, best, verified=path)
+        if group is not None:  # a background write: no rank starts the next checkpoint (a folder rotation would
+            barrier(group)     # take for a leftover) before the saving process has marked and rotated this one
 
 
 def run_info(settings: RunSettings, seed: int, use_lora: bool) -> dict:
@@ -215,11 +246,12 @@ def run_info(settings: RunSettings, seed: int, use_lora: bool) -> dict:
             "use_lora": bool(use_lora)}
 
 
-def callback(settings: RunSettings, seed: int, use_lora: bool) -> AtomicCheckpoints:
+def callback(settings: RunSettings, seed: int, use_lora: bool, saves=None) -> AtomicCheckpoints:
     """The checkpoint callback for ``transformers.Trainer(callbacks=[...])``: every checkpoint marked complete with
     the run's :func:`run_info`, rotated to ``settings.save_total_limit`` once complete (None: keep all). The
-    Trainer's own rotation is turned off by :func:`sft.app.settings.apply_run_shape` (``settings.sft_rotation``)."""
-    return AtomicCheckpoints(settings.save_total_limit, run_info(settings, seed, use_lora))
+    Trainer's own rotation is turned off by :func:`sft.app.settings.apply_run_shape` (``settings.sft_rotation``).
+    ``saves``: the run's :class:`sft.train.async_save.BackgroundSaves` under ``--save_async``, else None."""
+    return AtomicCheckpoints(settings.save_total_limit, run_info(settings, seed, use_lora), saves)
 
 
 def resolve_resume(output_dir: str, resume_from_checkpoint: Optional[str], overwrite_output_dir: bool) -> Optional[str]:

@@ -11,6 +11,9 @@ The planned peak (bytes) is the sum of
 * ``optimizer``: the optimizer's state per trainable parameter (:func:`optimizer_bytes`; under DeepSpeed an
   fp32 master copy and fp32 Adam moments, sharded by the world size from ZeRO-1 on), created at the first optimizer
   step, so step 2 is the first that holds it next to activations;
+* ``staged``: under ``--save_async`` on CPU, the host copy of a checkpoint being written in the background
+  (:mod:`sft.train.async_save`): the weights it saves (the adapter under LoRA, else every weight) and the optimizer
+  state, this rank's shards under FSDP2 (on CUDA the copy is in pinned host memory, not on the device: 0);
 * ``activations``: bytes per token (below) x the tokens of the largest micro batch this rank holds (padding-free: the
   :class:`sft.train.trainer.TokenBudgetBatchSampler`'s largest; padded: micro batch x longest sample; packed: micro
   batch x longest row; under sequence parallelism of N, :class:`ParallelShape`, ``ceil(tokens / N)`` of them);
@@ -225,6 +228,7 @@ class MemoryPlan:
     head_per_token: int = 0  # the LM head's bytes per token of this rank, up to head_max (0: the head as it is)
     head_max: Optional[int] = None
     optimizer_step: int = 0  # what the optimizer step allocates for a moment, once activations and head are freed
+    staged: int = 0  # the host copy of a checkpoint written in the background (--save_async on CPU)
 
     def head_for(self, rank_tokens: int) -> int:
         """The LM head's bytes for ``rank_tokens`` tokens on this rank."""
@@ -240,8 +244,8 @@ class MemoryPlan:
 
     @property
     def fixed(self) -> int:
-        """What does not depend on the micro batch: weights + gradients + optimizer state."""
-        return self.weights + self.gradients + self.optimizer
+        """What does not depend on the micro batch: weights + gradients + optimizer state (+ a staged checkpoint)."""
+        return self.weights + self.gradients + self.optimizer + self.staged
 
     @property
     def peak(self) -> int:
@@ -256,7 +260,7 @@ class MemoryPlan:
         split = (f" / {self.sequence_parallel} sequence-parallel ranks = {self.rank_tokens} per rank"
                  if self.sequence_parallel > 1 else "")
         return (f"memory plan: weights {g(self.weights)} + gradients {g(self.gradients)} + optimizer "
-                f"{g(self.optimizer)} + activations {g(self.activations)} ({self.tokens} tokens in the largest micro "
+                f"{g(self.optimizer)}{f' + staged checkpoint {g(self.staged)}' if self.staged else ''} + activations {g(self.activations)} ({self.tokens} tokens in the largest micro "
                 f"batch{split} x {self.per_token / 2 ** 10:.0f} KiB, gradient checkpointing "
                 f"{'on' if self.checkpointing else 'off'}) + LM head {g(self.head)} = {g(self.peak)} GiB planned peak "
                 f"of {g(self.available)} GiB {self.where}")
@@ -342,7 +346,7 @@ class ParallelShape:
 def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: ParallelShape = ParallelShape(),
          supervised_head: bool = True, lora_dropout: bool = False, device: Optional[torch.device] = None,
          held_available: Optional[tuple[int, int, str]] = None,
-         measured: Optional[tuple[float, float]] = None) -> MemoryPlan:
+         measured: Optional[tuple[float, float]] = None, staged_checkpoint: bool = False) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``model`` (loaded, adapters applied) for a largest micro batch of ``tokens``,
     spread over the processes as ``parallel`` says (:class:`ParallelShape`; under sequence parallelism of N this rank's
     activations and LM head are those of ``ceil(tokens / N)`` tokens).
@@ -350,7 +354,8 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     ``held_available``: ``(held, available, what)`` as :func:`held_and_available` returns it (measured when None).
     ``measured``: :func:`measure_saved_bytes`'s result; the activations per token are then that total (checkpointing
     off) or every layer's input plus two layers (on); without it, :func:`activation_bytes_per_token` from the model's
-    shape; either times the backward factor (module docstring).
+    shape; either times the backward factor (module docstring). ``staged_checkpoint``: checkpoints are written in
+    the background (``--save_async``): on CPU their host copy is counted (``staged``, module docstring).
     """
     device = torch.device(device or "cpu")
     held, available, where = held_available or held_and_available(device, parallel.local_world_size)
@@ -373,6 +378,11 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     else:
         optimizer, optimizer_step = optimizer_bytes(optim, trainable_bytes, n_trainable)
         optimizer, optimizer_step = (optimizer // w, optimizer_step // w) if fsdp else (optimizer, optimizer_step)
+    staged = 0
+    if staged_checkpoint and device.type == "cpu":
+        saved = trainable_bytes if sum(numel(p) for p in params) > 2 * n_trainable else \
+            sum(numel(p) * p.element_size() for p in params)
+        staged = (saved // w if fsdp else saved) + optimizer  # under FSDP the optimizer state is this rank's already
     weights = held
     if fsdp and w > 1:  # loaded whole, sharded when training starts
         weights = held - sum(numel(p) * p.element_size() for p in params) * (w - 1) // w
@@ -408,7 +418,7 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
                       activations=int(per_token * rank_tokens), head=int(head), tokens=int(tokens),
                       per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where,
                       sequence_parallel=sp, world_size=w, head_per_token=int(head_per_token), head_max=head_max,
-                      optimizer_step=int(optimizer_step))
+                      optimizer_step=int(optimizer_step), staged=int(staged))
 
 
 def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:

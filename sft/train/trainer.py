@@ -183,12 +183,27 @@ def eval_batches(eval_ds, micro_batch: int, world_size: int, rank: int, sequence
                                    rank // sequence_parallel)
 
 
+def checkpoint_tensors(model) -> dict:
+    """What a checkpoint's weights file holds, as references into ``model``: the whole state dict, or for a PEFT
+    model the adapter's tensors (names with ``lora_`` or ``modules_to_save``, and every trainable parameter), which
+    ``PeftModel.save_pretrained(state_dict=...)`` filters to the adapter file exactly as it filters the whole state
+    dict (tests/unit/train/test_async_save.py compares the two files)."""
+    state = model.state_dict()
+    if not hasattr(model, "peft_config"):
+        return state
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if "lora_" in k or "modules_to_save" in k or k in trainable}
+
+
 class Trainer(TrainerHooks):
     """``transformers.Trainer`` with an epoch-seeded length-grouped sampler (see the module docstring), FSDP2 on
     CPU process groups (:func:`sft.distributed.process_group.enable_fsdp`), and, in training with
     ``supervised_head`` on, the LM head and loss at supervised positions only (:mod:`sft.model.loss`).
 
     Args:
+        background_saves: a :class:`sft.train.async_save.BackgroundSaves` (``--save_async True``): a checkpoint's weights
+            or adapter and optimizer state are staged into it (copied to host memory), and written in the background
+            (:class:`sft.train.checkpoint.AtomicCheckpoints` starts the write); None: the Trainer's own saves.
         supervised_head: use :func:`sft.model.loss.compute_supervised_loss` for training steps, as decided by
             :func:`sft.model.loss.use_supervised_head`; evaluation, label smoothing and a ``compute_loss_func`` keep the
             Trainer's own loss.
@@ -198,8 +213,9 @@ class Trainer(TrainerHooks):
     """
 
     def __init__(self, *args, supervised_head: bool = False,
-                 train_batch_sampler: Optional[TokenBudgetBatchSampler] = None, **kwargs):
+                 train_batch_sampler: Optional[TokenBudgetBatchSampler] = None, background_saves=None, **kwargs):
         self.train_batch_sampler = train_batch_sampler
+        self.background_saves = background_saves  # sft.train.async_save.BackgroundSaves under --save_async
         super().__init__(*args, **kwargs)
         self.supervised_head = bool(supervised_head)  # decided by sft.model.loss.use_supervised_head
         self.supervised_counter = None  # set by sft.train.metrics.attach: counts the supervised targets it sees
@@ -250,6 +266,79 @@ class Trainer(TrainerHooks):
         super().create_accelerator_and_postprocess()
 
         enable_fsdp(self)
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """True under FSDP2 with ``SHARDED_STATE_DICT``: checkpoints hold each rank's shards (written with the
+        optimizer's), not a gathered model."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None) if self.is_fsdp_enabled else None
+        return plugin is not None and "SHARDED" in str(plugin.state_dict_type)
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        saves = self.background_saves
+        if not _internal_call:  # the final save (sft.app.train.save)
+            return super().save_model(output_dir, _internal_call)
+        # a checkpoint's weights (Trainer._save_checkpoint calls this first): the save in flight finishes first
+        if saves is not None:
+            saves.wait("before the next checkpoint")
+            saves.reset_staging()
+        if self.sharded_checkpoints:  # the shards are written with the optimizer's; what describes them, now
+            return self.save_model_description(output_dir)
+        if saves is None:
+            return super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            tensors = saves.stage(checkpoint_tensors(self.model))
+            saves.add("weights", lambda: self.write_model_files(output_dir, tensors))
+
+    def save_model_description(self, output_dir: str) -> None:
+        """The saving process writes what a checkpoint of weight shards needs beside them to be loaded or exported
+        (``sft-export``): the model's ``config.json`` and generation config, the adapter's ``adapter_config.json``
+        (LoRA), and the tokenizer, as ``save_pretrained`` writes them next to gathered weights."""
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        for adapter, config in getattr(model, "peft_config", {}).items():
+            config.save_pretrained(output_dir if adapter == "default" else os.path.join(output_dir, adapter))
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.config.save_pretrained(output_dir)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+
+    def before_loading_best_model(self) -> None:
+        if self.background_saves is not None:  # the best checkpoint may be the one still being written
+            self.background_saves.wait("loading the best checkpoint")
+
+    def save_optimizer_and_scheduler(self, output_dir: str, default) -> None:
+        saves = self.background_saves
+        if saves is None:
+            return default()
+        import warnings
+
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        if self.is_fsdp_enabled:  # SHARDED_STATE_DICT (sft.app.validation): every rank writes its shards
+            import torch.distributed.checkpoint as dcp
+
+            from sft.compat.accelerate import fsdp_shard_folders, fsdp_sharded_state
+
+            model_state, optim_state = saves.stage(fsdp_sharded_state(self.accelerator, self.model, self.optimizer))
+            group = saves.group
+            for folder, key, state in zip(fsdp_shard_folders(), ("model", "optimizer"), (model_state, optim_state)):
+                target = os.path.join(output_dir, folder)
+                os.makedirs(target, exist_ok=True)
+                saves.add(folder, lambda t=target, k=key, sd=state: dcp.save(
+                    {k: sd}, storage_writer=dcp.FileSystemWriter(t), process_group=group))
+        elif self.args.should_save:
+            state = saves.stage(self.optimizer.state_dict())
+            saves.add("optimizer", lambda: torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME)))
+        if self.args.should_save:  # small: written now, as the Trainer writes it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def load_rng_state(self, checkpoint) -> bool:
         # The Trainer's own (transformers 5.24) reads rng_state_{process_index}.pth at world size > 1 and

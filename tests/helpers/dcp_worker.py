@@ -1,6 +1,7 @@
 """Test worker run under torchrun (2 processes, gloo; tests/integration/app/test_export.py): writes an FSDP2 sharded
-checkpoint as torch.distributed.checkpoint folders hold it, because sft-train refuses ``SHARDED_STATE_DICT`` today
-(sft/app/validation.py; issue 44 item 1 will write these itself).
+checkpoint as torch.distributed.checkpoint folders hold it, from a model known apart from any training run (the
+reference its export is compared with; sft-train's own sharded checkpoints are exported in
+tests/integration/distributed/test_fsdp.py).
 
 ``python dcp_worker.py MODEL_DIR CHECKPOINT_DIR REFERENCE_DIR``: every rank loads the tiny model, adds the same
 seeded noise to every weight (so the checkpoint differs from the base), rank 0 saves that model whole to

@@ -80,11 +80,13 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.parametrize("extra", [[], ["--save_async", "True"]], ids=["sync", "async"])
 def test_a_save_into_a_full_disk_ends_clearly_and_keeps_the_previous_checkpoint(reference, tiny_model_dir, small_tmpfs,
-                                                                               tmp_path):
+                                                                               tmp_path, extra):
+    """async: the disk fills during checkpoint-2's background write; the error is raised at the next save."""
     data, _, adapter = reference
     out = small_tmpfs / "out"
-    r = train(tiny_model_dir, data, out)
+    r = train(tiny_model_dir, data, out, *extra)
     assert r.returncode == 2, r.stderr[-3000:]
     err = r.stderr
     assert "Traceback" not in err, err[-3000:]

@@ -7,8 +7,8 @@ fine-tuning.
   checkpoint consumed (nothing repeated, nothing skipped; sft/train/trainer.py's order), and end with its losses and
   weights within a tolerance that only the order of floating-point reductions explains: a resume that lost Adam's
   moments or step count, or the scheduler's position, is far outside it (measured: docs/resume-and-preemption.md).
-- DeepSpeed ZeRO-2 and ZeRO-3 (the checkpoint converted to a universal one first) and FSDP2 (full state dicts,
-  sharded again on load): the same data and result checks against the uninterrupted world-size-2 run.
+- DeepSpeed ZeRO-2 and ZeRO-3 (the checkpoint converted to a universal one first) and FSDP2 (each rank's shards,
+  sharded again for the new world size on load): the same data and result checks against the uninterrupted world-size-2 run.
 The rules (planning, the refusal, validation) are in tests/unit/train/test_resume.py.
 """
 import json
@@ -121,8 +121,9 @@ SHARDED = {"zero2": ["--deepspeed", os.path.join(ROOT, "finetune", "ds_config_ze
 # with LoRA here, a full model resharded at another world size under FSDP2
 @pytest.mark.parametrize("engine,mode", [("zero2", "lora"), ("zero3", "lora"), ("fsdp2", "full")])
 def test_sharded_run_resumed_at_another_world_size(tmp_path, tiny_model_dir, engine, mode):
-    """ZeRO through a universal checkpoint; FSDP2's checkpoints hold full state dicts (the only kind sft writes under
-    FSDP2, docs/fsdp.md), which accelerate shards again for the world size that loads them."""
+    """ZeRO through a universal checkpoint; FSDP2's checkpoints hold each rank's shards (the shipped configs'
+    ``SHARDED_STATE_DICT``, docs/fsdp.md), which torch.distributed.checkpoint shards again for the world size that
+    loads them."""
     data, flags = _data(tmp_path), SHARDED[engine]
     _, two_steps, two_losses, two = _run(tmp_path, "two", 2, tiny_model_dir, data, 2, *flags, steps=4, save_steps=2,
                                          mode=mode)
@@ -136,4 +137,15 @@ def test_sharded_run_resumed_at_another_world_size(tmp_path, tiny_model_dir, eng
     assert "Traceback" not in log
     assert sorted(steps) == [3, 4] and all(sorted(steps[s]) == sorted(two_steps[s]) for s in (3, 4))
     _close_losses(losses, two_losses, (1, 2, 3, 4))
-    _same_result(one, two, load_file(os.path.join(ckpt, WEIGHTS[mode])))
+    _same_result(one, two, _checkpoint_weights(ckpt, mode, tmp_path))
+
+
+def _checkpoint_weights(ckpt, mode, tmp_path):
+    """The weights a checkpoint holds: its gathered file, or (FSDP2's shards, pytorch_model_fsdp_0/) the
+    torch.distributed.checkpoint shards read into one state dict."""
+    if os.path.isfile(os.path.join(ckpt, WEIGHTS[mode])):
+        return load_file(os.path.join(ckpt, WEIGHTS[mode]))
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(os.path.join(ckpt, "pytorch_model_fsdp_0"), str(tmp_path / "ckpt.pt"))
+    return torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]

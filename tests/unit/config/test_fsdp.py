@@ -38,8 +38,12 @@ BAD = [
      'auto_wrap_policy must be one of TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, NO_WRAP (got "LAYER_WRAP")'),
     ("bad-state-dict-type", '{"state_dict_type": "LOCAL_STATE_DICT"}', ["--fsdp", "--fsdp_config", "{c}"],
      "state_dict_type must be one of FULL_STATE_DICT, SHARDED_STATE_DICT"),
-    ("sharded-state-dict", '{"state_dict_type": "SHARDED_STATE_DICT"}', ["--fsdp", "--fsdp_config", "{c}"],
-     '"state_dict_type": "SHARDED_STATE_DICT": transformers 5.24 saves no weights at the end of training with it'),
+    ("async-with-full-state-dict", '{"state_dict_type": "FULL_STATE_DICT"}',
+     ["--fsdp", "--fsdp_config", "{c}", "--save_async", "True"],
+     '"state_dict_type": "FULL_STATE_DICT": a full state dict is gathered to rank 0 at every save, which is what an '
+     'asynchronous save exists to avoid'),
+    ("async-with-deepspeed", None, ["--deepspeed", ZERO2, "--save_async", "True"],
+     f"--save_async True with --deepspeed {ZERO2}: DeepSpeed writes its ZeRO checkpoint itself, synchronously"),
     ("fsdp1", '{"fsdp_version": 1}', ["--fsdp", "--fsdp_config", "{c}"],
      'version 1: only FSDP2 ("version": 2, the default) is supported'),
     ("xla", '{"xla": true}', ["--fsdp", "--fsdp_config", "{c}"], "xla true: XLA FSDP (TPUs) is not supported"),
@@ -120,7 +124,7 @@ def test_valid_fsdp2_settings_pass(fsdp, tiny_model_dir, tmp_path):
 def test_shipped_configs_become_accelerates_fsdp2_plugin(path):
     """Each shipped JSON passes our checks and, through transformers 5.24's TrainingArguments, becomes
     accelerate's FSDP2 plugin: version 2, parameters resharded after forward (full shard), the transformer
-    blocks wrapped, full (consolidated) state dicts, CPU offload exactly in the offload config."""
+    blocks wrapped, sharded state dicts (each rank writes its shards), CPU offload exactly in the offload config."""
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -135,6 +139,6 @@ def test_shipped_configs_become_accelerates_fsdp2_plugin(path):
     plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
     assert plugin.auto_wrap_policy is not None and "transformer" in str(plugin.auto_wrap_policy)
-    assert str(plugin.state_dict_type).endswith("FULL_STATE_DICT")
+    assert str(plugin.state_dict_type).endswith("SHARDED_STATE_DICT")
     assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == ("offload" in path)
 

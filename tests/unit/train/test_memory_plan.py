@@ -115,6 +115,14 @@ def test_plan_counts_gradients_and_adam_state_and_shards_them(llama):
     assert (fsdp.gradients, fsdp.optimizer, fsdp.optimizer_step) == (2 * n, 4 * n, 2 * n)  # sharded over 2
     assert plan(llama, tokens=1000, checkpointing=False, optim="adamw_bnb_8bit",
                 held_available=(GIB, 8 * GIB, "test")).optimizer == 2 * n
+    # --save_async on CPU: the host copy of a checkpoint (every weight and the optimizer state; FSDP: this rank's)
+    staged = plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch", held_available=(GIB, 8 * GIB, "test"),
+                  staged_checkpoint=True)
+    assert staged.staged == 4 * n + 8 * n and staged.peak == p1.peak + 12 * n and "+ staged checkpoint" in staged.line()
+    assert plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch", parallel=ParallelShape(world_size=2,
+                fsdp=True), held_available=(GIB, 8 * GIB, "test"), staged_checkpoint=True).staged == 2 * n + 4 * n
+    assert plan(llama, tokens=1000, checkpointing=False, optim="adamw_torch", device=torch.device("cuda"),
+                held_available=(GIB, 8 * GIB, "test"), staged_checkpoint=True).staged == 0  # pinned host memory
 
 
 def _planner(llama, available):
