@@ -10,12 +10,13 @@ per rank
 * **blocked per save**: from the end of the optimizer step that saves (``on_step_end``) to the end of the save
   (``on_save``, after sft's marker callback): the Trainer's whole save, marker and rotation (sync), or the wait for
   the previous write, the host copy and the small files (async);
-* **step time**: the time between consecutive step ends that did not save, split by whether a background write was
-  in flight during the step (the writer thread alive at its start or end);
+* **step time**: from the end of a step (or of its save) to the end of the next step, split by whether a background
+  write was in flight during the step (the writer thread alive at its start or end);
 * rank 0's peak resident memory (``VmHWM``) and the checkpoint's size on disk.
 
     .venv/bin/python bench/checkpoint_stall.py                       # every cell, 2 processes
     .venv/bin/python bench/checkpoint_stall.py --cells fsdp2-full --rounds 2
+    .venv/bin/python bench/checkpoint_stall.py --shard_plan        # bytes per rank for 7B / 70B, computed
 
 Cells: ``ddp-lora`` (LoRA r=8, DDP), ``ddp-full`` (full fine-tuning, DDP), ``fsdp2-full`` (full fine-tuning, FSDP2 with
 the shipped ``finetune/fsdp_config_full_shard.json``: each rank writes its shards), ``fsdp2-full-gathered`` (the same
@@ -72,7 +73,7 @@ def worker(argv: list[str]) -> int:
 
         def on_step_end(self, args, state, control, **kwargs):
             now, writing = time.perf_counter(), self.writing()
-            if self.last is not None and self.saved_at is None:
+            if self.last is not None:  # after a save, from its end
                 self.steps.append({"step": state.global_step, "s": now - self.last,
                                    "writing": writing or self.writing_at_start})
             self.last, self.saved_at, self.writing_at_start = now, None, writing
@@ -139,6 +140,23 @@ def run_cell(a, cell: str, mode: str, work: str) -> dict:
     return {"blocked": blocked, "quiet": quiet, "busy": busy, "hwm0": ranks[0]["hwm"], "size": size, "wall": wall}
 
 
+SHAPES = {"qwen2.5-7b": 7_615_616_512, "llama-3-70b": 70_553_706_496}  # parameters (their config.json shapes)
+
+
+def shard_plan(ranks=(8, 16, 32, 64)) -> None:
+    """Bytes of one checkpoint per rank for full fine-tuning with AdamW: fp32 weights (FSDP2 keeps the sharded
+    parameters in fp32 under bf16 mixed precision) and two fp32 moments, 12 bytes per parameter, each rank holding
+    1/N (``SHARDED_STATE_DICT``), against rank 0 gathering all of it (``FULL_STATE_DICT``). Arithmetic, not a
+    measurement; how long the copy to pinned host memory takes needs a GPU's measured bandwidth."""
+    print("| model | parameters | gathered on rank 0, GB | " + " | ".join(f"per rank at {n} ranks, GB" for n in ranks)
+          + " |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in ranks) + " |")
+    for name, n_params in SHAPES.items():
+        total = 12 * n_params
+        print(f"| {name} | {n_params / 1e9:.2f} B | {total / 1e9:.0f} | "
+              + " | ".join(f"{total / n / 1e9:.1f}" for n in ranks) + " |")
+
+
 def med(xs) -> str:
     return f"{statistics.median(xs):.2f}" if xs else "-"
 
@@ -158,7 +176,12 @@ def main() -> int:
     ap.add_argument("--data", default=DATA)
     ap.add_argument("--port", type=int, default=29741)
     ap.add_argument("--workdir", help="(default: a temporary folder, deleted)")
+    ap.add_argument("--shard_plan", action="store_true", help="print the bytes per rank of 7B / 70B checkpoints at "
+                    "8-64 ranks (arithmetic) and exit")
     a = ap.parse_args()
+    if a.shard_plan:
+        shard_plan()
+        return 0
     for path, what in ((a.model, "--model"), (a.data, "--data")):
         if not os.path.exists(path):
             sys.exit(f"{what} {path}: not found; run scripts/prepare_example.py first")

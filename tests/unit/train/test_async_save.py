@@ -31,6 +31,19 @@ def test_staged_copy_is_independent_keeps_ties_views_and_other_values():
     assert staged_bytes(memo) == 12 * 4  # one storage for the tensor and its three views
 
 
+def test_the_next_checkpoint_reuses_the_last_ones_copies():
+    weight = torch.zeros(4, 4)
+    saves = BackgroundSaves()
+    saves.reset_staging()
+    first = saves.stage({"w": weight})["w"]
+    weight.add_(1)
+    saves.reset_staging()  # after the first write was waited for
+    second = saves.stage({"w": weight})["w"]
+    assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and torch.equal(second, weight)
+    saves.reset_staging()
+    assert saves.stage({"w": torch.ones(8)})["w"].untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+
+
 def test_adapter_written_from_the_staged_copy_is_the_synchronous_save(tiny_model_dir, tmp_path):
     import transformers
     from peft import LoraConfig, get_peft_model
