@@ -31,10 +31,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from sft.data.dropped import dropped as _dropped
 from sft.data.thinking import Diverges, continuation
 from sft.errors import TemplateError
 
@@ -241,81 +241,6 @@ def refusal(turn: Optional[int], what: str, fix: str) -> TemplateError:
     e = TemplateError(f"turn {turn}: {what}; {fix}" if turn is not None else f"{what}; {fix}")
     e.turn, e.what, e.fix = turn, what, fix
     return e
-
-
-def _found(text: str, part: str) -> bool:
-    part = part.strip()
-    return not part or part in text or json.dumps(part, ensure_ascii=False)[1:-1] in text
-
-
-def _claim(text: str, part: str, claimed: list) -> bool:
-    """Whether ``part`` (stripped; or its JSON-escaped form) occurs in ``text`` outside the ``claimed`` character
-    ranges (disjoint, kept sorted: an occurrence is checked against its neighbour only); the first such occurrence is
-    added to them."""
-    part = part.strip()
-    if not part:
-        return True
-    for form in (part, json.dumps(part, ensure_ascii=False)[1:-1]):
-        at = text.find(form)
-        while at >= 0:
-            i = bisect_left(claimed, (at + len(form),)) - 1  # the last range starting before the occurrence ends
-            if i < 0 or claimed[i][1] <= at:
-                insort(claimed, (at, at + len(form)))
-                return True
-            at = text.find(form, claimed[i][1])  # an occurrence starting inside that range overlaps it too
-    return False
-
-
-def _argument_values(args: dict) -> list[str]:
-    """The texts of a tool call's argument values (strings as they are, other values as JSON), nested ones too."""
-    out = []
-    for v in args.values():
-        if isinstance(v, dict):
-            out += _argument_values(v)
-        elif isinstance(v, str):
-            out.append(v)
-        else:
-            out.append(json.dumps(v, ensure_ascii=False))
-    return out
-
-
-def _dropped(messages, tools, info, samples) -> list:
-    """What the template left out (see the module docstring): ``[(turn, what, characters), ...]``. A text counts as
-    present only where no longer text of the same sample claimed it first (a system prompt "Hello" is not found
-    inside a user's "Hello there")."""
-    out = []
-    for k, (full, start, end, _close) in info.items():
-        reply, m = full[start:end], messages[k]
-        claimed: list = []
-        parts = [("content", m["content"]), ("reasoning", m.get("reasoning_content") or "")]
-        for what, part in sorted(parts, key=lambda p: -len(p[1].strip())):  # the longer claims its text first
-            if not _claim(reply, part, claimed):
-                out.append((k, what, len(part)))
-        for c in m.get("tool_calls", ()):
-            name, args = c["function"]["name"], c["function"]["arguments"]
-            if name not in reply:
-                out.append((k, f"tool call {name}", len(name) + len(json.dumps(args))))
-                continue
-            missing = [a for a in args if a not in reply]
-            if missing:
-                out.append((k, f"tool call {name}'s argument(s) {', '.join(missing)}", sum(map(len, missing))))
-            values = [v for v in _argument_values(args) if not _found(reply, v)]
-            if values:
-                out.append((k, f"tool call {name}'s argument value(s)", sum(map(len, values))))
-    seen = set()
-    for text, _spans, last in samples:
-        claimed = []
-        for j, m in sorted(enumerate(messages[:last + 1]), key=lambda jm: -len(jm[1]["content"].strip())):
-            present = _claim(text, m["content"], claimed)
-            if m["role"] != "assistant" and (j, m["role"]) not in seen and not present:
-                seen.add((j, m["role"]))
-                out.append((j, f"{m['role']} text", len(m["content"])))
-        for t in tools or ():
-            name = t["function"]["name"]
-            if ("tools", name) not in seen and name not in text:
-                seen.add(("tools", name))
-                out.append((-1, f"tool definition {name}", len(json.dumps(t))))
-    return sorted(out, key=lambda x: x[0])
 
 
 def describe_dropped(dropped: Sequence[tuple]) -> str:
