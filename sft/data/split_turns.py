@@ -81,17 +81,43 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
         replies.update((key[k], r) for k, r in p.replies.items())
         return p.samples
 
+    tokens: dict = {}  # sample text -> its (ids, offsets): pieces with the same first unit share their samples' texts
+    texts_of: dict = {}  # first context unit -> {sample's last message index in the piece: its text}
+
+    def tokenize(planned) -> None:
+        """Tokenize the texts of ``planned`` (``[(first context unit, samples), ...]``) not tokenized before, each
+        after the text of the same first unit that ends one message earlier (the longest shared prefix), known or
+        new (:func:`sft.data.shared_prefix.tokenize_shared`: the same tokens as tokenizing each text whole)."""
+        for c, samples in planned:
+            texts_of.setdefault(c, {}).update((last, t) for t, _s, last in samples)
+        order, groups, known = [], [], {}
+        for c in dict.fromkeys(c for c, _samples in planned):
+            lasts = sorted(texts_of[c])
+            for n, last in enumerate(lasts):
+                t = texts_of[c][last]
+                if t in tokens:
+                    continue
+                if n and (order[-1:] != [texts_of[c][lasts[n - 1]]] or groups[-1] != c):
+                    prev = texts_of[c][lasts[n - 1]]
+                    if prev in tokens:
+                        known[len(order)] = tokens[prev]
+                        order.append(prev)
+                        groups.append(c)
+                order.append(t)
+                groups.append(c)
+        for k, got in enumerate(tokenize_shared(tokenizer, order, groups, known)):
+            tokens.setdefault(order[k], got)
+        for c, samples in planned:  # a text met only as another first unit's (not in texts_of[c] order)
+            rest = [t for t, _s, _l in samples if t not in tokens]
+            for t, got in zip(rest, tokenize_shared(tokenizer, rest, [0] * len(rest))):
+                tokens[t] = got
+
     def encode_all(cuts) -> list[list[tuple[list[int], list[int]]]]:
         todo = [cut for cut in dict.fromkeys(cuts) if cut not in memo]
         planned = [plan_piece(*cut) for cut in todo]
-        texts = [t for samples in planned for t, _s, _l in samples]
-        enc = tokenize_shared(tokenizer, texts, [k for k, samples in enumerate(planned) for _ in samples])
-        at = 0
+        tokenize([(c, samples) for (c, _i, _j), samples in zip(todo, planned)])
         for cut, samples in zip(todo, planned):
-            ids_offs = enc[at:at + len(samples)]
-            memo[cut] = [(ids, labels_from_spans(ids, offs, spans, closing))
-                         for (ids, offs), (_t, spans, _l) in zip(ids_offs, samples)]
-            at += len(samples)
+            memo[cut] = [(tokens[t][0], labels_from_spans(*tokens[t], spans, closing)) for t, spans, _l in samples]
         return [memo[cut] for cut in cuts]
 
     def piece(c: int, i: int, j: int) -> list[dict]:
