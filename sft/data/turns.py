@@ -51,6 +51,7 @@ class TurnPlan:
     samples: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
     replies: dict = field(default_factory=dict)  # per trained reply, what plan found (plan's ``known``)
+    rendering: Optional[str] = None  # render(turns) when plan rendered it (the last turn a reply it trains)
 
 
 def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool = False) -> str:
@@ -145,15 +146,16 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
             ``tool_calls``) is not trained and is counted in :attr:`TurnPlan.dropped`.
     """
     shown = template_messages(tokenizer, messages)
-    info, empty = {}, []
+    info, empty, renders = {}, [], {}
     out = TurnPlan()
     for k in trained_turns(messages, last_reply_only):
         got = known.get(k) if known else None
-        out.replies[k] = got = got or _reply(tokenizer, messages, shown, k, tools, stops)
+        out.replies[k] = got = got or _reply(tokenizer, messages, shown, k, tools, stops, renders)
         if got[0] == "empty":
             empty.append(got[1])
         else:
             info[k] = got[1]
+    out.rendering = renders.get(len(messages))
     todo = sorted(info, reverse=True)
     while todo:
         text = info[todo[0]][0]
@@ -166,10 +168,11 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
     return out
 
 
-def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools, stops: Sequence[str]) -> tuple:
+def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools, stops: Sequence[str],
+           renders: Optional[dict] = None) -> tuple:
     """Reply ``k`` of :func:`plan`: ``("info", (text, prompt_end, end, close_end))``, its sample text up to its end
     (``text[prompt_end:end]`` trained, ``text[end:close_end]`` the stop token), or ``("empty", (k, what, chars))``
-    where the template writes nothing of it. Raises as :func:`plan`."""
+    where the template writes nothing of it; ``renders[k + 1]`` = ``render(turns[:k+1])``. Raises as :func:`plan`."""
     source = tokenizer.chat_template or ""
     reasoning = messages[k].get("reasoning_content") or ""
     try:
@@ -197,6 +200,8 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
                       "after the prompt is not defined", "use a template whose replies continue its generation "
                       "prompt") from None
     rendered, full = full, prompt + reply
+    if renders is not None and k + 1 == len(messages):
+        renders[k + 1] = rendered
     ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]  # after the block's close
     if not ends and ends_at_next_role(tokenizer) and not full[len(prompt) + own:].endswith(tuple(stops)):
         full += _next_role(tokenizer, shown, k, tools, rendered, stops)
