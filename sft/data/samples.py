@@ -244,7 +244,30 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             owners.append((i, spans, whole, sum(n for _t, _w, n in p.dropped)))
     lengths: dict = {}
     longest: dict = {}  # per conversation planned reply by reply, its longest text (where split_turns' piece was cut)
-    for text, ids, offs, (i, spans, whole, dropped) in _tokenized(tokenizer, texts, owners):
+    probed: dict = {}  # split_turns' conversations found by their longest sample alone: its (text, ids, offsets)
+    made: dict = {}  # per text, its (ids, offsets) already made (a longest sample that fits)
+    if plans and _closes_at_cut_tokens(tokenizer, closing):
+        # A conversation split_turns makes pieces of is known by its longest sample (the first of the longest texts:
+        # the one longest[] names) being longer than max_len; its whole plan's other samples are then read by
+        # nobody, so they are not tokenized. Only where every token that closes a reply is one the tokenizer finds
+        # in the raw text before anything else (sft.data.long_conversations.cut_tokens): then a reply's label check
+        # (labels_from_spans: the token after the reply closes it) holds in any sample that renders it.
+        first: dict = {}
+        for n, (text, (i, _spans, _whole, _dropped)) in enumerate(zip(texts, owners)):
+            if i in plans and (i not in first or len(text) > len(texts[first[i]])):
+                first[i] = n
+        at = sorted(first.values())
+        for n, (text, ids, offs, (i, _spans, _whole, dropped)) in zip(at, _tokenized(
+                tokenizer, [texts[n] for n in at], [owners[n] for n in at])):
+            if len(ids) > max_len:
+                probed[i] = (text, ids, offs)
+                out[i], lengths[i], longest[i] = [{"dropped": dropped}], [len(ids)], text
+            else:
+                made[n] = (ids, offs)
+        keep = [n for n in range(len(texts)) if owners[n][0] not in probed]
+        made = {k: made[n] for k, n in enumerate(keep) if n in made}
+        texts, owners = [texts[n] for n in keep], [owners[n] for n in keep]
+    for text, ids, offs, (i, spans, whole, dropped) in _tokenized(tokenizer, texts, owners, made):
         if isinstance(out[i], Exception):
             continue
         try:
@@ -281,7 +304,8 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         if i in general and splitting and isinstance(out[i], list) and max(n) > max_len:
             try:
                 pieces = split_turns(tokenizer, conversations[i], tools[i], stops, closing, max_len,
-                                     trained_turns(conversations[i], last_reply_only), plans.get(i))
+                                     trained_turns(conversations[i], last_reply_only), plans.get(i),
+                                     (probed[i][0], probed[i][2]) if i in probed else None)
             except TemplateError as e:
                 out[i] = e
                 continue
@@ -289,7 +313,8 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             out[i] = [dict(truncate(a, b, max_len), user_cut=0) for a, b in pieces]
             out[i][0]["dropped"] = dropped
             if any("cut_at" in ex for ex in out[i]):  # rare: a unit too long by itself; its rendering tokenized again
-                enc = tokenizer(longest[i], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+                enc = ({"input_ids": probed[i][1], "offset_mapping": probed[i][2]} if i in probed else
+                       tokenizer(longest[i], add_special_tokens=False, return_offsets_mapping=True, verbose=False))
                 name_cuts(out[i], len(conversations[i]) - len(given[i]), lambda cut_at: cut_turn(
                     longest[i], enc["input_ids"], enc["offset_mapping"], conversations[i], cut_at))
     if long_conversations == "refuse":  # a turn that split had to cut: the conversation is refused, naming it
@@ -298,6 +323,14 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             if cut is not None:
                 out[i] = too_long(cut.get("cut_turn"), cut.get("turn_tokens"), max_len, "a turn")
     return out
+
+
+def _closes_at_cut_tokens(tokenizer, closing) -> bool:
+    """Whether every token that closes a reply (``closing``: an id or a frozenset of ids) is one of
+    :func:`sft.data.long_conversations.cut_tokens`."""
+    from sft.data.long_conversations import cut_tokens
+
+    return (closing if isinstance(closing, frozenset) else {closing}) <= cut_tokens(tokenizer)
 
 
 def lazy_refusal(n_samples: int) -> TemplateError:
@@ -313,17 +346,19 @@ def lazy_refusal(n_samples: int) -> TemplateError:
 TOKENIZE_CHARS = 4_000_000  # characters per tokenizer call: its offsets cost about 100 bytes a token
 
 
-def _tokenized(tokenizer, texts: list, owners: list):
+def _tokenized(tokenizer, texts: list, owners: list, made: Optional[dict] = None):
     """``(text, ids, offsets, owner)`` of every text, tokenized in calls of at most :data:`TOKENIZE_CHARS` characters
     (one text at least), a conversation's samples with their shared prefixes tokenized once
     (:func:`sft.data.shared_prefix.tokenize_shared`): a batch of conversations that a history-rewriting template
-    makes many long samples of keeps only one call's offsets in memory at a time."""
-    start = 0
+    makes many long samples of keeps only one call's offsets in memory at a time. ``made``: per index of ``texts``,
+    its ``(ids, offsets)`` already made (not tokenized again)."""
+    start, made = 0, made or {}
     while start < len(texts):
         end, size = start + 1, len(texts[start])
         while end < len(texts) and size + len(texts[end]) <= TOKENIZE_CHARS:
             size, end = size + len(texts[end]), end + 1
-        enc = tokenize_shared(tokenizer, texts[start:end], [o[0] for o in owners[start:end]])
+        enc = tokenize_shared(tokenizer, texts[start:end], [o[0] for o in owners[start:end]],
+                              {k - start: made[k] for k in range(start, end) if k in made})
         yield from ((t, ids, offs, o) for t, (ids, offs), o in zip(texts[start:end], enc, owners[start:end]))
         start = end
 

@@ -10,12 +10,13 @@ and offsets as tokenizing every text whole (checked in tests/unit/data/test_temp
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Sequence
+from typing import Optional, Sequence
 
 from sft.data import long_conversations
 
 
-def tokenize_shared(tokenizer, texts: Sequence[str], groups: Sequence) -> list[tuple[list[int], list[tuple]]]:
+def tokenize_shared(tokenizer, texts: Sequence[str], groups: Sequence,
+                    known: Optional[dict] = None) -> list[tuple[list[int], list[tuple]]]:
     """``[(ids, offsets), ...]`` of ``texts`` (``offsets``: each token's ``(start, end)`` characters), as
     ``tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)`` gives them, in one batched call.
 
@@ -23,11 +24,17 @@ def tokenize_shared(tokenizer, texts: Sequence[str], groups: Sequence) -> list[t
         texts: the texts, each group's in order.
         groups: per text, its group (e.g. the conversation); a text may reuse the tokens of the text before it in
             the same group.
+        known: per index of ``texts``, its ``(ids, offsets)`` already made (by an earlier call): returned as they
+            are, not tokenized again, and reused by the text after it as any other.
     """
     cut = long_conversations.cut_tokens(tokenizer)
     strings = sorted({tokenizer.convert_ids_to_tokens(i) for i in cut}, key=len, reverse=True)
+    known = known or {}
     plan, pieces = [], []  # per text: (previous text's index or -1, cut character); the text tokenized from there
     for k, text in enumerate(texts):
+        if k in known:
+            plan.append(None)
+            continue
         prev, at = -1, 0
         if strings and k > 0 and groups[k] == groups[k - 1]:
             common = common_prefix_length(texts[k - 1], text)
@@ -38,7 +45,12 @@ def tokenize_shared(tokenizer, texts: Sequence[str], groups: Sequence) -> list[t
     enc = tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                     return_attention_mask=False) if pieces else {"input_ids": [], "offset_mapping": []}
     out: list = []
-    for k, ((prev, at), ids, offs) in enumerate(zip(plan, enc["input_ids"], enc["offset_mapping"])):
+    made = iter(zip(enc["input_ids"], enc["offset_mapping"]))
+    for k, step in enumerate(plan):
+        if step is None:
+            out.append(known[k])
+            continue
+        (prev, at), (ids, offs) = step, next(made)
         if prev >= 0:
             p_ids, p_offs = out[prev]
             t = bisect_left(p_offs, (at, -1))

@@ -39,7 +39,8 @@ def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
 
 
 def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequence[str], closing, max_len: int,
-                trained: Sequence[int], whole: Optional[TurnPlan] = None) -> list[tuple[list[int], list[int]]]:
+                trained: Sequence[int], whole: Optional[TurnPlan] = None,
+                tokenized: Optional[tuple] = None) -> list[tuple[list[int], list[int]]]:
     """The pieces of one conversation as ``[(input_ids, labels), ...]`` (see the module docstring).
 
     Args:
@@ -48,7 +49,10 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
         trained: indices of the assistant turns to train (:func:`sft.data.turns.trained_turns`).
         whole: the whole conversation's plan (:func:`sft.data.turns.plan` of ``messages``), if made: a piece that
             starts with the conversation takes its replies from it instead of rendering them again (as a piece
-            does from an earlier piece with the same first unit, after an overflow).
+            does from an earlier piece with the same first unit, after an overflow), and the plan's rendering of the
+            whole conversation serves the estimates.
+        tokenized: ``(text, offsets)`` of a text already tokenized (the caller's longest sample): where it is the
+            whole conversation's rendering, the estimates read its offsets instead of tokenizing it again.
 
     Raises:
         TemplateError: as :func:`sft.data.turns.plan`, for a piece.
@@ -59,7 +63,8 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
     messages, trained = list(messages), set(trained)
     head, units = units_of(messages)
     user_of = [max((k for k in range(head, a + 1) if messages[k]["role"] == "user"), default=None) for a, _b in units]
-    costs, head_len, user_len = _estimate(tokenizer, messages, tools, head, units)
+    costs, head_len, user_len = _estimate(tokenizer, messages, tools, head, units,
+                                          whole.rendering if whole is not None else None, tokenized)
     lengths = [head_len + costs[u] + (user_len[u] if messages[a]["role"] == "tool" else 0)
                for u, (a, _b) in enumerate(units)]
 
@@ -81,17 +86,43 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
         replies.update((key[k], r) for k, r in p.replies.items())
         return p.samples
 
+    tokens: dict = {}  # sample text -> its (ids, offsets): pieces with the same first unit share their samples' texts
+    texts_of: dict = {}  # first context unit -> {sample's last message index in the piece: its text}
+
+    def tokenize(planned) -> None:
+        """Tokenize the texts of ``planned`` (``[(first context unit, samples), ...]``) not tokenized before, each
+        after the text of the same first unit that ends one message earlier (the longest shared prefix), known or
+        new (:func:`sft.data.shared_prefix.tokenize_shared`: the same tokens as tokenizing each text whole)."""
+        for c, samples in planned:
+            texts_of.setdefault(c, {}).update((last, t) for t, _s, last in samples)
+        order, groups, known = [], [], {}
+        for c in dict.fromkeys(c for c, _samples in planned):
+            lasts = sorted(texts_of[c])
+            for n, last in enumerate(lasts):
+                t = texts_of[c][last]
+                if t in tokens:
+                    continue
+                if n and (order[-1:] != [texts_of[c][lasts[n - 1]]] or groups[-1] != c):
+                    prev = texts_of[c][lasts[n - 1]]
+                    if prev in tokens:
+                        known[len(order)] = tokens[prev]
+                        order.append(prev)
+                        groups.append(c)
+                order.append(t)
+                groups.append(c)
+        for k, got in enumerate(tokenize_shared(tokenizer, order, groups, known)):
+            tokens.setdefault(order[k], got)
+        for c, samples in planned:  # a text met only as another first unit's (not in texts_of[c] order)
+            rest = [t for t, _s, _l in samples if t not in tokens]
+            for t, got in zip(rest, tokenize_shared(tokenizer, rest, [0] * len(rest))):
+                tokens[t] = got
+
     def encode_all(cuts) -> list[list[tuple[list[int], list[int]]]]:
         todo = [cut for cut in dict.fromkeys(cuts) if cut not in memo]
         planned = [plan_piece(*cut) for cut in todo]
-        texts = [t for samples in planned for t, _s, _l in samples]
-        enc = tokenize_shared(tokenizer, texts, [k for k, samples in enumerate(planned) for _ in samples])
-        at = 0
+        tokenize([(c, samples) for (c, _i, _j), samples in zip(todo, planned)])
         for cut, samples in zip(todo, planned):
-            ids_offs = enc[at:at + len(samples)]
-            memo[cut] = [(ids, labels_from_spans(ids, offs, spans, closing))
-                         for (ids, offs), (_t, spans, _l) in zip(ids_offs, samples)]
-            at += len(samples)
+            memo[cut] = [(tokens[t][0], labels_from_spans(*tokens[t], spans, closing)) for t, spans, _l in samples]
         return [memo[cut] for cut in cuts]
 
     def piece(c: int, i: int, j: int) -> list[dict]:
@@ -124,17 +155,22 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
                 lengths = [max_len + 1] * len(lengths)  # one unit per piece, each truncated where it must be
 
 
-def _estimate(tokenizer, messages, tools, head: int, units) -> tuple[list[int], int, list[int]]:
+def _estimate(tokenizer, messages, tools, head: int, units, rendering: Optional[str] = None,
+              tokenized: Optional[tuple] = None) -> tuple[list[int], int, list[int]]:
     """Token estimates ``(costs, head_len, user_len)``: each unit's tokens, the head's (with whatever the template adds
     once), and per unit the tokens of its round's user turn; read off the whole conversation's rendering (one
-    rendering, one tokenization), a unit starting where the text of its first message is found, in order (only the
-    plan uses them: :func:`split_turns` checks every piece it encodes)."""
+    rendering, one tokenization; ``rendering``: that rendering, already made; ``tokenized``: ``(text, offsets)`` of a
+    text already tokenized, used where it is the rendering), a unit starting where the text of its first message is
+    found, in order (only the plan uses them: :func:`split_turns` checks every piece it encodes)."""
     from sft.data.turns import template_messages
 
     shown = template_messages(tokenizer, messages)
-    full = render_with_tools(tokenizer, shown, tools)
-    offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
-                        return_attention_mask=False)["offset_mapping"]
+    full = rendering if rendering is not None else render_with_tools(tokenizer, shown, tools)
+    if tokenized is not None and tokenized[0] == full:
+        offsets = tokenized[1]
+    else:
+        offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
+                            return_attention_mask=False)["offset_mapping"]
     ends = [e for _s, e in offsets]
     marks, pos = [], 0
     for a, _b in units:

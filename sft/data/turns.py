@@ -31,10 +31,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from sft.data.dropped import dropped as _dropped
 from sft.data.thinking import Diverges, continuation
 from sft.errors import TemplateError
 
@@ -51,6 +51,7 @@ class TurnPlan:
     samples: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
     replies: dict = field(default_factory=dict)  # per trained reply, what plan found (plan's ``known``)
+    rendering: Optional[str] = None  # render(turns) when plan rendered it (the last turn a reply it trains)
 
 
 def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool = False) -> str:
@@ -145,15 +146,16 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
             ``tool_calls``) is not trained and is counted in :attr:`TurnPlan.dropped`.
     """
     shown = template_messages(tokenizer, messages)
-    info, empty = {}, []
+    info, empty, renders = {}, [], {}
     out = TurnPlan()
     for k in trained_turns(messages, last_reply_only):
         got = known.get(k) if known else None
-        out.replies[k] = got = got or _reply(tokenizer, messages, shown, k, tools, stops)
+        out.replies[k] = got = got or _reply(tokenizer, messages, shown, k, tools, stops, renders)
         if got[0] == "empty":
             empty.append(got[1])
         else:
             info[k] = got[1]
+    out.rendering = renders.get(len(messages))
     todo = sorted(info, reverse=True)
     while todo:
         text = info[todo[0]][0]
@@ -166,10 +168,11 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
     return out
 
 
-def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools, stops: Sequence[str]) -> tuple:
+def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools, stops: Sequence[str],
+           renders: Optional[dict] = None) -> tuple:
     """Reply ``k`` of :func:`plan`: ``("info", (text, prompt_end, end, close_end))``, its sample text up to its end
     (``text[prompt_end:end]`` trained, ``text[end:close_end]`` the stop token), or ``("empty", (k, what, chars))``
-    where the template writes nothing of it. Raises as :func:`plan`."""
+    where the template writes nothing of it; ``renders[k + 1]`` = ``render(turns[:k+1])``. Raises as :func:`plan`."""
     source = tokenizer.chat_template or ""
     reasoning = messages[k].get("reasoning_content") or ""
     try:
@@ -197,6 +200,8 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
                       "after the prompt is not defined", "use a template whose replies continue its generation "
                       "prompt") from None
     rendered, full = full, prompt + reply
+    if renders is not None and k + 1 == len(messages):
+        renders[k + 1] = rendered
     ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]  # after the block's close
     if not ends and ends_at_next_role(tokenizer) and not full[len(prompt) + own:].endswith(tuple(stops)):
         full += _next_role(tokenizer, shown, k, tools, rendered, stops)
@@ -241,81 +246,6 @@ def refusal(turn: Optional[int], what: str, fix: str) -> TemplateError:
     e = TemplateError(f"turn {turn}: {what}; {fix}" if turn is not None else f"{what}; {fix}")
     e.turn, e.what, e.fix = turn, what, fix
     return e
-
-
-def _found(text: str, part: str) -> bool:
-    part = part.strip()
-    return not part or part in text or json.dumps(part, ensure_ascii=False)[1:-1] in text
-
-
-def _claim(text: str, part: str, claimed: list) -> bool:
-    """Whether ``part`` (stripped; or its JSON-escaped form) occurs in ``text`` outside the ``claimed`` character
-    ranges (disjoint, kept sorted: an occurrence is checked against its neighbour only); the first such occurrence is
-    added to them."""
-    part = part.strip()
-    if not part:
-        return True
-    for form in (part, json.dumps(part, ensure_ascii=False)[1:-1]):
-        at = text.find(form)
-        while at >= 0:
-            i = bisect_left(claimed, (at + len(form),)) - 1  # the last range starting before the occurrence ends
-            if i < 0 or claimed[i][1] <= at:
-                insort(claimed, (at, at + len(form)))
-                return True
-            at = text.find(form, claimed[i][1])  # an occurrence starting inside that range overlaps it too
-    return False
-
-
-def _argument_values(args: dict) -> list[str]:
-    """The texts of a tool call's argument values (strings as they are, other values as JSON), nested ones too."""
-    out = []
-    for v in args.values():
-        if isinstance(v, dict):
-            out += _argument_values(v)
-        elif isinstance(v, str):
-            out.append(v)
-        else:
-            out.append(json.dumps(v, ensure_ascii=False))
-    return out
-
-
-def _dropped(messages, tools, info, samples) -> list:
-    """What the template left out (see the module docstring): ``[(turn, what, characters), ...]``. A text counts as
-    present only where no longer text of the same sample claimed it first (a system prompt "Hello" is not found
-    inside a user's "Hello there")."""
-    out = []
-    for k, (full, start, end, _close) in info.items():
-        reply, m = full[start:end], messages[k]
-        claimed: list = []
-        parts = [("content", m["content"]), ("reasoning", m.get("reasoning_content") or "")]
-        for what, part in sorted(parts, key=lambda p: -len(p[1].strip())):  # the longer claims its text first
-            if not _claim(reply, part, claimed):
-                out.append((k, what, len(part)))
-        for c in m.get("tool_calls", ()):
-            name, args = c["function"]["name"], c["function"]["arguments"]
-            if name not in reply:
-                out.append((k, f"tool call {name}", len(name) + len(json.dumps(args))))
-                continue
-            missing = [a for a in args if a not in reply]
-            if missing:
-                out.append((k, f"tool call {name}'s argument(s) {', '.join(missing)}", sum(map(len, missing))))
-            values = [v for v in _argument_values(args) if not _found(reply, v)]
-            if values:
-                out.append((k, f"tool call {name}'s argument value(s)", sum(map(len, values))))
-    seen = set()
-    for text, _spans, last in samples:
-        claimed = []
-        for j, m in sorted(enumerate(messages[:last + 1]), key=lambda jm: -len(jm[1]["content"].strip())):
-            present = _claim(text, m["content"], claimed)
-            if m["role"] != "assistant" and (j, m["role"]) not in seen and not present:
-                seen.add((j, m["role"]))
-                out.append((j, f"{m['role']} text", len(m["content"])))
-        for t in tools or ():
-            name = t["function"]["name"]
-            if ("tools", name) not in seen and name not in text:
-                seen.add(("tools", name))
-                out.append((-1, f"tool definition {name}", len(json.dumps(t))))
-    return sorted(out, key=lambda x: x[0])
 
 
 def describe_dropped(dropped: Sequence[tuple]) -> str:

@@ -294,3 +294,34 @@ def test_split_takes_replies_from_the_whole_plan_and_earlier_pieces_and_trains_t
     assert len(fresh) > 2  # several pieces (at 200 a round with its tool results is longer by itself)
     assert reused == fresh
     assert renders < fresh_renders, (renders, fresh_renders)
+
+
+@pytest.mark.parametrize("mode", ["split", "refuse"])
+def test_a_conversation_known_split_by_its_longest_sample_gives_the_same_samples(qwen3, monkeypatch, mode):
+    """encode_samples tokenizes a split conversation's longest sample first and, when that is longer than max_len,
+    none of its whole plan's other samples (nobody reads them); split_turns' estimates take that sample's tokens and
+    the plan's rendering of the whole conversation. The same samples, ids, labels and counts as tokenizing every
+    sample (a batch with conversations that fit, one split, one with a unit too long by itself)."""
+    import sft.data.samples as samples_mod
+
+    tok, eot = qwen3
+    long = long_agent_record()
+    huge = long_agent_record(rounds=2)
+    huge["messages"][-1]["content"] = "Warm " * 400  # longer than max_len by itself: truncated and named
+    short = {"messages": [{"role": "user", "content": "Hi"},
+                          {"role": "assistant", "reasoning_content": "Greet back.", "content": "Hello!"}]}
+    convs = [normalize_record("agent.jsonl", k, r) for k, r in enumerate([short, long, huge, short])]
+    spec = PreparationSpec(max_len=300, long_conversations=mode)
+    texts = []
+    real = samples_mod.tokenize_shared
+    monkeypatch.setattr(samples_mod, "tokenize_shared", lambda t, xs, *a: texts.append(len(xs)) or real(t, xs, *a))
+    got = encode_samples(tok, [c.messages for c in convs], eot, spec, [c.tools for c in convs])
+    probed = sum(texts)
+    monkeypatch.setattr(samples_mod, "_closes_at_cut_tokens", lambda *a: False)
+    texts.clear()
+    every = encode_samples(tok, [c.messages for c in convs], eot, spec, [c.tools for c in convs])
+    assert [str(x) if isinstance(x, Exception) else x for x in got] == \
+        [str(x) if isinstance(x, Exception) else x for x in every]
+    assert probed < sum(texts), (probed, sum(texts))
+    if mode == "split":
+        assert any(ex["truncated"] and ex.get("cut_turn") is not None for ex in got[2])
