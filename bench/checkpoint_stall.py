@@ -43,7 +43,8 @@ FT = os.path.join(ROOT, "finetune")
 CELLS = {
     "ddp-lora": ["--use_lora", "True", "--lora_r", "8", "--learning_rate", "1e-4"],
     "ddp-full": ["--learning_rate", "1e-5"],
-    "fsdp2-full": ["--learning_rate", "1e-5", "--fsdp", "--fsdp_config", os.path.join(FT, "fsdp_config_full_shard.json")],
+    "fsdp2-full": ["--learning_rate", "1e-5", "--fsdp", "--fsdp_config",
+                   os.path.join(FT, "fsdp_config_full_shard.json")],
     "fsdp2-full-gathered": ["--learning_rate", "1e-5", "--fsdp", "--fsdp_config", "GATHERED"],
     "zero2-full": ["--learning_rate", "1e-5", "--deepspeed", os.path.join(FT, "ds_config_zero2.json")],
 }
@@ -113,9 +114,11 @@ def run_cell(a, cell: str, mode: str, work: str) -> dict:
     flags = [f if f != "GATHERED" else a.gathered for f in CELLS[cell]]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(a.port), os.path.abspath(__file__), "--worker",
-           "--model_name_or_path", a.model, "--data_path", a.data, "--output_dir", out, "--overwrite_output_dir", "True",
+           "--model_name_or_path", a.model, "--data_path", a.data, "--output_dir", out,
+           "--overwrite_output_dir", "True",
            "--max_steps", str(a.steps), "--per_device_train_batch_size", "1", "--model_max_length", str(a.max_length),
-           "--save_strategy", "steps", "--save_steps", str(a.save_steps), "--save_total_limit", "2",
+           "--save_strategy", "no" if mode == "none" else "steps", "--save_steps", str(a.save_steps),
+           "--save_total_limit", "2",
            "--logging_steps", "1000", "--report_to", "none", "--disable_tqdm", "True", "--bf16", "False",
            "--gradient_checkpointing", "False", "--data_cache_dir", os.path.join(work, "data-cache"),
            "--save_async", str(mode == "async"), *flags]
@@ -128,7 +131,8 @@ def run_cell(a, cell: str, mode: str, work: str) -> dict:
         print(f"{cell} {mode}: exit {r.returncode}\n{r.stderr[-3000:]}", file=sys.stderr)
         return {}
     ranks = [json.load(open(os.path.join(report, f"rank{i}.json"))) for i in range(a.nproc)]
-    ckpts = sorted((d for d in os.listdir(out) if d.startswith("checkpoint-")), key=lambda d: int(d.split("-")[1]))
+    ckpts = [] if mode == "none" else sorted((d for d in os.listdir(out) if d.startswith("checkpoint-")),
+                                             key=lambda d: int(d.split("-")[1]))
     size = sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(os.path.join(out, ckpts[-1]))
                for n in names) if ckpts else 0
     # a save blocks every rank until the slowest is through (the next step's collectives wait for it)
@@ -166,7 +170,8 @@ def main() -> int:
         return worker(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
-    ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async", "none"],
+                    help="none: no checkpoints (rank 0's peak memory of training alone)")
     ap.add_argument("--rounds", type=int, default=1, help="each cell's modes in turn this many times")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)

@@ -55,7 +55,7 @@ class TrainerHooks(transformers.Trainer):
         return super()._load_best_model()
 
     def save_optimizer_and_scheduler(self, output_dir: str, default: Callable) -> None:
-        """Write a checkpoint's optimizer and scheduler state into ``output_dir``; ``default()`` is the Trainer's own."""
+        """Write a checkpoint's optimizer and scheduler state into ``output_dir``; ``default()``: the Trainer's own."""
         default()
 
     def _save_optimizer_and_scheduler(self, output_dir):

@@ -58,9 +58,9 @@ def _argument_values(args: dict) -> list[str]:
 
 
 def dropped(messages, tools, info, samples) -> list:
-    """What the template left out (:mod:`sft.data.turns`' docstring): ``[(turn, what, characters), ...]``. A text counts as
-    present only where no longer text of the same sample claimed it first (a system prompt "Hello" is not found
-    inside a user's "Hello there")."""
+    """What the template left out (:mod:`sft.data.turns`' docstring): ``[(turn, what, characters), ...]``. A text
+    counts as present only where no longer text of the same sample claimed it first (a system prompt "Hello" is not
+    found inside a user's "Hello there")."""
     out = []
     for k, (full, start, end, _close) in info.items():
         reply, m = full[start:end], messages[k]

@@ -260,7 +260,8 @@ class MemoryPlan:
         split = (f" / {self.sequence_parallel} sequence-parallel ranks = {self.rank_tokens} per rank"
                  if self.sequence_parallel > 1 else "")
         return (f"memory plan: weights {g(self.weights)} + gradients {g(self.gradients)} + optimizer "
-                f"{g(self.optimizer)}{f' + staged checkpoint {g(self.staged)}' if self.staged else ''} + activations {g(self.activations)} ({self.tokens} tokens in the largest micro "
+                f"{g(self.optimizer)}{f' + staged checkpoint {g(self.staged)}' if self.staged else ''} + activations "
+                f"{g(self.activations)} ({self.tokens} tokens in the largest micro "
                 f"batch{split} x {self.per_token / 2 ** 10:.0f} KiB, gradient checkpointing "
                 f"{'on' if self.checkpointing else 'off'}) + LM head {g(self.head)} = {g(self.peak)} GiB planned peak "
                 f"of {g(self.available)} GiB {self.where}")

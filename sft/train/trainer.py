@@ -201,9 +201,9 @@ class Trainer(TrainerHooks):
     ``supervised_head`` on, the LM head and loss at supervised positions only (:mod:`sft.model.loss`).
 
     Args:
-        background_saves: a :class:`sft.train.async_save.BackgroundSaves` (``--save_async True``): a checkpoint's weights
-            or adapter and optimizer state are staged into it (copied to host memory), and written in the background
-            (:class:`sft.train.checkpoint.AtomicCheckpoints` starts the write); None: the Trainer's own saves.
+        background_saves: a :class:`sft.train.async_save.BackgroundSaves` (``--save_async True``): a checkpoint's
+            weights or adapter and optimizer state are staged into it (copied to host memory), and written in the
+            background (:class:`sft.train.checkpoint.AtomicCheckpoints` starts the write); None: the Trainer's own.
         supervised_head: use :func:`sft.model.loss.compute_supervised_loss` for training steps, as decided by
             :func:`sft.model.loss.use_supervised_head`; evaluation, label smoothing and a ``compute_loss_func`` keep the
             Trainer's own loss.

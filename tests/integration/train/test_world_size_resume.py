@@ -8,7 +8,8 @@ fine-tuning.
   weights within a tolerance that only the order of floating-point reductions explains: a resume that lost Adam's
   moments or step count, or the scheduler's position, is far outside it (measured: docs/resume-and-preemption.md).
 - DeepSpeed ZeRO-2 and ZeRO-3 (the checkpoint converted to a universal one first) and FSDP2 (each rank's shards,
-  sharded again for the new world size on load): the same data and result checks against the uninterrupted world-size-2 run.
+  sharded again for the new world size on load): the same data and result checks against the uninterrupted
+  world-size-2 run.
 The rules (planning, the refusal, validation) are in tests/unit/train/test_resume.py.
 """
 import json

@@ -26,7 +26,8 @@ def test_staged_copy_is_independent_keeps_ties_views_and_other_values():
     assert torch.equal(copy["embed"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert copy["embed"].untyped_storage().data_ptr() == copy["lm_head"].untyped_storage().data_ptr()
     assert copy["embed"].untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
-    assert torch.equal(copy["row"], torch.tensor([4.0, 5, 6, 7])) and torch.equal(copy["pair"][0], torch.tensor([1.0, 5, 9]))
+    assert torch.equal(copy["row"], torch.tensor([4.0, 5, 6, 7]))
+    assert torch.equal(copy["pair"][0], torch.tensor([1.0, 5, 9]))
     assert copy["step"] == 7 and copy["groups"] == [{"lr": 0.1, "params": [0, 1]}] and copy["pair"][1] == "x"
     assert staged_bytes(memo) == 12 * 4  # one storage for the tensor and its three views
 
