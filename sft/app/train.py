@@ -357,9 +357,8 @@ def save(trainer, tok, eot_id: int, output_dir: str) -> None:
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.generation_config = generation_config_for(base, tok, eot_id)
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
-    if plugin is not None and "SHARDED" in str(plugin.state_dict_type):
-        plugin.set_state_dict_type("FULL_STATE_DICT")
+    if trainer.sharded_checkpoints:
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(output_dir)  # barrier-safe: only the main process writes
     if trainer.is_world_process_zero():
         base.generation_config.save_pretrained(output_dir)
