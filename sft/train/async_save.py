@@ -102,8 +102,6 @@ class BackgroundSaves:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._path: Optional[str] = None
-        self.waited_s = 0.0  # the last wait's length
-        self.written_s = 0.0  # the last background write's length (files, checksums and marker)
 
     @property
     def in_flight(self) -> bool:
@@ -132,7 +130,6 @@ class BackgroundSaves:
                         self.staged / MIB, path, self.staging_s)
         jobs, self.jobs = self.jobs, []
         self._path, self._error = path, None
-        started = time.perf_counter()
 
         def run():
             error = None
@@ -146,7 +143,6 @@ class BackgroundSaves:
             except BaseException as e:  # noqa: BLE001
                 error = error or e
             self._error = error
-            self.written_s = time.perf_counter() - started
 
         self._thread = threading.Thread(target=run, name="sft-checkpoint-writer", daemon=True)
         self._thread.start()
@@ -160,13 +156,13 @@ class BackgroundSaves:
         start = time.perf_counter()
         self._thread.join()
         self._thread = None
-        self.waited_s = time.perf_counter() - start
-        if self.waited_s > 0.01:
-            logger.info("waited %.2f s for the background write of %s to finish (%s)", self.waited_s, self._path, why)
+        waited = time.perf_counter() - start
+        if waited > 0.01:
+            logger.info("waited %.2f s for the background write of %s to finish (%s)", waited, self._path, why)
         error, self._error = self._error, None
         if error is not None:
             raise error
-        return self.waited_s
+        return waited
 
     def reset_staging(self) -> None:
         """Start staging the next checkpoint (after :meth:`wait`): the last one's copies become the pool to reuse."""
