@@ -77,6 +77,11 @@ def checkpoint_kind(path: str) -> str:
         SFTError: no weights sft knows how to read.
     """
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        if not any(n.startswith("adapter_model.") for n in os.listdir(path)) and dcp_folder(path) is not None:
+            raise SFTError(f"{path}: a LoRA adapter in FSDP2 shards (torch.distributed.checkpoint) is not exported by "
+                           "sft-export yet; export the run's final adapter in its --output_dir (adapter_model."
+                           "safetensors, gathered at the end of training), or train with \"state_dict_type\": "
+                           "\"FULL_STATE_DICT\" in --fsdp_config to get adapter files in every checkpoint")
         return "lora"
     if zero_world_size(path) is not None:
         return "zero"

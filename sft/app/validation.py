@@ -307,6 +307,7 @@ def _check_output(t) -> list[str]:
     resume_problems, resuming_here = check_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir, t.use_lora,
                                                   rank, t.should_save)
     p += resume_problems
+    p += fsdp_checkpoint_layout(t, resolve_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir))
     if t.deepspeed and "WORLD_SIZE" in os.environ:  # a training process (torchrun, Ray); a lone check cannot know
 
         p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]),
@@ -347,6 +348,11 @@ def _check_fsdp(t, lora_args) -> list[str]:
         p.append(f"--fsdp_config {asked.fsdp_config} \"cpu_offload\": true on CPU: FSDP2's offload pins host "
                  "memory for GPU copies and fails without a GPU, and on CPU the parameters are in CPU memory already; "
                  "use finetune/fsdp_config_full_shard.json (no offload)")
+    if t.save_only_model and config.get("state_dict_type") == "SHARDED_STATE_DICT":
+        # the checkpoints' weights are written with the optimizer's shards, which --save_only_model skips
+        p.append(f"--save_only_model True with --fsdp_config {asked.fsdp_config} \"state_dict_type\": "
+                 "\"SHARDED_STATE_DICT\": the checkpoints would hold no weights at all (each rank writes its shards "
+                 "with the optimizer state); drop --save_only_model, or use \"FULL_STATE_DICT\"")
     if t.save_async and config.get("state_dict_type", "FULL_STATE_DICT") != "SHARDED_STATE_DICT":
         p.append(f"--save_async True with --fsdp_config {asked.fsdp_config} \"state_dict_type\": "
                  f"\"{config.get('state_dict_type', 'FULL_STATE_DICT')}\": a full state dict is gathered to rank 0 "
@@ -362,6 +368,32 @@ def _check_fsdp(t, lora_args) -> list[str]:
                  "\"activation_checkpointing\": true: choose one (transformers refuses both); FSDP's own is the "
                  "cheaper one: add --gradient_checkpointing False")
     return p
+
+
+def fsdp_checkpoint_layout(t, resume: Optional[str]) -> list[str]:
+    """The checkpoint ``resume`` (or None) must be in the layout this run loads: FSDP2 shards
+    (``pytorch_model_fsdp_0/``, ``"SHARDED_STATE_DICT"``), FSDP2 full state dicts (``pytorch_model_fsdp.bin``,
+    ``"FULL_STATE_DICT"``, the shipped configs before issue 44), or neither (no ``--fsdp``). One problem line naming
+    the setting that reads it, or none."""
+    if not resume or not os.path.isdir(resume):
+        return []
+    names = set(os.listdir(resume))
+    written = "shards" if "pytorch_model_fsdp_0" in names else "full" if "pytorch_model_fsdp.bin" in names else None
+    config = t.fsdp_config if isinstance(t.fsdp_config, dict) else {}
+    run = None if not t.parsed.fsdp_on else \
+        "shards" if config.get("state_dict_type", "FULL_STATE_DICT") == "SHARDED_STATE_DICT" else "full"
+    ddp_written = os.path.isfile(os.path.join(resume, "optimizer.pt"))
+    if written == run or (written is None and (run is None or not ddp_written)):
+        return []
+    held = {"shards": "FSDP2 shards (pytorch_model_fsdp_0/, \"state_dict_type\": \"SHARDED_STATE_DICT\")",
+            "full": "FSDP2 full state dicts (pytorch_model_fsdp.bin, \"state_dict_type\": \"FULL_STATE_DICT\", as "
+                    "the shipped FSDP2 configs wrote them before sharded checkpoints)",
+            None: "a checkpoint written without --fsdp"}
+    fix = {"shards": "resume with --fsdp --fsdp_config finetune/fsdp_config_full_shard.json",
+           "full": "resume with --fsdp and an --fsdp_config saying \"state_dict_type\": \"FULL_STATE_DICT\"",
+           None: "resume without --fsdp"}
+    return [f"checkpoint {resume}: holds {held[written]}, which this run's settings do not load; {fix[written]} "
+            "(or start afresh: --overwrite_output_dir True, or another --output_dir)"]
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,

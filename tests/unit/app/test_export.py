@@ -41,6 +41,9 @@ def test_dcp_folder_is_the_models_not_the_optimizers(tmp_path):
 def test_unknown_layout_and_missing_or_output_folders_refused(tmp_path):
     with pytest.raises(SFTError, match="holds no weights sft can export"):
         checkpoint_kind(_folder(tmp_path / "empty", "config.json"))
+    with pytest.raises(SFTError, match="a LoRA adapter in FSDP2 shards .* is not exported by sft-export yet"):
+        checkpoint_kind(_folder(tmp_path / "lora-shards", "adapter_config.json", "config.json",
+                                "pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp"))
     with pytest.raises(SFTError, match="no such folder"):
         check_checkpoint(str(tmp_path / "missing"))
     out = tmp_path / "run"

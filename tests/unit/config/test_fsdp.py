@@ -42,6 +42,9 @@ BAD = [
      ["--fsdp", "--fsdp_config", "{c}", "--save_async", "True"],
      '"state_dict_type": "FULL_STATE_DICT": a full state dict is gathered to rank 0 at every save, which is what an '
      'asynchronous save exists to avoid'),
+    ("save-only-model-sharded", '{"state_dict_type": "SHARDED_STATE_DICT"}',
+     ["--fsdp", "--fsdp_config", "{c}", "--save_only_model", "True"],
+     '"state_dict_type": "SHARDED_STATE_DICT": the checkpoints would hold no weights at all'),
     ("async-with-deepspeed", None, ["--deepspeed", ZERO2, "--save_async", "True"],
      f"--save_async True with --deepspeed {ZERO2}: DeepSpeed writes its ZeRO checkpoint itself, synchronously"),
     ("fsdp1", '{"fsdp_version": 1}', ["--fsdp", "--fsdp_config", "{c}"],
@@ -142,3 +145,25 @@ def test_shipped_configs_become_accelerates_fsdp2_plugin(path):
     assert str(plugin.state_dict_type).endswith("SHARDED_STATE_DICT")
     assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == ("offload" in path)
 
+
+
+@pytest.mark.parametrize("files,flags,fragment", [
+    (["pytorch_model_fsdp.bin"], ["--fsdp", "--fsdp_config", FULL_SHARD],
+     'holds FSDP2 full state dicts (pytorch_model_fsdp.bin, "state_dict_type": "FULL_STATE_DICT", as the shipped'),
+    (["pytorch_model_fsdp_0/.metadata"], [], "holds FSDP2 shards (pytorch_model_fsdp_0/"),
+    (["optimizer.pt", "model.safetensors"], ["--fsdp", "--fsdp_config", FULL_SHARD],
+     "holds a checkpoint written without --fsdp, which this run's settings do not load; resume without --fsdp"),
+], ids=["full-state-dicts-under-the-sharded-config", "shards-without-fsdp", "ddp-under-fsdp"])
+def test_a_checkpoint_in_another_fsdp_layout_is_refused_before_loading(files, flags, fragment, tiny_model_dir,
+                                                                       tmp_path, capsys):
+    """The upgrade path: a run started with the shipped config of before (full state dicts) resumed after it became
+    sharded, and a checkpoint resumed with --fsdp switched on or off: one line naming the setting that loads it."""
+    from sft.train.checkpoint import mark_complete
+
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    for name in ["trainer_state.json", *files]:
+        (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / name).write_text("{}")
+    mark_complete(str(ckpt), {})
+    rc, err = train(flags, tiny_model_dir, tmp_path, capsys)
+    assert rc == 2 and fragment in err and "Traceback" not in err, err[-2000:]
