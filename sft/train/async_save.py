@@ -10,10 +10,11 @@ A save under ``--save_async`` (no ``--deepspeed``; :func:`sft.app.validation` re
    (:func:`stage`; pinned on CUDA, so the copy is a DMA): the weights or the adapter, and the optimizer state (under
    FSDP2 with ``SHARDED_STATE_DICT``, this rank's shards only). Tied tensors stay tied in the copy. The copies are
    kept and reused by the next checkpoint (whose write starts only after this one's is done), so host memory holds
-   one checkpoint's worth for the run (the memory plan counts it). The small files
-   (scheduler, RNG states, ``trainer_state.json``, tokenizer) are written as the Trainer writes them.
+   one checkpoint's worth for the run (the memory plan counts it). The small files of
+   the optimizer step (scheduler, RNG states, ``trainer_state.json``) are written now, as the Trainer writes them.
 3. **Write** (a daemon thread, :class:`BackgroundSaves`): the large files from the copy, the same files the
-   synchronous save writes (``save_pretrained`` for the weights or adapter, ``torch.save`` for the optimizer state,
+   synchronous save writes (``save_pretrained`` for the weights or adapter with the tokenizer and training
+   arguments, ``torch.save`` for the optimizer state,
    ``torch.distributed.checkpoint`` for FSDP2 shards), then each rank flushes and hashes the files it owns and the
    checkpoint is marked complete and rotated as :mod:`sft.train.checkpoint` does, with the collectives on a gloo
    process group of their own (:func:`sft.distributed.collectives.new_gloo_group`), so that they never interleave with
