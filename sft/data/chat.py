@@ -62,7 +62,9 @@ def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = Fa
         return tokenizer.apply_chat_template(list(messages), tools=[], tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:
-        raise TemplateError(f"the chat template cannot render this conversation: {' '.join(str(e).split())}") from None
+        from sft.data.chat_template import render_failure
+
+        raise TemplateError(f"the chat template cannot render this conversation: {render_failure(e)}") from None
 
 
 def chat_token_ids(tokenizer) -> list[int]:

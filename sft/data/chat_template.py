@@ -236,3 +236,27 @@ def _jinja_literal(value) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)}: {_jinja_literal(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)
+
+
+def render_failure(error: Exception) -> str:
+    """The reason a chat template failed to render, in one line, with what it means where jinja2's message alone
+    does not say: a variable the template needs that ``apply_chat_template`` does not give (firefunction-v2's
+    ``functions``: pass it with ``--chat_template_kwargs``), an operation the sandbox of ``apply_chat_template``
+    refuses (``list.append``: a template written for another engine, such as llama.cpp's), a value ``tojson`` cannot
+    write (jinja2's ``map`` gives a generator, which llama.cpp's engine turns into a list)."""
+    import jinja2
+
+    reason = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, jinja2.exceptions.UndefinedError) and reason.endswith(" is undefined"):
+        name = reason[:-len(" is undefined")].strip("'")
+        return (f"{reason} (the template reads a variable {name} that apply_chat_template does not give: pass it "
+                f"with --chat_template_kwargs '{{\"{name}\": ...}}')")
+    if isinstance(error, jinja2.exceptions.SecurityError):
+        return (f"{reason} (the sandboxed Jinja of transformers' apply_chat_template refuses this operation, so no "
+                "Hugging Face-based trainer or server renders this template: it was written for another engine, "
+                "e.g. llama.cpp's)")
+    if isinstance(error, TypeError) and "JSON serializable" in reason and "generator" in reason:
+        return (f"{reason} (the template gives tojson a jinja2 generator, e.g. of map(), which apply_chat_template "
+                "cannot write: it was written for an engine that makes it a list, e.g. llama.cpp's)")
+    return reason
+

@@ -43,6 +43,9 @@ def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
     ends = set(model_end) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     text, spans = render_with_spans(tokenizer, _PROBE)
     run = special_run(tokenizer, text, spans[0][1])
+    inside = _opening_tokens(tokenizer, text, spans[0][0])
+    if run and run[0] in inside:  # Kimi-K3: <|close|>response<|sep|>...<|end_of_msg|>; <|close|> opens the reply too
+        run = [t for t in _specials(tokenizer, text, spans[0][1]) if t not in inside]
     if run:
         return next((t for t in run if t in ends), run[0])
     end = spans[0][1]
@@ -65,6 +68,28 @@ def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
     raise TemplateError(f"the chat template {after}, not a special end-of-turn token, and no end token of the model "
                         f"(generation_config.json eos_token_id, the tokenizer's eos: {known}) follows a reply either; "
                         "use a template whose assistant turns end with one, e.g. ChatML")
+
+
+def _opening_tokens(tokenizer, text: str, start: int) -> set:
+    """The special tokens the template writes inside the probe's reply before its content (after the generation
+    prompt): none of them stops generation, or the model would stop before its reply."""
+    from sft.data.chat import render
+
+    try:
+        prompt = render(tokenizer, _PROBE[:1], add_generation_prompt=True)
+    except TemplateError:
+        return set()
+    if not text.startswith(prompt) or start < len(prompt):
+        return set()
+    return set(_specials(tokenizer, text[len(prompt):start], 0))
+
+
+def _specials(tokenizer, text: str, end: int) -> list[int]:
+    """Every special (or added) token of ``text`` after character ``end``, in order."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
+    return [tid for tid, (s, _e) in zip(enc["input_ids"], enc["offset_mapping"])
+            if s >= end and (tid in special or tokenizer.convert_ids_to_tokens(tid) in added)]
 
 
 def special_run(tokenizer, text: str, end: int) -> list[int]:

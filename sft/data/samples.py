@@ -141,6 +141,23 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
     return out
 
 
+def dropped_fix(template: str, dropped) -> str:
+    """The fix of a refusal for content the template drops (:attr:`sft.data.turns.TurnPlan.dropped`): the general one,
+    after the template's own switch where it drops reasoning and reads ``enable_thinking`` (Reka-Edge writes
+    reasoning only with it true), or a word on tool calls where it drops them (LFM2, Granite 3.3: their models write
+    calls inside the reply's content, in their own syntax)."""
+    fix = ("use a template that renders it (--chat_template FILE), remove it, or pass --allow_dropped_content True to "
+           "train without it")
+    whats = [what for _turn, what, _n in dropped]
+    if "enable_thinking" in template and "reasoning" in whats:
+        switch = "--chat_template_kwargs '{\"enable_thinking\": true}'"
+        fix = f"switch the template's reasoning on ({switch}: it reads it), {fix}"
+    if any(w.startswith("tool call ") for w in whats):
+        fix += " (a template that writes no tool_calls wants the call inside the reply's content, in its model's " \
+               "syntax)"
+    return fix
+
+
 def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, spec: PreparationSpec,
                    tools: Optional[Sequence[Optional[list]]] = None) -> list:
     """The training samples of each conversation (``spec.system_message`` applied where a conversation has no system
@@ -223,8 +240,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             continue
         if p.dropped and not allow_dropped_content:
             out[i] = refusal(None, f"the chat template drops {describe_dropped(p.dropped)}, so the model would never "
-                             "see it", "use a template that renders it (--chat_template FILE), remove it, or pass "
-                             "--allow_dropped_content True to train without it")
+                             "see it", dropped_fix(tokenizer.chat_template or "", p.dropped))
             continue
         if not p.samples:  # every reply to train was dropped by the template
             out[i] = refusal(None, "no reply left to train: the chat template writes none of the replies to train "

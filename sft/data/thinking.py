@@ -86,14 +86,30 @@ def _past_whitespace(prompt: str, full: str) -> int:
     return j
 
 
-def continuation(template: str, prompt: str, full: str, bare, reasoning: str, last_turn: str = ""
-                 ) -> tuple[str, str, int]:
+def _close_in_words(prompt: str, full: str, c: int, reasoned: str, probe: str) -> Optional[str]:
+    """The text the template writes between a reply's reasoning and the rest of its rendering, where the prompt
+    opens reasoning in words (``prompt[c:]`` is not in ``full``) and ``reasoned`` (``full`` with the reply given the
+    reasoning ``probe``) writes the probe right where ``prompt`` and ``full`` part; None otherwise."""
+    if not reasoned.startswith(full[:c]):
+        return None
+    tail = reasoned[c:].lstrip()
+    rest = full[c:].lstrip()
+    if not tail.startswith(probe) or not rest or not tail.endswith(rest):
+        return None
+    shut = tail[len(probe):len(tail) - len(rest)]
+    return shut if shut.strip() else None
+
+
+def continuation(template: str, prompt: str, full: str, bare, reasoning: str, last_turn: str = "",
+                 reasoned=None, only_special=None) -> tuple[str, str, int]:
     """What the model sees and generates for one reply: ``(context, generated, own)``, ``context + generated`` the
     reply's sample text up to the end of its rendering, ``generated[own:]`` the reply's own rendering.
 
     ``prompt`` = ``render(turns[:k], add_generation_prompt=True)``, ``full`` = ``render(turns[:k+1])``, ``bare()``
     the latter without the reply's reasoning (called only where needed), ``reasoning`` the reply's reasoning ("" for
-    none), ``template`` the chat template's source. The rules, in order:
+    none), ``template`` the chat template's source; ``reasoned()`` (optional, called only where needed) returns
+    ``(text, probe)``: ``full`` with the reply given the reasoning ``probe``; ``only_special(text)`` (optional)
+    whether ``text`` holds nothing but special tokens and whitespace. The rules, in order:
 
     - the prompt ends inside an opened reasoning block (:func:`thinking_block`, ``<think>\n``): the model generates
       the block's inside (the reasoning, "" without), its close (as the reply's rendering writes it, else
@@ -107,7 +123,10 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
     - ``full`` continues ``prompt``: the definition, ``full`` minus ``prompt``;
     - the prompt opens reasoning in words the reply's rendering does not have (Apriel-1.6's "Here are my reasoning
       steps:\n") and the rendering writes the reply's reasoning right after the text the two share: the prompt as it
-      is, then the rendering from the reasoning on (the reasoning, the template's close of it, the reply);
+      is, then the rendering from the reasoning on (the reasoning, the template's close of it, the reply); for a
+      reply without reasoning, the prompt as it is, then the close the template writes after reasoning (found by
+      rendering the reply with a probe reasoning: the text between it and the reply's rendering), then the reply as
+      rendered (Apriel-1.6: "\n[BEGIN FINAL RESPONSE]\n" after "Here are my reasoning steps:\n");
     - whitespace tolerance: ``full`` and ``prompt`` differ only in whitespace after their common prefix (a
       template's indentation or line breaks leaking into one of them; the characters that are not whitespace are
       the same, in order): the prompt as it is, then the reply's own rendering from its first character that is
@@ -116,7 +135,10 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
       user turn only while it is the last message; LFM2.5 shows the last reply's reasoning only while it is the last
       reply): the prompt as it is, then the reply as ``full`` renders it after the text the prompt ends with from
       ``last_turn`` on (the content of the message before the reply, its end and the generation prompt), where
-      ``full`` holds that text.
+      ``full`` holds that text;
+    - the prompt is the rendering's text before the reply followed by special tokens only (the generation prompt
+      opens a turn the rendering writes the reply into without opening: Apertus continues a reply after tool results
+      inside the same assistant turn): the prompt as it is, then the reply as rendered.
 
     Raises:
         Diverges: none of these applies (the caller's refusal names where the texts part).
@@ -128,14 +150,20 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
         c = len(os.path.commonprefix([prompt, full]))
         if reasoning.strip() and prompt[c:].strip() and full[c:].lstrip().startswith(reasoning.strip()):
             return prompt, full[c:].lstrip(), 0  # a prompt that opens reasoning in words (Apriel's "Here are my...")
+        if not reasoning.strip() and prompt[c:].strip() and reasoned is not None:
+            shut = _close_in_words(prompt, full, c, *reasoned())
+            if shut is not None:
+                return prompt, shut + full[c:].lstrip(), len(shut)
         try:
             return prompt, full[_past_whitespace(prompt, full):].lstrip(), 0
         except Diverges:
             at = prompt.rfind(last_turn) if last_turn else -1
             end = full.rfind(prompt[at:]) if at >= 0 else -1
-            if end < 0:
-                raise
-            return prompt, full[end + len(prompt) - at:], 0  # the history rendered differently: the reply as rendered
+            if end >= 0:
+                return prompt, full[end + len(prompt) - at:], 0  # the history rendered differently: the reply
+            if only_special is not None and full[c:].strip() and only_special(prompt[c:]):
+                return prompt, full[c:], 0  # a turn the rendering continues without opening it (Apertus)
+            raise
     opening, close = block["open"], block["close"]
     reply = full[len(prompt):] if full.startswith(prompt) else None
     if reply is not None and not reply.lstrip().startswith(opening) and (

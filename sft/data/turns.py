@@ -61,13 +61,13 @@ def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_pro
     here too); the template's own refusals (jinja2's ``raise_exception``, a template bug) as :class:`TemplateError`.
     """
     from sft.data.chat import _Renderer
+    from sft.data.chat_template import render_failure
 
     shown = [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
     try:
         return _Renderer.of(tokenizer).render(shown, tools, generation_prompt)
     except Exception as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise TemplateError(f"the chat template cannot render this conversation: {reason}") from None
+        raise TemplateError(f"the chat template cannot render this conversation: {render_failure(e)}") from None
 
 
 def reasoning_form(tokenizer) -> str:
@@ -102,8 +102,41 @@ def _with_reasoning(msg: dict, reasoning: str, form: str) -> dict:
     return {**msg, "reasoning_content": reasoning}
 
 
+def arguments_form(tokenizer) -> str:
+    """``"object"`` (the template writes a tool call's ``arguments`` given as a JSON object, as most Hugging Face
+    templates do with ``tojson``) or ``"string"`` (it needs them as their JSON string, OpenAI's wire format:
+    functionary-v3.2 writes ``"\n" + arguments``); probed once per template (a call with an object, then with its
+    string, the first whose probe value the rendering holds) and cached; ``"object"`` where neither renders."""
+    cache = _cache(tokenizer)
+    if "arguments" not in cache:
+        cache["arguments"] = "object"
+        args = {"probe_argument": _PROBE_VALUE}
+        for form, value in (("object", args), ("string", json.dumps(args, ensure_ascii=False))):
+            call = {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "id": "123456789", "function": {"name": "probe_tool", "arguments": value}}]}
+            try:
+                text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, call], [_PROBE_TOOL])
+            except TemplateError:
+                continue
+            if _PROBE_VALUE in text:
+                cache["arguments"] = form
+                break
+    return cache["arguments"]
+
+
+_PROBE_VALUE = "\ue012probe value\ue013"
+
+
+def _with_string_arguments(msg: dict) -> dict:
+    calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"],
+                                                                         ensure_ascii=False)}}
+             for c in msg["tool_calls"]]
+    return {**msg, "tool_calls": calls}
+
+
 def template_messages(tokenizer, messages: Sequence[dict]) -> list[dict]:
-    """``messages`` as the template takes them: the private ``train`` flag removed, reasoning in the template's form."""
+    """``messages`` as the template takes them: the private ``train`` flag removed, reasoning in the template's form
+    (:func:`reasoning_form`), tool call arguments in its form (:func:`arguments_form`)."""
     form = None
     out = []
     for m in messages:
@@ -112,6 +145,8 @@ def template_messages(tokenizer, messages: Sequence[dict]) -> list[dict]:
             form = form or reasoning_form(tokenizer)
             m = _with_reasoning({k: v for k, v in m.items() if k != "reasoning_content"}, m["reasoning_content"],
                                 form)
+        if m.get("tool_calls") and arguments_form(tokenizer) == "string":
+            m = _with_string_arguments(m)
         out.append(m)
     return out
 
@@ -181,7 +216,14 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
         bare = ((lambda: render_with_tools(tokenizer, shown[:k] + [_without_reasoning(messages[k])], tools))
                 if reasoning else (lambda: full))
         last = (shown[k - 1].get("content") or "").strip() if k else ""
-        prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last)
+
+        def reasoned():  # the reply with a probe reasoning, in the template's form
+            form = reasoning_form(tokenizer)
+            probe = _with_reasoning(shown[k], _PROBE_REASONING, "field" if form == "none" else form)
+            return render_with_tools(tokenizer, shown[:k] + [probe], tools), _PROBE_REASONING
+
+        prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last, reasoned,
+                                          lambda text: _only_special(tokenizer, text))
     except TemplateError as e:
         raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
                       "another template") from None
@@ -210,11 +252,27 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
         raise refusal(k, f"the chat template does not close this reply with its end-of-turn token "
                       f"({' or '.join(stops)})", "use a template whose replies end with one")
     end, stop = min(ends)
+    names = [c["function"]["name"] for c in messages[k].get("tool_calls", ())]
+    if names and not all(n in full[len(prompt) + own:end] for n in names):
+        # the calls written after the reply's end token, as a turn of their own that no generation prompt opens
+        # (GigaChat3's "function call" role): the model generates them too, up to the end token after them
+        later = max(((at, t) for t in stops if (at := full.rfind(t)) > end), default=None)
+        if later and all(n in full[end:later[0]] for n in names) and not full[later[0] + len(later[1]):].strip():
+            end, stop = later
     if not reasoning and not full[len(prompt) + own:end].strip():  # the template writes nothing of this reply:
         m = messages[k]  # dropped, not trained
         return "empty", (k, " and ".join(f"tool call {c['function']['name']}" for c in m.get("tool_calls", ()))
                          or "content", len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))))
     return "info", (full, len(prompt), end, end + len(stop))
+
+
+def _only_special(tokenizer, text: str) -> bool:
+    """Whether ``text`` holds special (or added) tokens and whitespace only, at least one token."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
+    return bool(text.strip()) and all(tid in special or tokenizer.convert_ids_to_tokens(tid) in added
+                                      or not text[a:b].strip() for tid, (a, b) in zip(enc["input_ids"],
+                                                                                     enc["offset_mapping"]))
 
 
 def _next_role(tokenizer, shown, k: int, tools, rendered: str, stops: Sequence[str]) -> str:

@@ -58,9 +58,16 @@ MODEL_END = {"GLM-4.6": ["<|endoftext|>", "<|user|>", "<|observation|>"],
              "tencent-Hy3": ["<｜hy_eos:opensource｜>"]}
 
 # The --chat_template_kwargs a kind needs where a template's refusal without them names them: Laguna-XS switches its
-# reasoning off by default (its generation prompt ends with </think> alone), so reasoning data trains with it on.
+# reasoning off by default (its generation prompt ends with </think> alone), Reka-Edge writes no reasoning unless
+# enable_thinking is true, so reasoning data trains with it on.
+# firefunction-v2 reads its function list and the date from two variables of its own (its model card passes
+# functions=json.dumps(functions) and datetime to apply_chat_template).
 KWARGS = {("poolside-Laguna-XS-2.1", "multi-turn reasoning"): {"enable_thinking": True},
-          ("poolside-Laguna-XS.2", "multi-turn reasoning"): {"enable_thinking": True}}
+          ("poolside-Laguna-XS.2", "multi-turn reasoning"): {"enable_thinking": True},
+          ("Reka-Edge", "multi-turn reasoning"): {"enable_thinking": True},
+          **{("fireworks-ai-llama-3-firefunction-v2", kind): {
+              "functions": json.dumps([WEATHER["function"]]) if kind == "tool round trip" else "[]",
+              "datetime": "2026-12-06"} for kind in KINDS}}
 
 # Control tokens a template builds with str.format from a literal it sets (Hy3: '<｜hy_eos{}｜>'.format(HYTK) with
 # HYTK = ':opensource'): the literal and the value.
@@ -107,6 +114,10 @@ def use(tok, template: str):
 # writes it after reasoning). A fixed table, independent of sft.data.turns' rules for finding them.
 BLOCKS = [("<think>", "</think>", None), ("<|START_THINKING|>", "<|END_THINKING|>", None),
           ("<|channel>thought", "<channel|>", "\n<channel|>"), ("<think:opensource>", "</think:opensource>", None)]
+
+
+# Reasoning opened in words by the generation prompt, and the close the template writes after reasoning.
+WORDS = [("Here are my reasoning steps:\n", "\n[BEGIN FINAL RESPONSE]\n")]
 
 
 def _generated(tok, original, shown, k, tools):
@@ -156,10 +167,16 @@ def _generated(tok, original, shown, k, tools):
     common = len(os.path.commonprefix([prompt, full]))
     if reasoning and full[common:].lstrip().startswith(reasoning):  # reasoning opened in words (Apriel-1.6)
         return prompt, full[common:].lstrip(), 0
+    for opening, close in WORDS:  # ... and a reply without reasoning: the close after empty reasoning
+        if not reasoning and prompt.endswith(opening):
+            return prompt, close + full[common:], len(close)
     squeezed = re.sub(r"\s+", "", prompt)  # whitespace tolerance: the same text but for whitespace, then the reply
     at = next((j for j in range(len(full) + 1) if re.sub(r"\s+", "", full[:j]) == squeezed), None)
     if at is not None:
         return prompt, full[at:].lstrip(), 0
+    opened = re.sub(rf"(?:\s*(?:{CONTROL.pattern}))+\s*\Z", "", prompt)  # a turn the rendering never opens (Apertus)
+    if opened != prompt and full.startswith(opened) and full[len(opened):].strip():
+        return prompt, full[len(opened):], 0
     # history rendered differently once the reply exists: the reply as rendered after the prompt's last turn
     tail = prompt[prompt.rindex(shown[k - 1]["content"].strip()):]
     return prompt, full.split(tail)[-1], 0
@@ -196,6 +213,9 @@ def reference(tok, messages, tools, stop_ids, original=None):
         if m["role"] != "assistant":
             continue
         context, generated, own = _generated(tok, original, messages, k, tools)
+        # the reply's tool calls are generated before it ends (GigaChat3 writes them as a turn of their own after it)
+        own = max([own] + [generated.rfind(n) + len(n) for c in m.get("tool_calls", ())
+                           if (n := c["function"]["name"]) in generated])
         full = context + generated
         if not any(tok.convert_tokens_to_ids(t) in stop_ids for t in CONTROL.findall(generated[own:])):
             full += _closing(tok, messages, k, tools, stop_ids)  # a template that writes nothing after the reply

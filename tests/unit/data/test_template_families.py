@@ -229,7 +229,7 @@ def test_a_reply_that_changes_the_history_before_it_is_trained_as_rendered_after
     assert ctx2.endswith("No.</s>[INST]Be terse.\n\nAnd 97?[/INST]") and second == ["Yes.</s>"]
 
 
-def test_a_prompt_that_opens_reasoning_in_words_trains_the_reasoning_and_refuses_a_reply_without(family_tok):
+def test_a_prompt_that_opens_reasoning_in_words_trains_the_reasoning(family_tok):
     record = copy.deepcopy(RECORD)
     record["messages"][3]["reasoning_content"] = "97 has no divisor up to 9."
     end = family_tok.convert_tokens_to_ids(["<|end|>"])
@@ -237,8 +237,7 @@ def test_a_prompt_that_opens_reasoning_in_words_trains_the_reasoning_and_refuses
     assert ctx1.endswith("<|begin_assistant|>\nHere are my reasoning steps:\n") and ctx2.endswith("steps:\n")
     assert first[0].endswith("91 = 7 x 13.\n[BEGIN FINAL RESPONSE]\nNo.<|end|>")  # trim_blocks: no "\\n"
     assert second[0].endswith("97 has no divisor up to 9.\n[BEGIN FINAL RESPONSE]\nYes.<|end|>")
-    with pytest.raises(TemplateError, match="ends with 'Here are my reasoning steps:\\\\n'"):
-        trained(family_tok, APRIEL, RECORD, end)  # "Yes." without reasoning: the model would write reasoning first
+    # a reply without reasoning: test_template_shapes.py
 
 
 def test_a_prompt_that_switches_reasoning_off_refuses_reasoning_naming_the_switch_that_trains_it(family_tok):
