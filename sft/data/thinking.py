@@ -45,8 +45,9 @@ def thinking_block(prompt: str, template: str) -> Optional[dict]:
     label such as gemma-4's ``thought`` and whitespace, then optionally its closing tag and whitespace), ``inside``
     the character where its inside begins, ``close`` its closing tag (:func:`close_tag`) and ``closed`` whether the
     prompt already closes it (an empty block: thinking switched off)."""
+    at = max(0, len(prompt.rstrip()) - _WINDOW)  # the block is at the end: searched there, not through the prompt
     for pattern in (_CLOSED_TAIL, _OPEN_TAIL):
-        m = pattern.search(prompt)
+        m = pattern.search(prompt, at)
         if m is None or not _THINKING.search(m["open"] + m["label"]):
             continue
         close = close_tag(m["open"])
@@ -55,6 +56,9 @@ def thinking_block(prompt: str, template: str) -> Optional[dict]:
             continue
         return {"start": m.start(), "inside": m.end("ws"), "open": m["open"], "close": close, "closed": closed}
     return None
+
+
+_WINDOW = 400  # characters before the prompt's trailing whitespace that hold its last block (tags of at most 42)
 
 
 def close_text(template: str, close: str, after_open: str) -> str:

@@ -95,3 +95,30 @@ def test_chat_template_flag_renders_tool_calls_on_a_model_whose_template_cannot(
     bad.write_text("{% for m in messages %}")
     assert show_sample_main([model, data, "--chat_template", str(bad)]) == 2
     assert f"--chat_template {bad}: not a Jinja template (line 1" in capsys.readouterr().err
+
+
+def test_show_sample_on_an_r1_distill_template_supervises_reasoning_close_and_answer_after_the_prompts_think(
+        tmp_path):
+    """DeepSeek-R1-Distill-Qwen's real template (llama.cpp's collection): its generation prompt ends with
+    ``<think>\\n`` and its rendering of a reply strips the reasoning; sft-show-sample shows the reasoning, the block's
+    close and the answer supervised right after the prompt's ``<think>\\n``."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "r1-distill"
+    shutil.copytree(assets.tiny_qwen3_chat_dir(), model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_special_tokens({"extra_special_tokens": ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]},
+                           replace_extra_special_tokens=False)
+    template = os.path.join(assets.chat_template_corpus_dir(), "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+    with open(template, encoding="utf-8") as f:
+        tok.chat_template = f.read()
+    tok.save_pretrained(model)
+    data = write_jsonl(tmp_path / "r1.jsonl", [{"id": "prime", "messages": [
+        {"role": "user", "content": "Is 91 prime?"},
+        {"role": "assistant", "reasoning_content": "91 = 7 x 13.", "content": "No."}]}])
+    r = sft("show-sample", str(model), data, "--index", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "<｜User｜>Is 91 prime?<｜Assistant｜><think>\n«91 = 7 x 13.\n</think>\n\nNo.<｜end▁of▁sentence｜>»" \
+        in r.stdout, r.stdout
