@@ -105,15 +105,16 @@ def _close_in_words(prompt: str, full: str, c: int, reasoned: str, probe: str) -
 
 
 def continuation(template: str, prompt: str, full: str, bare, reasoning: str, last_turn: str = "",
-                 reasoned=None, only_special=None) -> tuple[str, str, int]:
+                 reasoned=None, special_tail=None) -> tuple[str, str, int]:
     """What the model sees and generates for one reply: ``(context, generated, own)``, ``context + generated`` the
     reply's sample text up to the end of its rendering, ``generated[own:]`` the reply's own rendering.
 
     ``prompt`` = ``render(turns[:k], add_generation_prompt=True)``, ``full`` = ``render(turns[:k+1])``, ``bare()``
     the latter without the reply's reasoning (called only where needed), ``reasoning`` the reply's reasoning ("" for
     none), ``template`` the chat template's source; ``reasoned()`` (optional, called only where needed) returns
-    ``(text, probe)``: ``full`` with the reply given the reasoning ``probe``; ``only_special(text)`` (optional)
-    whether ``text`` holds nothing but special tokens and whitespace. The rules, in order:
+    ``(text, probe)``: ``full`` with the reply given the reasoning ``probe``; ``special_tail(text)`` (optional)
+    where the run of special tokens (and whitespace) that ``text`` ends with begins (``len(text)``: none). The
+    rules, in order:
 
     - the prompt ends inside an opened reasoning block (:func:`thinking_block`, ``<think>\n``): the model generates
       the block's inside (the reasoning, "" without), its close (as the reply's rendering writes it, else
@@ -165,8 +166,9 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
             end = full.rfind(prompt[at:]) if at >= 0 else -1
             if end >= 0:
                 return prompt, full[end + len(prompt) - at:], 0  # the history rendered differently: the reply
-            if only_special is not None and full[c:].strip() and only_special(prompt[c:]):
-                return prompt, full[c:], 0  # a turn the rendering continues without opening it (Apertus)
+            at = special_tail(prompt) if special_tail is not None else len(prompt)
+            if at < len(prompt) and full.startswith(prompt[:at]) and full[at:].strip():
+                return prompt, full[at:], 0  # a turn the rendering continues without opening it (Apertus)
             raise
     opening, close = block["open"], block["close"]
     reply = full[len(prompt):] if full.startswith(prompt) else None

@@ -223,7 +223,7 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
             return render_with_tools(tokenizer, shown[:k] + [probe], tools), _PROBE_REASONING
 
         prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last, reasoned,
-                                          lambda text: _only_special(tokenizer, text))
+                                          lambda text: _special_tail(tokenizer, text))
     except TemplateError as e:
         raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
                       "another template") from None
@@ -266,13 +266,22 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
     return "info", (full, len(prompt), end, end + len(stop))
 
 
-def _only_special(tokenizer, text: str) -> bool:
-    """Whether ``text`` holds special (or added) tokens and whitespace only, at least one token."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+def _special_tail(tokenizer, text: str, window: int = 400) -> int:
+    """Where the run of special (or added) tokens that ``text`` ends with begins, whitespace before and between them
+    included; ``len(text)`` where it ends with none. Only the last ``window`` characters are tokenized (a special
+    token cut there is text, so the run ends after it)."""
+    at = max(0, len(text) - window)
+    enc = tokenizer(text[at:], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
-    return bool(text.strip()) and all(tid in special or tokenizer.convert_ids_to_tokens(tid) in added
-                                      or not text[a:b].strip() for tid, (a, b) in zip(enc["input_ids"],
-                                                                                     enc["offset_mapping"]))
+    start, seen = len(text), False
+    for tid, (a, b) in reversed(list(zip(enc["input_ids"], enc["offset_mapping"]))):
+        if tid in special or tokenizer.convert_ids_to_tokens(tid) in added:
+            start, seen = at + a, True
+        elif not text[at + a:at + b].strip():
+            start = at + a if seen else start
+        else:
+            break
+    return start if seen else len(text)
 
 
 def _next_role(tokenizer, shown, k: int, tools, rendered: str, stops: Sequence[str]) -> str:

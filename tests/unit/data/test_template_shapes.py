@@ -83,6 +83,12 @@ def test_a_reply_after_tool_results_continues_a_turn_the_prompt_opens_again(shap
     assert ctx.endswith("Rain in Paris?<|user_end|><|assistant_start|>")
     assert runs == ['<|tools_prefix|>get_weather{"city": "Paris"}<|tools_suffix|>', "Yes.<|assistant_end|>"]
     # (trained checks the sample against the definition: "Yes." after "[yes]<|assistant_start|>", the prompt)
+    record = copy.deepcopy(CALL)
+    record["messages"][3]["content"] = "<|assistant_end|>s aside, yes."  # starts as the prompt's token does
+    with pytest.raises(TemplateError, match="drops content of turn 3"):
+        trained(shape_tok, APERTUS, record)  # it ends where it starts: refused, not trained short
+    record["messages"][3]["content"] = "<b>Yes</b>."
+    assert spans(trained(shape_tok, APERTUS, record))[1] == "<b>Yes</b>.<|assistant_end|>"
 
 
 def test_a_call_written_as_a_turn_of_its_own_after_the_replys_end_is_generated_with_it(shape_tok):
