@@ -23,6 +23,7 @@ from sft.app.specs import data_sources, load_spec, lora_spec
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from sft.config.settings import RunSettings
+from sft.data.cache_key import preparation_code_fingerprint
 from sft.data.packing import PaddingFreeCollator, SequenceParallelSplit
 from sft.distributed.failures import raise_if_peer_lost
 from sft.distributed.fingerprints import check_same_inputs
@@ -109,7 +110,8 @@ def run(model_args, data_args, training_args, lora_args, runtime: Runtime,
             sources = data_sources(data_args)
             files = {f"--data_path {p}" if len(sources["train"]) > 1 else "--data_path": p for p in sources["train"]}
             files.update({"--eval_data_path": p for p in sources["eval"]})
-            peers = check_same_inputs(model_args.model_name_or_path, files)
+            code = {"data preparation code (sft/data)": preparation_code_fingerprint()[:16]}
+            peers = check_same_inputs(model_args.model_name_or_path, files, code)
         resume = plan_resume(out, training_args.resume_from_checkpoint, training_args.overwrite_output_dir, runtime,
                              saver=training_args.should_save, micro_batch=training_args.per_device_train_batch_size,
                              grad_accum=training_args.gradient_accumulation_steps,

@@ -5,11 +5,11 @@ conversation (:func:`encode_samples`: ids and labels built together; one longer 
 split at turn boundaries into several samples, ``--long_conversations split``, :mod:`sft.data.long_conversations`, or
 truncated, ``truncate``), samples left with no supervised token are dropped, and the samples are written as Arrow shards
 under ``<cache>/<key>`` where the key hashes the source's bytes, the tokenizer (vocabulary, special tokens, chat
-template), the settings and this package's version. Every global rank prepares its shard and then
-memory-maps all of them (:mod:`sft.data.shards`: completion markers, ``--data_timeout``); no rank holds the
-records as Python objects. The rows come out in record order whatever the world size (:func:`in_record_order`),
-and a complete set of shards written at another world size is used as it is (:func:`shard_count`). Several
-sources are concatenated, or mixed by weight (:func:`mix`).
+template), the settings, this package's version and its preparation code (:mod:`sft.data.cache_key`). Every
+global rank prepares its shard and then memory-maps all of them (:mod:`sft.data.shards`: completion markers,
+``--data_timeout``); no rank holds the records as Python objects. The rows come out in record order whatever the
+world size (:func:`in_record_order`), and a complete set of shards written at another world size is used as it is
+(:func:`shard_count`). Several sources are concatenated, or mixed by weight (:func:`mix`).
 
 Lazy mode (``--lazy_preprocess``, truncation only): the shards hold the validated records (``id``, ``messages``)
 instead, and a sample is encoded when the sampler asks for it; truncation is counted as samples are met, and a sample
@@ -18,7 +18,6 @@ tokens.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 from transformers import DataCollatorForSeq2Seq
 
-from sft import __version__
+from sft.data.cache_key import cache_key
 from sft.data.chat import IGNORE_INDEX
 from sft.data.eval_split import empty_side_error, in_eval, record_key
 from sft.data.records import RecordCheck, iter_conversations, log_duplicate_ids, template_problem
@@ -44,33 +43,8 @@ from sft.data.samples import (  # noqa: F401
 from sft.data.shards import JobView, ShardPlan, agree, prepare_shard, read_marker, wait_for_shards
 from sft.data.spec import PreparationSpec
 from sft.errors import DataError, TemplateError
-from sft.fsio import file_sha256
 
 logger = logging.getLogger(__name__)
-
-CACHE_FORMAT = 5  # bump when the cached columns or their meaning change (4: the ``record`` column; 5: labels by the
-# definition of sft.data.turns, the lazy records as JSON)
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 of what decides the token ids: backend vocabulary/merges, added tokens, chat template."""
-    h = hashlib.sha256()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update((backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)).encode())
-    h.update(json.dumps(tokenizer.get_added_vocab(), sort_keys=True).encode())
-    h.update((tokenizer.chat_template or "").encode())
-    return h.hexdigest()
-
-
-def cache_key(data_path: str, tokenizer, settings: dict) -> str:
-    """24 hex digits naming a source's cache folder: its bytes, the tokenizer, ``settings``, the version."""
-    h = hashlib.sha256()
-    for part in (file_sha256(data_path), tokenizer_fingerprint(tokenizer), json.dumps(settings, sort_keys=True),
-                 __version__, str(CACHE_FORMAT)):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:24]
-
 
 def default_cache_dir() -> str:
     return os.environ.get("SFT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sft", "datasets")

@@ -106,16 +106,17 @@ class TruncationReport:
             ids = ", ".join(map(str, self.cut_ids)) + (" ..." if self.user_turns_cut > len(self.cut_ids) else "")
             out.append(f"{name}: {self.user_turns_cut} user turns too long to fit with their reply within "
                        f"--model_max_length {max_len} were cut from the start (their last words kept): {ids}")
-        where = ("; ".join(self.cut_turns) + (" ..." if self.truncated > len(self.cut_turns) else "")
-                 + (f" (the first {len(self.cut_turns)})" if self.truncated > len(self.cut_turns) else ""))
+        more = self.truncated > len(self.cut_turns)
+        where = (": " + "; ".join(self.cut_turns) + (f" ... (the first {len(self.cut_turns)})" if more else "")
+                 if self.cut_turns else "")
         if self.truncated and self.mode == "split":
             out.append(f"{name}: {self.truncated} replies are too long for --model_max_length {max_len} by themselves "
                        f"(with the system prompt): their first tokens are trained, {self.supervised_tokens_lost} "
-                       f"supervised tokens lost: {where}")
+                       f"supervised tokens lost{where}")
         elif self.truncated:
             out.append(f"{name}: {self.truncated} of {self.samples} samples longer than --model_max_length "
                        f"{max_len} were truncated; {self.supervised_tokens_lost} supervised tokens lost "
-                       f"(--long_conversations split keeps them): {where}")
+                       f"(--long_conversations split keeps them){where}")
         if self.n_dropped:
             ids = ", ".join(map(str, self.dropped_ids)) + (" ..." if self.n_dropped > len(self.dropped_ids) else "")
             out.append(f"{name}: dropped {self.n_dropped} sample(s) left with no supervised token after "

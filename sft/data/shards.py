@@ -1,7 +1,7 @@
 """Data preparation spread over every process of the job, outside any collective timeout.
 
 Layout of one source's cache folder ``<cache>/<key>/`` (the key hashes the source's bytes, the tokenizer and
-the settings, :func:`sft.data.dataset.cache_key`), for a job of ``W`` shards (``W`` = world size):
+the settings, :func:`sft.data.cache_key.cache_key`), for a job of ``W`` shards (``W`` = world size):
 
 * ``shard-00003-of-00008.<run>/part-00.arrow ...``: the samples of records ``index % W == 3`` (Arrow IPC stream
   files, memory-mapped by ``datasets.Dataset.from_file``), one part per ``--preprocessing_num_workers`` process;

@@ -97,8 +97,10 @@ def compare_fingerprints(infos: list[dict]) -> list[str]:
     return problems
 
 
-def check_same_inputs(model_path: str, data_files: dict[str, Optional[str]]) -> dict[str, dict]:
-    """All ranks: gather every rank's :func:`input_fingerprint` and fail together when any item differs.
+def check_same_inputs(model_path: str, data_files: dict[str, Optional[str]], extra: Optional[dict] = None
+                      ) -> dict[str, dict]:
+    """All ranks: gather every rank's :func:`input_fingerprint`, with the caller's ``extra`` items (name: value,
+    e.g. the data preparation code's fingerprint), and fail together when any item differs.
 
     Needs an initialised default process group; a no-op for one process.
 
@@ -112,7 +114,7 @@ def check_same_inputs(model_path: str, data_files: dict[str, Optional[str]]) -> 
     if world_size() == 1:
         return {}
     files = {flag: path for flag, path in data_files.items() if path}
-    mine = {**_rank_info(), "fp": input_fingerprint(model_path, files),
+    mine = {**_rank_info(), "fp": {**input_fingerprint(model_path, files), **(extra or {})},
             "where": {f"{f} file": p for f, p in files.items()}}
     infos = gather_objects(mine)
     peers: dict[str, dict] = {}

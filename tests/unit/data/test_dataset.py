@@ -69,3 +69,22 @@ def test_collator_pads_dynamically_by_position(qwen_tok):
     assert b["attention_mask"][0].tolist() == [1, 1, 1] + [0] * 13  # position, not id, decides
     assert b["labels"][0].tolist() == [-100, pad, 7] + [IGNORE_INDEX] * 13
     assert b["labels"][1, 11:].eq(IGNORE_INDEX).all() and b["attention_mask"][1].sum() == 11
+
+
+def test_the_cache_key_changes_with_the_preparation_code(tmp_path, qwen_tok, monkeypatch):
+    """A cache prepared by other code (another commit's sft/data) is never read: its key differs."""
+    import shutil
+
+    from sft.data import cache_key as ck
+
+    code = tmp_path / "data"
+    shutil.copytree(os.path.dirname(ck.__file__), code, ignore=shutil.ignore_patterns("__pycache__"))
+    before = ck.preparation_code_fingerprint(str(code))
+    (code / "samples.py").write_text((code / "samples.py").read_text() + "\n# another commit\n")
+    assert ck.preparation_code_fingerprint.__wrapped__(str(code)) != before
+    data = write_jsonl(tmp_path / "d.jsonl", TOY)
+    keys = set()
+    for fingerprint in ("a", "b"):
+        monkeypatch.setattr(ck, "preparation_code_fingerprint", lambda f=fingerprint: f)
+        keys.add(ck.cache_key(data, qwen_tok[0], {"max_len": 64}))
+    assert len(keys) == 2
