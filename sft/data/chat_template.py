@@ -249,8 +249,12 @@ def render_failure(error: Exception) -> str:
     reason = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, jinja2.exceptions.UndefinedError) and reason.endswith(" is undefined"):
         name = reason[:-len(" is undefined")].strip("'")
-        return (f"{reason} (the template reads a variable {name} that apply_chat_template does not give: pass it "
-                f"with --chat_template_kwargs '{{\"{name}\": ...}}')")
+        if name in ("bos_token", "eos_token"):
+            return (f"{reason} (the template writes the tokenizer's {name.split('_')[0]} token, and the tokenizer "
+                    "has none: set it in tokenizer_config.json, or use another template)")
+        return (f"{reason} (the template reads a variable {name} that it does not set for this conversation and "
+                f"apply_chat_template does not give: where the model's card passes {name} to apply_chat_template, "
+                f"pass it with --chat_template_kwargs '{{\"{name}\": ...}}')")
     if isinstance(error, jinja2.exceptions.SecurityError):
         return (f"{reason} (the sandboxed Jinja of transformers' apply_chat_template refuses this operation, so no "
                 "Hugging Face-based trainer or server renders this template: it was written for another engine, "

@@ -69,9 +69,11 @@ def dropped(messages, tools, info, samples) -> list:
         for what, part in sorted(parts, key=lambda p: -len(p[1].strip())):  # the longer claims its text first
             if not _claim(reply, part, claimed):
                 out.append((k, what, len(part)))
-        for c in m.get("tool_calls", ()):
+        # each call claims its own occurrence of its name, the longer first (a call "search" is not found inside
+        # "web_search", a second identical call not in the first, a call named in the content not in the content)
+        for c in sorted(m.get("tool_calls", ()), key=lambda c: -len(c["function"]["name"])):
             name, args = c["function"]["name"], c["function"]["arguments"]
-            if name not in reply:
+            if not _claim(reply, name, claimed):
                 out.append((k, f"tool call {name}", len(name) + len(json.dumps(args))))
                 continue
             missing = [a for a in args if a not in reply]

@@ -45,7 +45,12 @@ def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
     run = special_run(tokenizer, text, spans[0][1])
     inside = _opening_tokens(tokenizer, text, spans[0][0])
     if run and run[0] in inside:  # Kimi-K3: <|close|>response<|sep|>...<|end_of_msg|>; <|close|> opens the reply too
-        run = [t for t in _specials(tokenizer, text, spans[0][1]) if t not in inside]
+        first, run = run[0], [t for t in _specials(tokenizer, text, spans[0][1]) if t not in inside]
+        if not run:
+            raise TemplateError(f"the chat template closes a reply with {tokenizer.convert_ids_to_tokens(first)}, "
+                                "which it also writes inside a reply before its content (a model that stops there "
+                                "would stop before its reply), and no other special token follows a reply; use a "
+                                "template whose assistant turns end with a token of their own, e.g. ChatML")
     if run:
         return next((t for t in run if t in ends), run[0])
     end = spans[0][1]

@@ -142,18 +142,23 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
     return out
 
 
-def dropped_fix(template: str, dropped) -> str:
+def dropped_fix(tokenizer, dropped) -> str:
     """The fix of a refusal for content the template drops (:attr:`sft.data.turns.TurnPlan.dropped`): the general one,
-    after the template's own switch where it drops reasoning and reads ``enable_thinking`` (Reka-Edge writes
-    reasoning only with it true), or a word on tool calls where it drops them (LFM2, Granite 3.3: their models write
-    calls inside the reply's content, in their own syntax)."""
+    after the template's own switch where it drops reasoning and reads ``enable_thinking`` not set on by
+    ``--chat_template_kwargs`` (Reka-Edge writes reasoning only with it true), or a word on tool calls where it
+    drops them and writes no call at all (LFM2, Granite 3.3: their models write calls inside the reply's content, in
+    their own syntax; :func:`sft.data.turns.writes_tool_calls`)."""
+    from sft.data.forms import writes_tool_calls
+
+    template = tokenizer.chat_template or ""
     fix = ("use a template that renders it (--chat_template FILE), remove it, or pass --allow_dropped_content True to "
            "train without it")
     whats = [what for _turn, what, _n in dropped]
-    if "enable_thinking" in template and "reasoning" in whats:
+    on = "{%- if enable_thinking is not defined %}{%- set enable_thinking = true %}{%- endif %}"
+    if "enable_thinking" in template and "reasoning" in whats and on not in template:
         switch = "--chat_template_kwargs '{\"enable_thinking\": true}'"
-        fix = f"switch the template's reasoning on ({switch}: it reads it), {fix}"
-    if any(w.startswith("tool call ") for w in whats):
+        fix = f"if the template's reasoning is off, switch it on ({switch}: it reads enable_thinking), {fix}"
+    if any(w.startswith("tool call ") for w in whats) and not writes_tool_calls(tokenizer):
         fix += " (a template that writes no tool_calls wants the call inside the reply's content, in its model's " \
                "syntax)"
     return fix
@@ -241,7 +246,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             continue
         if p.dropped and not allow_dropped_content:
             out[i] = refusal(None, f"the chat template drops {describe_dropped(p.dropped)}, so the model would never "
-                             "see it", dropped_fix(tokenizer.chat_template or "", p.dropped))
+                             "see it", dropped_fix(tokenizer, p.dropped))
             continue
         if not p.samples:  # every reply to train was dropped by the template
             out[i] = refusal(None, "no reply left to train: the chat template writes none of the replies to train "

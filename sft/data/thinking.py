@@ -105,16 +105,16 @@ def _close_in_words(prompt: str, full: str, c: int, reasoned: str, probe: str) -
 
 
 def continuation(template: str, prompt: str, full: str, bare, reasoning: str, last_turn: str = "",
-                 reasoned=None, special_tail=None) -> tuple[str, str, int]:
+                 reasoned=None, unopened=None) -> tuple[str, str, int]:
     """What the model sees and generates for one reply: ``(context, generated, own)``, ``context + generated`` the
     reply's sample text up to the end of its rendering, ``generated[own:]`` the reply's own rendering.
 
     ``prompt`` = ``render(turns[:k], add_generation_prompt=True)``, ``full`` = ``render(turns[:k+1])``, ``bare()``
     the latter without the reply's reasoning (called only where needed), ``reasoning`` the reply's reasoning ("" for
     none), ``template`` the chat template's source; ``reasoned()`` (optional, called only where needed) returns
-    ``(text, probe)``: ``full`` with the reply given the reasoning ``probe``; ``special_tail(text)`` (optional)
-    where the run of special tokens (and whitespace) that ``text`` ends with begins (``len(text)``: none). The
-    rules, in order:
+    ``(text, probe)``: ``full`` with the reply given the reasoning ``probe``; ``unopened(prompt)`` (optional) the
+    character where the reply's own rendering starts in ``full`` when ``prompt`` is ``full``'s text before it followed
+    by special tokens only, else None. The rules, in order:
 
     - the prompt ends inside an opened reasoning block (:func:`thinking_block`, ``<think>\n``): the model generates
       the block's inside (the reasoning, "" without), its close (as the reply's rendering writes it, else
@@ -126,12 +126,13 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
       rendering repeats is not trained twice); a reply with reasoning is generated from the block's inside on: the
       reasoning, the close (:func:`close_text`), the reply as rendered;
     - ``full`` continues ``prompt``: the definition, ``full`` minus ``prompt``;
-    - the prompt opens reasoning in words the reply's rendering does not have (Apriel-1.6's "Here are my reasoning
-      steps:\n") and the rendering writes the reply's reasoning right after the text the two share: the prompt as it
-      is, then the rendering from the reasoning on (the reasoning, the template's close of it, the reply); for a
-      reply without reasoning, the prompt as it is, then the close the template writes after reasoning (found by
-      rendering the reply with a probe reasoning: the text between it and the reply's rendering), then the reply as
-      rendered (Apriel-1.6: "\n[BEGIN FINAL RESPONSE]\n" after "Here are my reasoning steps:\n");
+    - the prompt opens reasoning in words the reply's rendering does not have (its own text names thinking, a
+      thought or reasoning: Apriel-1.6's "Here are my reasoning steps:\n") and the rendering writes the reply's
+      reasoning right after the text the two share: the prompt as it is, then the rendering from the reasoning on
+      (the reasoning, the template's close of it, the reply); for a reply without reasoning, the prompt as it is,
+      then the close the template writes after reasoning (found by rendering the reply with a probe reasoning: the
+      text between it and the reply's rendering), then the reply as rendered (Apriel-1.6: "\n[BEGIN FINAL
+      RESPONSE]\n" after "Here are my reasoning steps:\n");
     - whitespace tolerance: ``full`` and ``prompt`` differ only in whitespace after their common prefix (a
       template's indentation or line breaks leaking into one of them; the characters that are not whitespace are
       the same, in order): the prompt as it is, then the reply's own rendering from its first character that is
@@ -141,9 +142,10 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
       reply): the prompt as it is, then the reply as ``full`` renders it after the text the prompt ends with from
       ``last_turn`` on (the content of the message before the reply, its end and the generation prompt), where
       ``full`` holds that text;
-    - the prompt is the rendering's text before the reply followed by special tokens only (the generation prompt
-      opens a turn the rendering writes the reply into without opening: Apertus continues a reply after tool results
-      inside the same assistant turn): the prompt as it is, then the reply as rendered.
+    - the prompt is the rendering's text before the reply followed by special tokens only, and the rendering
+      continues with the reply's own text (its content comes first: ``unopened``; the generation prompt opens a turn
+      the rendering writes the reply into without opening: Apertus continues a reply after tool results inside the
+      same assistant turn): the prompt as it is, then the reply as rendered.
 
     Raises:
         Diverges: none of these applies (the caller's refusal names where the texts part).
@@ -153,9 +155,10 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
         if full.startswith(prompt):
             return prompt, full[len(prompt):], 0
         c = len(os.path.commonprefix([prompt, full]))
-        if reasoning.strip() and prompt[c:].strip() and full[c:].lstrip().startswith(reasoning.strip()):
+        words = _THINKING.search(prompt[c:]) is not None  # the prompt's own text names reasoning
+        if reasoning.strip() and words and full[c:].lstrip().startswith(reasoning.strip()):
             return prompt, full[c:].lstrip(), 0  # a prompt that opens reasoning in words (Apriel's "Here are my...")
-        if not reasoning.strip() and prompt[c:].strip() and reasoned is not None:
+        if not reasoning.strip() and words and reasoned is not None:
             shut = _close_in_words(prompt, full, c, *reasoned())
             if shut is not None:
                 return prompt, shut + full[c:].lstrip(), len(shut)
@@ -166,8 +169,8 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
             end = full.rfind(prompt[at:]) if at >= 0 else -1
             if end >= 0:
                 return prompt, full[end + len(prompt) - at:], 0  # the history rendered differently: the reply
-            at = special_tail(prompt) if special_tail is not None else len(prompt)
-            if at < len(prompt) and full.startswith(prompt[:at]) and full[at:].strip():
+            at = unopened(prompt) if unopened is not None else None
+            if at is not None and full[at:].strip():
                 return prompt, full[at:], 0  # a turn the rendering continues without opening it (Apertus)
             raise
     opening, close = block["open"], block["close"]

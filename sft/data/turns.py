@@ -35,10 +35,18 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from sft.data.dropped import dropped as _dropped
+from sft.data.forms import (
+    _PROBE_CONTENT,
+    _PROBE_REASONING,
+    _PROBE_TOOL,
+    _cache,
+    _with_reasoning,
+    reasoning_form,
+    render_with_tools,
+    template_messages,
+)
 from sft.data.thinking import Diverges, continuation
 from sft.errors import TemplateError
-
-_PROBE_REASONING = "\ue010probe reasoning\ue011"
 
 
 @dataclass
@@ -52,103 +60,6 @@ class TurnPlan:
     dropped: list = field(default_factory=list)
     replies: dict = field(default_factory=dict)  # per trained reply, what plan found (plan's ``known``)
     rendering: Optional[str] = None  # render(turns) when plan rendered it (the last turn a reply it trains)
-
-
-def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool = False) -> str:
-    """``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)``
-    for validated messages (:mod:`sft.data.messages`), through the compiled template directly (what it calls after
-    converting its inputs: the identity on plain dicts, plus its copy of ``reasoning_content`` to ``thinking``, done
-    here too); the template's own refusals (jinja2's ``raise_exception``, a template bug) as :class:`TemplateError`.
-    """
-    from sft.data.chat import _Renderer
-    from sft.data.chat_template import render_failure
-
-    shown = [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
-    try:
-        return _Renderer.of(tokenizer).render(shown, tools, generation_prompt)
-    except Exception as e:
-        raise TemplateError(f"the chat template cannot render this conversation: {render_failure(e)}") from None
-
-
-def reasoning_form(tokenizer) -> str:
-    """``"field"`` (the template writes ``reasoning_content``), ``"inline"`` (it writes ``<think>...</think>`` from the
-    content) or ``"none"`` (neither: reasoning would be dropped); probed once per template and cached."""
-    cache = _cache(tokenizer)
-    if "reasoning" not in cache:
-        form = "none"
-        for candidate in ("field", "inline"):
-            msg = _with_reasoning({"role": "assistant", "content": "Hello"}, _PROBE_REASONING, candidate)
-            try:
-                text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, msg], None)
-            except TemplateError:
-                continue
-            if _PROBE_REASONING in text:
-                form = candidate
-                break
-        cache["reasoning"] = form
-    return cache["reasoning"]
-
-
-def _cache(tokenizer) -> dict:
-    from sft.data.chat import _Renderer
-
-    memo = _Renderer.of(tokenizer).memo
-    return memo.setdefault("turns", {})
-
-
-def _with_reasoning(msg: dict, reasoning: str, form: str) -> dict:
-    if form == "inline":
-        return {**msg, "content": f"<think>\n{reasoning}\n</think>\n\n{msg['content']}"}
-    return {**msg, "reasoning_content": reasoning}
-
-
-def arguments_form(tokenizer) -> str:
-    """``"object"`` (the template writes a tool call's ``arguments`` given as a JSON object, as most Hugging Face
-    templates do with ``tojson``) or ``"string"`` (it needs them as their JSON string, OpenAI's wire format:
-    functionary-v3.2 writes ``"\n" + arguments``); probed once per template (a call with an object, then with its
-    string, the first whose probe value the rendering holds) and cached; ``"object"`` where neither renders."""
-    cache = _cache(tokenizer)
-    if "arguments" not in cache:
-        cache["arguments"] = "object"
-        args = {"probe_argument": _PROBE_VALUE}
-        for form, value in (("object", args), ("string", json.dumps(args, ensure_ascii=False))):
-            call = {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "id": "123456789", "function": {"name": "probe_tool", "arguments": value}}]}
-            try:
-                text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, call], [_PROBE_TOOL])
-            except TemplateError:
-                continue
-            if _PROBE_VALUE in text:
-                cache["arguments"] = form
-                break
-    return cache["arguments"]
-
-
-_PROBE_VALUE = "\ue012probe value\ue013"
-
-
-def _with_string_arguments(msg: dict) -> dict:
-    calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"],
-                                                                         ensure_ascii=False)}}
-             for c in msg["tool_calls"]]
-    return {**msg, "tool_calls": calls}
-
-
-def template_messages(tokenizer, messages: Sequence[dict]) -> list[dict]:
-    """``messages`` as the template takes them: the private ``train`` flag removed, reasoning in the template's form
-    (:func:`reasoning_form`), tool call arguments in its form (:func:`arguments_form`)."""
-    form = None
-    out = []
-    for m in messages:
-        m = {k: v for k, v in m.items() if k != "train"}
-        if "reasoning_content" in m:
-            form = form or reasoning_form(tokenizer)
-            m = _with_reasoning({k: v for k, v in m.items() if k != "reasoning_content"}, m["reasoning_content"],
-                                form)
-        if m.get("tool_calls") and arguments_form(tokenizer) == "string":
-            m = _with_string_arguments(m)
-        out.append(m)
-    return out
 
 
 def trained_turns(messages: Sequence[dict], last_reply_only: bool = False) -> list[int]:
@@ -222,8 +133,15 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
             probe = _with_reasoning(shown[k], _PROBE_REASONING, "field" if form == "none" else form)
             return render_with_tools(tokenizer, shown[:k] + [probe], tools), _PROBE_REASONING
 
-        prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last, reasoned,
-                                          lambda text: _special_tail(tokenizer, text))
+        def unopened(text):  # the reply's rendering (a probe content first) right after text's special tail
+            at = _special_tail(tokenizer, text)
+            if at == len(text) or not full.startswith(text[:at]):
+                return None
+            probe = {x: v for x, v in shown[k].items() if x not in ("reasoning_content", "thinking")}
+            marked = render_with_tools(tokenizer, shown[:k] + [{**probe, "content": _PROBE_CONTENT}], tools)
+            return at if marked.startswith(text[:at]) and marked[at:].lstrip().startswith(_PROBE_CONTENT) else None
+
+        prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last, reasoned, unopened)
     except TemplateError as e:
         raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
                       "another template") from None
@@ -252,13 +170,12 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
         raise refusal(k, f"the chat template does not close this reply with its end-of-turn token "
                       f"({' or '.join(stops)})", "use a template whose replies end with one")
     end, stop = min(ends)
-    names = [c["function"]["name"] for c in messages[k].get("tool_calls", ())]
-    if names and not all(n in full[len(prompt) + own:end] for n in names):
-        # the calls written after the reply's end token, as a turn of their own that no generation prompt opens
-        # (GigaChat3's "function call" role): the model generates them too, up to the end token after them
-        later = max(((at, t) for t in stops if (at := full.rfind(t)) > end), default=None)
-        if later and all(n in full[end:later[0]] for n in names) and not full[later[0] + len(later[1]):].strip():
-            end, stop = later
+    late = [c["function"]["name"] for c in messages[k].get("tool_calls", ())
+            if c["function"]["name"] not in full[len(prompt) + own:end] and c["function"]["name"] in full[end:]]
+    if late:  # GigaChat3 writes a call as a message of its own role after the reply's end token
+        raise refusal(k, f"the chat template writes tool call {late[0]} after this reply's end token ({stop}), "
+                      "where a model that stops at that token never generates it", "use a template that writes "
+                      "calls inside the reply (GigaChat3.1's does), or train this reply without its calls")
     if not reasoning and not full[len(prompt) + own:end].strip():  # the template writes nothing of this reply:
         m = messages[k]  # dropped, not trained
         return "empty", (k, " and ".join(f"tool call {c['function']['name']}" for c in m.get("tool_calls", ()))
@@ -344,10 +261,6 @@ def one_sample_of_contents(tokenizer, roles: tuple, stops: Sequence[str]) -> boo
                     and text == render_with_tools(tokenizer, msgs, None)  # not a prompt's whitespace or block
             cache[key] = ok
     return cache[key]
-
-
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.",
-                                                  "parameters": {"type": "object", "properties": {}}}}
 
 
 def ends_at_next_role(tokenizer) -> bool:

@@ -175,7 +175,8 @@ def _generated(tok, original, shown, k, tools):
     if at is not None:
         return prompt, full[at:].lstrip(), 0
     opened = re.sub(rf"(?:\s*(?:{CONTROL.pattern}))+\s*\Z", "", prompt)  # a turn the rendering never opens (Apertus)
-    if opened != prompt and full.startswith(opened) and full[len(opened):].strip():
+    if opened != prompt and full.startswith(opened) and full[len(opened):].lstrip().startswith(
+            original[k]["content"].strip() or "\0"):  # ... and the reply's content follows the shared text
         return prompt, full[len(opened):], 0
     # history rendered differently once the reply exists: the reply as rendered after the prompt's last turn
     tail = prompt[prompt.rindex(shown[k - 1]["content"].strip()):]
@@ -213,9 +214,6 @@ def reference(tok, messages, tools, stop_ids, original=None):
         if m["role"] != "assistant":
             continue
         context, generated, own = _generated(tok, original, messages, k, tools)
-        # the reply's tool calls are generated before it ends (GigaChat3 writes them as a turn of their own after it)
-        own = max([own] + [generated.rfind(n) + len(n) for c in m.get("tool_calls", ())
-                           if (n := c["function"]["name"]) in generated])
         full = context + generated
         if not any(tok.convert_tokens_to_ids(t) in stop_ids for t in CONTROL.findall(generated[own:])):
             full += _closing(tok, messages, k, tools, stop_ids)  # a template that writes nothing after the reply

@@ -36,14 +36,16 @@ def test_every_real_template_trains_each_kind_by_the_definition_or_refuses_it_in
     assert table["poolside-Laguna-XS-2.1"][1].endswith("""'{"enable_thinking": true}'""")
     assert "plain text" in table["llama-cpp-rwkv-world"][0]
     # an end token its reply opens with is not where it ends (Kimi-K3); string arguments (functionary-v3.2); a
-    # turn continued without the prompt's opening (Apertus); a call as a turn of its own (GigaChat3); a reply
-    # without reasoning after reasoning opened in words (Apriel-1.6); variables of its own (firefunction-v2)
-    for name in ("Kimi-K3", "meetkai-functionary-medium-v3.2", "Apertus-8B-Instruct", "GigaChat3-10B-A1.8B",
-                 "Apriel-1.6-15b-Thinker-fixed", "fireworks-ai-llama-3-firefunction-v2"):
+    # turn continued without the prompt's opening (Apertus); a reply without reasoning after reasoning opened in
+    # words (Apriel-1.6); variables of its own (firefunction-v2)
+    for name in ("Kimi-K3", "meetkai-functionary-medium-v3.2", "Apertus-8B-Instruct", "Apriel-1.6-15b-Thinker-fixed",
+                 "fireworks-ai-llama-3-firefunction-v2"):
         assert table[name][2].startswith("trains"), (name, table[name][2])
-    # what stays refused says it is the template's: Jinja that apply_chat_template's sandbox refuses
+    # what stays refused says it is the template's: Jinja that apply_chat_template's sandbox refuses, a call
+    # written after the reply's end token
     assert "sandboxed Jinja of transformers' apply_chat_template" in table["Kimi-K2-Instruct"][2]
-    assert trained == [67, 68, 58], trained
+    assert "after this reply's end token" in table["GigaChat3-10B-A1.8B"][2]
+    assert trained == [67, 68, 57], trained
     docs = open(os.path.join(ROOT, "docs", "data-format.md"), encoding="utf-8").read()
     assert markdown_table(table) in docs, \
         "docs/data-format.md: regenerate its table: python -m tests.helpers.template_corpus"
