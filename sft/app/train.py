@@ -43,7 +43,7 @@ from sft.model.loss import use_supervised_head
 from sft.model.sequence_parallel import use_sequence_parallel_attention
 from sft.train import checkpoint, metrics, stragglers
 from sft.train.checkpoint import CheckpointError, latest_complete, run_info, warn_if_different
-from sft.train.integrity import is_out_of_space, out_of_space_message
+from sft.train.integrity import is_checkpoint_failure, is_out_of_space, out_of_space_message
 from sft.train.memory_plan import ParallelShape, choose_checkpointing, held_and_available, plan, probe_logged
 from sft.train.preemption import Preempted, PreemptionHandler
 from sft.train.resume import plan_resume
@@ -142,7 +142,9 @@ def run(model_args, data_args, training_args, lora_args, runtime: Runtime,
         if trainer.eval_dataset is not None:
             log_eval_change(trainer.state.log_history, trainer.evaluate(), trainer.state.global_step)
         save(trainer, tok, eot, out)
-    except Exception as e:  # a lost node or a timed-out collective: say which node, not a 100-line traceback
+    except BaseException as e:  # a lost node or a timed-out collective: say which node, not a 100-line traceback
+        if not isinstance(e, Exception) and not is_checkpoint_failure(e):  # KeyboardInterrupt, SystemExit
+            raise
         if is_out_of_space(e, out):  # the checkpoint being written has no marker: ignored
             raise CheckpointError(out_of_space_message(e, out, latest_complete(out))) from e
         raise_if_peer_lost(e, training_args.ddp_timeout, peers)

@@ -177,8 +177,24 @@ def out_of_space_message(err: BaseException, output_dir: str, previous: Optional
 
 
 def _chain(err: BaseException):
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
+    """``err``, the exceptions it was raised from, and, for torch.distributed.checkpoint's ``CheckpointException``
+    (which wraps each rank's failure: a RuntimeError raised while handling the OSError ENOSPC), each failure's."""
+    seen, todo = set(), [err]
+    while todo:
+        err = todo.pop(0)
+        while err is not None and id(err) not in seen:
+            seen.add(id(err))
+            yield err
+            failures = getattr(err, "failures", None) if is_checkpoint_failure(err) else None
+            todo += [pair[0] for pair in (failures or {}).values()]
+            err = err.__cause__ or err.__context__
+
+
+def is_checkpoint_failure(err: BaseException) -> bool:
+    """Whether ``err`` is torch.distributed.checkpoint's ``CheckpointException`` (a failed sharded save or load on
+    some rank; a BaseException, not an Exception)."""
+    try:
+        from torch.distributed.checkpoint import CheckpointException
+    except ImportError:  # a torch without torch.distributed
+        return False
+    return isinstance(err, CheckpointException)

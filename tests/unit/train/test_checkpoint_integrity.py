@@ -203,6 +203,34 @@ def test_out_of_space_is_recognised_from_each_writer(tmp_path, monkeypatch):
     assert not integrity.is_out_of_space(torch_save, out)  # plenty of space: some other write failure
 
 
+def test_a_sharded_save_on_a_full_disk_is_recognised_inside_torch_distributed_checkpoints_exception(tmp_path):
+    """FSDP2's sharded checkpoints are written by torch.distributed.checkpoint, whose CheckpointException (a
+    BaseException) wraps each rank's failure: here a real one, dcp.save into a 1 MiB tmpfs (root only)."""
+    import subprocess
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            with pytest.raises(BaseException) as failed:
+                dcp.save({"w": torch.zeros(1_000_000)}, checkpoint_id=str(mnt / "checkpoint-2"))
+        assert integrity.is_checkpoint_failure(failed.value) and not isinstance(failed.value, Exception)
+        assert integrity.is_out_of_space(failed.value, str(mnt))
+        assert "out of disk space while writing" in integrity.out_of_space_message(failed.value, str(mnt), None)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert not integrity.is_checkpoint_failure(RuntimeError("not one"))
+
+
 def test_out_of_space_message_names_the_file_the_space_and_the_checkpoint_kept(tmp_path, monkeypatch):
     out = tmp_path / "out"
     prev = fake_checkpoint(out, 2)
