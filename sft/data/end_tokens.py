@@ -91,20 +91,24 @@ def _opening_tokens(tokenizer, text: str, start: int) -> set:
 
 def _specials(tokenizer, text: str, end: int) -> list[int]:
     """Every special (or added) token of ``text`` after character ``end``, in order."""
+    return [tid for tid, s, _e, special in token_spans(tokenizer, text) if s >= end and special]
+
+
+def token_spans(tokenizer, text: str) -> list[tuple[int, int, int, bool]]:
+    """``text`` tokenized without extra special tokens: ``(id, start, end, special)`` per token, ``special`` for the
+    tokenizer's special and added tokens (the chat template's control tokens)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
-    return [tid for tid, (s, _e) in zip(enc["input_ids"], enc["offset_mapping"])
-            if s >= end and (tid in special or tokenizer.convert_ids_to_tokens(tid) in added)]
+    return [(tid, s, e, tid in special or tokenizer.convert_ids_to_tokens(tid) in added)
+            for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])]
 
 
 def special_run(tokenizer, text: str, end: int) -> list[int]:
     """The special tokens right after character ``end`` of ``text``, in a row (whitespace between them allowed)."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
     run = []
-    for tid, (s, e) in zip(enc["input_ids"], enc["offset_mapping"]):
+    for tid, s, e, special in token_spans(tokenizer, text):
         if s >= end:
-            if tid in special or tokenizer.convert_ids_to_tokens(tid) in added:
+            if special:
                 run.append(tid)
             elif text[s:e].strip():
                 break

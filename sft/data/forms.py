@@ -70,8 +70,7 @@ def arguments_form(tokenizer) -> str:
         cache["arguments"] = "object"
         args = {"probe_argument": _PROBE_VALUE}
         for form, value in (("object", args), ("string", json.dumps(args, ensure_ascii=False))):
-            call = {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "id": "123456789", "function": {"name": "probe_tool", "arguments": value}}]}
+            call = probe_call(value)
             try:
                 text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, call], [_PROBE_TOOL])
             except TemplateError:
@@ -91,8 +90,7 @@ def writes_tool_calls(tokenizer) -> bool:
     the user turn); probed once per template and cached."""
     cache = _cache(tokenizer)
     if "writes_calls" not in cache:
-        call = {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "id": "123456789", "function": {"name": "probe_tool", "arguments": {}}}]}
+        call = probe_call({})
         try:
             text = render_with_tools(tokenizer, template_messages(tokenizer, [{"role": "user", "content": "Hi"},
                                                                               call]), [_PROBE_TOOL])
@@ -100,6 +98,12 @@ def writes_tool_calls(tokenizer) -> bool:
             text = ""
         cache["writes_calls"] = "probe_tool" in text[text.find("Hi"):]
     return cache["writes_calls"]
+
+
+def probe_call(arguments) -> dict:
+    """An assistant turn holding one call of :data:`_PROBE_TOOL` with these ``arguments``."""
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "123456789", "function": {"name": "probe_tool", "arguments": arguments}}]}
 
 
 def _with_string_arguments(msg: dict) -> dict:

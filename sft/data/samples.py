@@ -148,13 +148,14 @@ def dropped_fix(tokenizer, dropped) -> str:
     ``--chat_template_kwargs`` (Reka-Edge writes reasoning only with it true), or a word on tool calls where it
     drops them and writes no call at all (LFM2, Granite 3.3: their models write calls inside the reply's content, in
     their own syntax; :func:`sft.data.turns.writes_tool_calls`)."""
+    from sft.data.chat_template import with_template_kwargs
     from sft.data.forms import writes_tool_calls
 
     template = tokenizer.chat_template or ""
     fix = ("use a template that renders it (--chat_template FILE), remove it, or pass --allow_dropped_content True to "
            "train without it")
     whats = [what for _turn, what, _n in dropped]
-    on = "{%- if enable_thinking is not defined %}{%- set enable_thinking = true %}{%- endif %}"
+    on = with_template_kwargs("", {"enable_thinking": True})  # what --chat_template_kwargs writes into it
     if "enable_thinking" in template and "reasoning" in whats and on not in template:
         switch = "--chat_template_kwargs '{\"enable_thinking\": true}'"
         fix = f"if the template's reasoning is off, switch it on ({switch}: it reads enable_thinking), {fix}"

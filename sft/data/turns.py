@@ -41,6 +41,7 @@ from sft.data.forms import (
     _PROBE_TOOL,
     _cache,
     _with_reasoning,
+    probe_call,
     reasoning_form,
     render_with_tools,
     template_messages,
@@ -187,12 +188,12 @@ def _special_tail(tokenizer, text: str, window: int = 400) -> int:
     """Where the run of special (or added) tokens that ``text`` ends with begins, whitespace before and between them
     included; ``len(text)`` where it ends with none. Only the last ``window`` characters are tokenized (a special
     token cut there is text, so the run ends after it)."""
+    from sft.data.end_tokens import token_spans
+
     at = max(0, len(text) - window)
-    enc = tokenizer(text[at:], add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
     start, seen = len(text), False
-    for tid, (a, b) in reversed(list(zip(enc["input_ids"], enc["offset_mapping"]))):
-        if tid in special or tokenizer.convert_ids_to_tokens(tid) in added:
+    for _tid, a, b, special in reversed(token_spans(tokenizer, text[at:])):
+        if special:
             start, seen = at + a, True
         elif not text[at + a:at + b].strip():
             start = at + a if seen else start
@@ -291,8 +292,7 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
     key = ("stops", eot_id)
     if key not in cache:
         stops = [tokenizer.convert_ids_to_tokens(eot_id)]
-        call = {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "id": "123456789", "function": {"name": "probe_tool", "arguments": {}}}]}
+        call = probe_call({})
         try:
             user = [{"role": "user", "content": "Hi"}]
             prompt = render_with_tools(tokenizer, user, [_PROBE_TOOL], True)
@@ -315,12 +315,12 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
         elif "probe_tool" in full[len(os.path.commonprefix([prompt, full])):]:
             # after the text the prompt and the reply share: a prompt that ends with an empty thought channel
             # (gemma-4's <|channel>thought\n<channel|>) is not what a reply holding a call renders
+            from sft.data.end_tokens import token_spans
+
             reply = full[len(os.path.commonprefix([prompt, full])):]
-            enc = tokenizer(reply, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-            special, added = set(tokenizer.all_special_ids), tokenizer.get_added_vocab()
-            for tid, (a, b) in reversed(list(zip(enc["input_ids"], enc["offset_mapping"]))):
-                token = tokenizer.convert_ids_to_tokens(tid)
-                if tid in special or token in added:
+            for tid, a, b, special in reversed(token_spans(tokenizer, reply)):
+                if special:
+                    token = tokenizer.convert_ids_to_tokens(tid)
                     if token not in stops:
                         stops.append(token)
                     break
