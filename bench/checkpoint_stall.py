@@ -220,4 +220,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sft.cli import exit_process
+
+    exit_process(main())  # a worker ends as finetune.py does

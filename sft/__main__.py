@@ -1,7 +1,5 @@
 """``python -m sft COMMAND [ARGS...]``: train | check | merge | export | generate | show-sample | ray
 (see :mod:`sft.cli`)."""
-import sys
+from sft.cli import exit_process, main
 
-from sft.cli import main
-
-sys.exit(main())
+exit_process(main())

@@ -45,6 +45,28 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     return run_cli(body)
 
 
+def train_command():
+    """The ``sft-train`` command: :func:`train_main` with ``sys.argv``, then :func:`exit_process`. Never returns."""
+    exit_process(train_main())
+
+
+def exit_process(code: int):
+    """End this process with exit code ``code``. After a distributed run whose process group
+    :func:`~sft.distributed.process_group.finish_process_group` destroyed, the process leaves without the
+    interpreter's teardown (:func:`sft.compat.python.exit_skipping_teardown`: non-daemon threads joined, ``atexit``
+    handlers run, stdout and stderr flushed first, as ``sys.exit`` does): under gloo, torch's communication threads
+    can race that teardown and abort an otherwise finished rank ("terminate called without an active exception",
+    SIGABRT, exit 134; the mechanism is described in pytorch/pytorch#179291), and torchrun then reports the whole job
+    failed. Otherwise ``sys.exit(code)``. Never returns."""
+    from sft.distributed.process_group import finished_cleanly
+
+    if finished_cleanly():
+        from sft.compat.python import exit_skipping_teardown
+
+        exit_skipping_teardown(code)
+    sys.exit(code)
+
+
 def check_main(argv: Optional[Sequence[str]] = None) -> int:
     """``sft-check`` / ``python -m sft check``: the flags of ``train``; prints ``check: ...`` lines, exit 0 when OK."""
     def body():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import os
 import signal
 import socket
@@ -187,6 +188,12 @@ def finish_process_group() -> None:
         dist.barrier()
     watchdog.stop()  # says "finished": a rank that leaves first is never named while the others close
     dist.destroy_process_group()
+    _STARTED["finished"] = True
+
+
+def finished_cleanly() -> bool:
+    """True once :func:`finish_process_group` destroyed this process's group after every rank met at its barrier."""
+    return bool(_STARTED.get("finished"))
 
 
 def prepare_training_args(args) -> bool:
@@ -210,7 +217,8 @@ def prepare_training_args(args) -> bool:
 
 def start_runtime(training_args) -> Runtime:
     """Start this process's runtime and return it as a frozen :class:`Runtime`. The first call starts: workers that
-    die with their torchrun agent (:func:`die_with_agent`), the hang watcher (before the group where the agent's
+    die with their torchrun agent (:func:`die_with_agent`), :mod:`faulthandler` (a process that crashes in C++ prints
+    every thread's Python stack), the hang watcher (before the group where the agent's
     store allows, after it otherwise), the process group under torchrun with ``--ddp_timeout``
     (:func:`init_process_group`), then transformers' device setup on it (accelerate's ``PartialState`` reuses the
     group) and the sequence-parallel groups of ``--sequence_parallel_size`` (:func:`sft.distributed.sequence_parallel.
@@ -229,6 +237,8 @@ def start_runtime(training_args) -> Runtime:
                                  if collectives.initialized() else training_args.world_size)
     if runtime is None:
         die_with_agent()  # every torchrun worker, CPU or GPU, before it joins a process group
+        if not faulthandler.is_enabled():  # a rank that crashes in C++ (SIGSEGV, SIGABRT) prints its Python stacks
+            faulthandler.enable(all_threads=True)
         if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
                 and os.environ.get("TORCHELASTIC_MAX_RESTARTS") == "0"):
             start_progress_watcher(training_args)  # the agent's store is up: a rank frozen before it joins is named

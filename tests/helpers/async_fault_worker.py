@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from sft.cli import train_main
+from sft.cli import exit_process, train_main
 from sft.train import async_save
 
 
@@ -40,4 +40,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # as finetune.py ends

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from sft.app.train import save, trainer_for
+from sft.cli import exit_process
 from sft.config.arguments import parse_args
 from sft.distributed.process_group import finish_process_group
 from sft.logs import setup_logging
@@ -65,4 +66,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main() or 0)  # as finetune.py ends

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from sft.app.train import trainer_for
+from sft.cli import exit_process
 from sft.config.arguments import parse_args
 from sft.distributed.process_group import finish_process_group
 from sft.logs import setup_logging
@@ -52,4 +53,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    exit_process(main() or 0)  # as finetune.py ends

@@ -14,7 +14,7 @@ import os
 import sys
 
 import sft.app.train as training
-from sft.cli import train_main
+from sft.cli import exit_process, train_main
 
 
 def main() -> int:
@@ -46,4 +46,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # as finetune.py ends
