@@ -124,33 +124,6 @@ def test_signal_sets_flag_and_all_ranks_stop_at_step_end(monkeypatch):
     assert not h._watchdog.is_alive()
 
 
-def test_group_by_length_order_depends_on_seed_and_epoch_only(tiny_model_dir, toy_data, tmp_path):
-    import torch
-    from transformers.trainer_pt_utils import LengthGroupedSampler
-
-    from sft.app.train import trainer_for
-    from sft.config.arguments import parse_args
-    from sft.train.trainer import EpochSeededLengthGroupedSampler
-
-    args = parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
-                       str(tmp_path / "o"), "--group_by_length", "True", "--per_device_train_batch_size", "2",
-                       "--report_to", "none", "--use_lora", "True", "--lora_r", "2"])
-    trainer, _, _ = trainer_for(*args)
-    sampler = trainer._get_train_sampler()
-    assert isinstance(sampler, EpochSeededLengthGroupedSampler)
-    lengths = sampler.lengths
-
-    def order(s, epoch, rng_seed):
-        s.set_epoch(epoch) if hasattr(s, "set_epoch") else None
-        torch.manual_seed(rng_seed)  # the global RNG differs between an uninterrupted and a resumed run
-        return list(s)
-
-    ours = EpochSeededLengthGroupedSampler(8, lengths * 8, seed=42)
-    assert order(ours, 1, 0) == order(ours, 1, 123) != order(ours, 2, 0)
-    theirs = LengthGroupedSampler(8, lengths=lengths * 8)
-    assert order(theirs, 1, 0) != order(theirs, 1, 123)  # why the replacement exists
-
-
 def zero_shards(path, ranks):
     """DeepSpeed ZeRO optimizer shards (names as deepspeed 0.18 writes them) for ``ranks`` data-parallel ranks."""
     step = os.path.join(path, "global_step4")
