@@ -1,4 +1,4 @@
-"""The one place that uses the interpreter's private exit steps (checked against CPython 3.11 and 3.12).
+"""The one place that uses the interpreter's private exit steps (checked against CPython 3.11.7).
 
 :func:`exit_skipping_teardown` ends a process the way ``sys.exit`` does up to the interpreter's teardown, then leaves
 with ``os._exit``: ``threading._shutdown`` (the threading module's own exit callbacks, e.g. ``concurrent.futures``
@@ -21,7 +21,7 @@ def exit_skipping_teardown(code: int):
     the process with exit code ``code`` (an int, 0-255) without the interpreter's teardown. Never returns.
 
     Must run on the main thread (``threading._shutdown`` joins the others). Private API: ``threading._shutdown``,
-    ``atexit._run_exitfuncs`` (CPython 3.11/3.12); where either is missing, this is ``sys.exit(code)``.
+    ``atexit._run_exitfuncs`` (CPython 3.11.7); where either is missing, this is ``sys.exit(code)``.
     """
     shutdown, run_exit_handlers = getattr(threading, "_shutdown", None), getattr(atexit, "_run_exitfuncs", None)
     if shutdown is None or run_exit_handlers is None or threading.current_thread() is not threading.main_thread():
