@@ -19,6 +19,8 @@ import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.fsdp import fully_shard
 
+from sft.cli import exit_process
+from sft.distributed.process_group import finish_process_group
 from sft.train.checkpoint import mark_complete
 
 
@@ -46,10 +48,9 @@ def main(model_dir: str, checkpoint: str, reference: str) -> int:
         model.generation_config.save_pretrained(checkpoint)
         tok.save_pretrained(checkpoint)
         mark_complete(checkpoint, {"world_size": dist.get_world_size()})
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_process_group()  # a barrier, then the group destroyed, as sft-train ends
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    exit_process(main(*sys.argv[1:4]))
