@@ -40,8 +40,9 @@ from sft.model.attention import (
 )
 from sft.model.loading import apply_lora, generation_config_for, load_model
 from sft.model.loss import use_supervised_head
+from sft.model.routing import model_aux_coef, resolve_aux_coef
 from sft.model.sequence_parallel import use_sequence_parallel_attention
-from sft.train import checkpoint, metrics, stragglers
+from sft.train import checkpoint, metrics, routing_health, stragglers
 from sft.train.checkpoint import CheckpointError, latest_complete, run_info, warn_if_different
 from sft.train.integrity import is_checkpoint_failure, is_out_of_space, out_of_space_message
 from sft.train.memory_plan import ParallelShape, choose_checkpointing, held_and_available, plan, probe_logged
@@ -168,7 +169,11 @@ def build_trainer(model_args, data_args, training_args, lora_args, runtime: Runt
     model, collator = prepare_model(model_args, data_args, training_args, lora_args, runtime, data)
     head = use_supervised_head(model, training_args.lm_head_supervised_only, fsdp=bool(training_args.fsdp))
     settings, sampler, n_micro = plan_memory(model, data.train, data_args, training_args, lora_args, settings, head)
-    trainer = make_trainer(model, data, collator, training_args, settings, head, sampler, callbacks)
+    # LoRA trains the router only with --lora_router True (read with a default: the flag comes with expert LoRA)
+    router_trained = not training_args.use_lora or bool(getattr(lora_args, "lora_router", False))
+    aux = resolve_aux_coef(model, training_args.moe_aux_loss_coef, router_trained)
+    trainer = make_trainer(model, data, collator, training_args, settings, head, sampler, callbacks,
+                           aux if model_aux_coef(model) is not None else None)
     log_run_shape(settings, runtime, len(data.train), training_args.max_steps, training_args.num_train_epochs, n_micro)
     return trainer, data.tok, data.eot
 
@@ -264,13 +269,13 @@ def plan_memory(model, train_ds, data_args, training_args, lora_args, settings: 
 
 
 def make_trainer(model, data: PreparedData, collator, training_args, settings: RunSettings, supervised_head: bool,
-                 sampler, callbacks: Sequence) -> Trainer:
-    """The :class:`sft.train.trainer.Trainer` with the throughput and straggler figures attached, and the decisions
-    logged (precision under ``--bf16 auto``, where the LM head runs)."""
+                 sampler, callbacks: Sequence, moe_aux_loss_coef: Optional[float] = None) -> Trainer:
+    """The :class:`sft.train.trainer.Trainer` with the throughput, routing (mixture of experts) and straggler figures
+    attached, and the decisions logged (precision under ``--bf16 auto``, where the LM head runs)."""
     trainer = Trainer(
         model=model, args=training_args, train_dataset=data.train, eval_dataset=data.eval,
         data_collator=collator, processing_class=data.tok, callbacks=list(callbacks),
-        supervised_head=supervised_head, train_batch_sampler=sampler,
+        supervised_head=supervised_head, train_batch_sampler=sampler, moe_aux_loss_coef=moe_aux_loss_coef,
         background_saves=next((c.saves for c in callbacks if isinstance(c, checkpoint.AtomicCheckpoints)), None),
     )
     if settings.bf16_reason:
@@ -281,6 +286,7 @@ def make_trainer(model, data: PreparedData, collator, training_args, settings: R
                     if supervised_head else "every position (FSDP)" if training_args.fsdp else
                     f"every position (model type '{model_type}' has no plain LM head, see sft/model/loss.py)")
     metrics.attach(trainer, training_args.peak_tflops)
+    routing_health.attach(trainer)
     stragglers.attach(trainer, training_args.straggler_factor, training_args.straggler_window)
     return trainer
 

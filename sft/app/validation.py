@@ -193,8 +193,7 @@ def _check_training(t) -> list[str]:
         p.append(f"--max_steps {t.max_steps} and --num_train_epochs {t.num_train_epochs}: nothing would be trained; "
                  "give --num_train_epochs > 0 or --max_steps > 0")
     if not (math.isfinite(t.learning_rate) and t.learning_rate >= 0):
-        p.append(f"--learning_rate {t.learning_rate}: must be a number >= 0 (e.g. 2e-4 for LoRA, 1e-5 for full "
-                 "fine-tuning)")
+        p.append(f"--learning_rate {t.learning_rate}: must be a number >= 0 (e.g. 2e-4 for LoRA, 1e-5 full tuning)")
     if not math.isfinite(t.num_train_epochs):
         p.append(f"--num_train_epochs {t.num_train_epochs}: must be a finite number")
     for flag, beta in (("--adam_beta1", t.adam_beta1), ("--adam_beta2", t.adam_beta2)):
@@ -410,11 +409,12 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
          + _check_fsdp(training_args, lora_args) + _check_output(training_args))
     m, out = model_args.model_name_or_path, training_args.output_dir
     if m and out and os.path.isdir(m) and os.path.realpath(m) == os.path.realpath(out):
-        p.append(f"--output_dir {out}: is the base model's folder; saving would overwrite the model you train "
-                 "from; choose another folder")
+        p.append(f"--output_dir {out}: is the base model's folder; saving would overwrite it; choose another folder")
     if training_args.save_async and training_args.deepspeed:
         p.append(f"--save_async True with --deepspeed {training_args.deepspeed}: DeepSpeed writes its ZeRO checkpoint "
                  "itself, synchronously; drop --save_async (or use --fsdp with finetune/fsdp_config_full_shard.json, "
                  "whose sharded checkpoints are written in the background)")
+    if (aux := training_args.moe_aux_loss_coef) is not None and not (math.isfinite(aux) and aux >= 0):
+        p.append(f"--moe_aux_loss_coef {aux}: must be a number >= 0 (e.g. 0.001; 0: no load-balancing loss)")
     if p:
         raise ConfigError(p)

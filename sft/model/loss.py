@@ -28,9 +28,13 @@ IGNORE_INDEX = -100
 MAX_LOGIT_ELEMENTS = 2 ** 27
 
 # CausalLM classes whose forward is ``logits = self.lm_head(hidden_states)`` then ``self.loss_function`` with
-# nothing in between and no auxiliary loss (checked in transformers 5.24's modeling files). Others (Gemma 2's
-# logit soft-capping, Cohere's and Granite's logit scaling, MoE router losses, remote code) keep the full path.
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "olmo2", "smollm3"})
+# nothing in between (checked in transformers 5.24's modeling files); the mixture-of-experts ones then add
+# ``router_aux_loss_coef * aux_loss`` when labels are given, an aux loss they return without labels too
+# (``output_router_logits=True``), which sft adds itself (sft/model/routing.py). Others (Gemma 2's logit
+# soft-capping, Cohere's and Granite's logit scaling, remote code) keep the full path.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "olmo2", "smollm3",
+                                    "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "mixtral", "gpt_oss",
+                                    "deepseek_v3"})
 
 
 def shifted_labels(inputs: dict) -> torch.Tensor:
@@ -108,12 +112,17 @@ def supervised_lm_loss(hidden: torch.Tensor, shift_labels: torch.Tensor, head: t
 
 
 def compute_supervised_loss(model, inputs: dict, num_items_in_batch=None, head: Optional[torch.nn.Module] = None,
-                            max_logit_elements: int = MAX_LOGIT_ELEMENTS) -> torch.Tensor:
+                            max_logit_elements: int = MAX_LOGIT_ELEMENTS, return_outputs: bool = False,
+                            **forward_kwargs):
     """One forward of ``model`` (the Trainer's possibly wrapped model) on ``inputs`` without logits, then
     :func:`supervised_lm_loss` with the unwrapped model's output embedding ``head``. ``inputs`` keeps its
-    ``labels`` / ``shift_labels``; the model is called without them. Returns the scalar fp32 loss."""
+    ``labels`` / ``shift_labels``; the model is called without them (so a mixture-of-experts model adds no aux loss
+    of its own), with ``forward_kwargs`` (e.g. ``output_router_logits=True``: its ``aux_loss`` in the outputs).
+    Returns the scalar fp32 loss, or ``(loss, model outputs)`` with ``return_outputs``."""
     targets = shifted_labels(inputs)
     model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
     keep_none = torch.zeros(targets.shape, dtype=torch.bool, device=targets.device)
-    out = model(**model_inputs, logits_to_keep=keep_none, output_hidden_states=True, use_cache=False)
-    return supervised_lm_loss(out.hidden_states[-1], targets, head, num_items_in_batch, max_logit_elements)
+    out = model(**model_inputs, **forward_kwargs, logits_to_keep=keep_none, output_hidden_states=True,
+                use_cache=False)
+    loss = supervised_lm_loss(out.hidden_states[-1], targets, head, num_items_in_batch, max_logit_elements)
+    return (loss, out) if return_outputs else loss

@@ -18,6 +18,7 @@ from sft.compat.trainer import TrainerHooks
 from sft.distributed import sequence_parallel
 from sft.distributed.process_group import enable_fsdp
 from sft.model.loss import compute_supervised_loss, shifted_labels
+from sft.model.routing import disable_model_aux, weighted_aux
 
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
@@ -209,16 +210,23 @@ class Trainer(TrainerHooks):
             Trainer's own loss.
         train_batch_sampler: the training data's batch sampler (a :class:`TokenBudgetBatchSampler`), or None for the
             Trainer's own choice (random, or ``--group_by_length``).
+        moe_aux_loss_coef: None for a model without an aux loss; else training runs with ``output_router_logits``,
+            the model's own ``coef x aux`` switched off, and :meth:`aux_term` added to each micro batch's loss.
         **kwargs: ``transformers.Trainer``'s.
     """
 
     def __init__(self, *args, supervised_head: bool = False,
-                 train_batch_sampler: Optional[TokenBudgetBatchSampler] = None, background_saves=None, **kwargs):
+                 train_batch_sampler: Optional[TokenBudgetBatchSampler] = None, background_saves=None,
+                 moe_aux_loss_coef: Optional[float] = None, **kwargs):
         self.train_batch_sampler = train_batch_sampler
         self.background_saves = background_saves  # sft.train.async_save.BackgroundSaves under --save_async
         super().__init__(*args, **kwargs)
         self.supervised_head = bool(supervised_head)  # decided by sft.model.loss.use_supervised_head
         self.supervised_counter = None  # set by sft.train.metrics.attach: counts the supervised targets it sees
+        self.routing_counter = None  # set by sft.train.routing_health.attach: the aux losses for the log line
+        if moe_aux_loss_coef is not None:
+            disable_model_aux(self.model)
+        self.moe_aux_loss_coef = moe_aux_loss_coef
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # transformers 5.24 Trainer.compute_loss(model, inputs, return_outputs, num_items_in_batch) with a causal LM
@@ -228,23 +236,45 @@ class Trainer(TrainerHooks):
         sp = sequence_parallel.current()
         if sp.enabled and not model.training and "shift_labels" in inputs:
             return self.group_loss(model, inputs, return_outputs, sp)
-        if (not self.supervised_head or return_outputs or not model.training or self.label_smoother is not None
-                or self.compute_loss_func is not None or "labels" not in inputs):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        own = (return_outputs or not model.training or self.label_smoother is not None
+               or self.compute_loss_func is not None or "labels" not in inputs)
+        aux = self.moe_aux_loss_coef is not None and not own
+        if own or not self.supervised_head:
+            if not aux:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            loss, outputs = super().compute_loss(model, {**inputs, "output_router_logits": True}, True,
+                                                 num_items_in_batch)  # x the world scale already
+            return loss + self.aux_term(outputs, inputs, num_items_in_batch) * self.loss_scale(num_items_in_batch)
 
         if self.supervised_counter is not None:
             self.supervised_counter.add_supervised(shifted_labels(inputs))
         # The head runs outside the model's forward, which accelerate wraps in its mixed-precision autocast (bf16 on
         # CPU: bf16 base weights, fp32 LoRA adapters): the same autocast here, or F.linear meets fp32 x bf16.
+        n, head = num_items_in_batch if self.model_accepts_loss_kwargs else None, self.model.get_output_embeddings()
         with self.accelerator.autocast():
-            loss = compute_supervised_loss(model, inputs,
-                                           num_items_in_batch if self.model_accepts_loss_kwargs else None,
-                                           head=self.model.get_output_embeddings())
+            loss, outputs = compute_supervised_loss(model, inputs, n, head, return_outputs=True,
+                                                    **({"output_router_logits": True} if aux else {}))
+        loss = loss + self.aux_term(outputs, inputs, num_items_in_batch) if aux else loss
+        return loss * self.loss_scale(num_items_in_batch)
+
+    def loss_scale(self, num_items_in_batch) -> int:
+        """transformers 5.24's factor on a loss / ``num_items_in_batch`` under ``average_tokens_across_devices``: the
+        data-parallel processes (their gradients are then averaged: a sum over the global batch); else 1."""
         if (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs
                 and num_items_in_batch is not None):
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1
-                           else self.args.n_gpu)
-        return loss
+            return self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu
+        return 1
+
+    def aux_term(self, outputs, inputs, num_items_in_batch):
+        """``coef x`` the aux loss weighed as the cross entropy (:func:`sft.model.routing.weighted_aux`), before
+        :meth:`loss_scale`, and counted for the log line (:mod:`sft.train.routing_health`); 0 if there is none."""
+        aux = getattr(outputs, "aux_loss", None)
+        if not torch.is_tensor(aux):
+            return 0.0
+        if self.routing_counter is not None:
+            self.routing_counter.add_aux(aux)
+        n = num_items_in_batch if self.model_accepts_loss_kwargs else None
+        return self.moe_aux_loss_coef * weighted_aux(aux, shifted_labels(inputs), n) if self.moe_aux_loss_coef else 0.0
 
     @staticmethod
     def group_loss(model, inputs, return_outputs: bool, sp):

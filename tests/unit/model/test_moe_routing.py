@@ -1,0 +1,111 @@
+"""Mixture-of-experts routing (sft/model/routing.py, sft/train/routing_health.py) and the supervised-only LM head on
+MoE models (sft/model/loss.py): tiny random models of transformers' own configs (tests/helpers/families.py),
+vocabulary 128, fp32.
+
+Tolerances: losses relative 1e-5; gradients and weights relative 1e-5 with an absolute floor of 1e-7 (the head and
+the loss sum run in another order than over the whole logits; micro batches add up gradients in another order).
+"""
+import pytest
+import torch
+
+from sft.model.loss import compute_supervised_loss, supports_supervised_head
+from sft.model.routing import aux_free_routers, model_aux_coef, resolve_aux_coef, routers, weighted_aux
+from sft.train.routing_health import RoutingCounter, routing_line
+from tests.helpers.families import tiny_model
+
+RTOL, ATOL, VOCAB = 1e-5, 1e-7, 128
+
+
+def batch(seed: int = 1, rows: int = 2, length: int = 16):
+    """Rows of ``length`` tokens, the last row padded by 3; supervised spans in the middle of each."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, length), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, 4:12] = ids[:, 4:12]
+    mask = torch.ones_like(ids)
+    mask[-1, length - 3:] = 0
+    labels[-1, length - 3:] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def grads_of(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# model type -> (MoE layers, experts, score-correction bias, own aux coefficient)
+SHAPES = {"qwen3_moe": (2, 8, False, 0.001), "mixtral": (2, 8, False, 0.001), "gpt_oss": (2, 8, False, 0.001),
+          "deepseek_v3": (1, 8, True, None), "qwen3_next": (4, 8, False, 0.001),
+          "qwen3_5_moe_text": (4, 8, False, 0.001)}
+
+
+@pytest.mark.parametrize("model_type", sorted(SHAPES))
+def test_routers_found_by_structure(model_type):
+    layers, experts, bias, coef = SHAPES[model_type]
+    model = tiny_model(model_type, vocab_size=VOCAB)
+    found = routers(model)
+    assert [e for _, _, e in found] == [experts] * layers, [n for n, _, _ in found]
+    assert aux_free_routers(model) == (layers if bias else 0)
+    assert model_aux_coef(model) == coef
+    assert supports_supervised_head(model)
+
+
+def test_aux_coefficient_defaults_and_refusals():
+    from sft.errors import ConfigError
+
+    moe, free = tiny_model("qwen3_moe", vocab_size=VOCAB), tiny_model("deepseek_v3", vocab_size=VOCAB)
+    assert resolve_aux_coef(moe, None, router_trained=True) == 0.001  # full fine-tuning: the model's own
+    assert resolve_aux_coef(moe, None, router_trained=False) == 0.0  # frozen router (LoRA)
+    assert resolve_aux_coef(moe, 0.02, router_trained=False) == 0.02  # asked for
+    assert resolve_aux_coef(free, None, router_trained=True) == 0.0
+    with pytest.raises(ConfigError, match="score-correction bias"):
+        resolve_aux_coef(free, 0.01, router_trained=True)
+    assert free.model.layers[1].mlp.gate.e_score_correction_bias.requires_grad is False  # a buffer: never trained
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_supervised_head_equals_full_path_with_aux_loss(model_type):
+    """The supervised-only head plus ``coef x aux`` (weighted_aux without num_items: the micro batch's own) equals the
+    model's own loss with labels and output_router_logits=True, and so do all gradients, the router's included."""
+    model = tiny_model(model_type, vocab_size=VOCAB).train()
+    inputs, coef = batch(), model.router_aux_loss_coef
+    full = model(**inputs, output_router_logits=True, use_cache=False).loss
+    full_grads = grads_of(model, full)
+    loss, out = compute_supervised_loss(model, inputs, None, model.get_output_embeddings(), return_outputs=True,
+                                        output_router_logits=True)
+    ours = loss + coef * weighted_aux(out.aux_loss, inputs["labels"][:, 1:], None)
+    assert out.aux_loss.item() > 0 and ours.item() == pytest.approx(full.item(), rel=RTOL)
+    ours_grads = grads_of(model, ours)
+    assert ours_grads.keys() == full_grads.keys() and any(".gate." in n for n in full_grads)
+    for name, g in full_grads.items():
+        torch.testing.assert_close(ours_grads[name], g, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_weighted_aux_is_the_micro_batch_share_of_the_global_batch():
+    labels = torch.tensor([[-100, 5, 6, -100], [7, -100, -100, -100]])  # 3 supervised targets
+    assert weighted_aux(torch.tensor(2.0), labels, torch.tensor(12)).item() == pytest.approx(2.0 * 3 / 12)
+    assert weighted_aux(torch.tensor(2.0), labels, None).item() == 2.0
+
+
+def test_routing_counter_counts_every_top_k_choice():
+    """Counts per expert equal the top-k of the model's own recorded router logits; the window resets on take()."""
+    model = tiny_model("qwen3_moe", vocab_size=VOCAB).train()
+    counter = RoutingCounter(model)
+    inputs = batch(rows=3)
+    out = model(input_ids=inputs["input_ids"], output_router_logits=True, use_cache=False)
+    out = model(input_ids=inputs["input_ids"], output_router_logits=True, use_cache=False)  # two micro batches
+    figures = counter.take()
+    expected = []
+    for logits in out.router_logits:
+        counts = torch.bincount(logits.topk(2, dim=-1).indices.reshape(-1), minlength=8).float() * 2
+        expected.append((counts.max() / counts.mean()).item())
+        idle = [e for e in range(8) if counts[e] == 0]
+        assert idle == figures["layers"][len(expected) - 1][2]
+    assert [r for _, r, _ in figures["layers"]] == pytest.approx(expected)
+    assert figures["moe_max_load"] == pytest.approx(max(expected))
+    assert "routing at step 3:" in routing_line(3, figures) and counter.take() == {}
+    model.eval()
+    model(input_ids=inputs["input_ids"], use_cache=False)
+    assert counter.take() == {}  # evaluation forwards are not counted
+    counter.remove()
