@@ -84,7 +84,10 @@ if (( ! ELASTIC && NNODES == 1 && NPROC == 1 )); then
 fi
 # Several processes: check flags and data once, in one process, so a mistake is reported once and
 # cleanly instead of by every rank and then by torchrun.
-"$PYTHON" -m sft check "${ARGS[@]}" || exit $?
+# The check is told the world sizes the job may run at (an elastic job's at every node count from MIN_NODES to
+# MAX_NODES), so that what every rank would refuse about them (--sequence_parallel_size) is refused here, once.
+WORLDS="$(for ((n = MIN_NODES; n <= MAX_NODES; n++)); do printf '%s ' "$((n * NPROC))"; done)"
+SFT_WORLD_SIZES="$WORLDS" "$PYTHON" -m sft check "${ARGS[@]}" || exit $?
 # Preflight: node rank 0 checks that MASTER_PORT is free and waits for every node to say hello on it;
 # the others wait (up to RDZV_TIMEOUT) for it to accept connections. Any problem ends every node here.
 if [[ "${SFT_PREFLIGHT:-1}" != 0 ]]; then "$PYTHON" -m sft.distributed rendezvous --gpus "$NGPU" || exit $?; fi

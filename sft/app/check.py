@@ -2,6 +2,7 @@
 starting several processes)."""
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 from sft.app.specs import control_tokens_for, data_sources, preparation_spec
@@ -10,6 +11,8 @@ from sft.config.arguments import parse_args
 from sft.data.eval_split import empty_side_error, in_eval, record_key
 from sft.data.records import RecordCheck, iter_conversations, template_problem
 from sft.data.samples import encode_samples, lazy_refusal
+from sft.distributed.process_group import check_sequence_parallel_size
+from sft.errors import ConfigError
 from sft.model.loading import load_tokenizer
 
 
@@ -74,16 +77,55 @@ def _encode(tok, eot: int, spec, path: str, check, batch: list) -> None:
     batch.clear()
 
 
-def check_parsed(model_args, data_args, training_args, lora_args) -> list[str]:
-    """Check parsed arguments and every data record without training (what ``sft-check``, the launcher and the Ray
-    driver do once before starting several processes). Returns the summary lines.
+def check_parsed(model_args, data_args, training_args, lora_args,
+                 world_sizes: Optional[Sequence[int]] = None) -> list[str]:
+    """Check parsed arguments, the job's shape (:func:`launch_shape` at ``world_sizes``, the world sizes the job may
+    run at; None: ``SFT_WORLD_SIZES`` as finetune/launch.sh sets it, or unknown) and every data record without
+    training (what ``sft-check``, the launcher and the Ray driver do once before starting several processes).
+    Returns the summary lines.
 
     Raises:
         SFTError: the first kind of problem found (every problem of that kind is listed).
     """
 
     validate(model_args, data_args, training_args, lora_args)
+    if world_sizes is None:
+        world_sizes = [int(w) for w in os.environ.get(WORLD_SIZES_ENV, "").split() if w.isdigit()]
+    launch_shape(model_args, training_args, world_sizes)
     return check_data(model_args, data_args, training_args) + ["configuration and data OK"]
+
+
+WORLD_SIZES_ENV = "SFT_WORLD_SIZES"  # set by finetune/launch.sh for its check: the job's possible world sizes
+
+
+def launch_shape(model_args, training_args, world_sizes: Sequence[int]) -> None:
+    """What every training process would refuse about the job's shape, refused by the launcher's check before torchrun
+    starts, with the ranks' own rules: ``--sequence_parallel_size`` must divide every world size the job may run at
+    (``world_sizes``; an elastic job's at each node count;
+    :func:`sft.distributed.process_group.check_sequence_parallel_size`), and ``--sequence_parallel_mode ulysses``
+    needs heads it can split (:func:`sft.model.sequence_parallel.choose_mode`, on the model's config). Nothing is
+    checked without world sizes (a lone ``sft-check``: the world is unknown).
+
+    Raises:
+        ConfigError: one line, naming the flag, the value and the fix.
+    """
+    size = training_args.sequence_parallel_size
+    if size <= 1 or not world_sizes:
+        return
+    for world in world_sizes:
+        check_sequence_parallel_size(size, world)
+    if training_args.sequence_parallel_mode == "ulysses":
+        from transformers import AutoConfig
+
+        from sft.model.sequence_parallel import choose_mode
+
+        try:
+            config = AutoConfig.from_pretrained(model_args.model_name_or_path,
+                                                trust_remote_code=model_args.trust_remote_code)
+        except (OSError, ValueError) as e:  # the model's own loading reports it, in its words
+            raise ConfigError([f"--model_name_or_path {model_args.model_name_or_path}: no readable config.json "
+                               f"({str(e).splitlines()[0]})"]) from None
+        choose_mode(config, size, "ulysses")
 
 
 def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:

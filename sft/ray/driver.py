@@ -254,7 +254,8 @@ def _drive(argv: list[str]) -> int:
     check_ray_args(ray_args)
     deepspeed_cpu_default()
     # The whole configuration and every data record, once, here (what each worker will also check).
-    for line in check_parsed(model_args, data_args, training_args, lora_args):
+    workers = [ray_args.num_workers] if ray_args.num_workers > 0 else None  # 0: one per GPU / node, known later
+    for line in check_parsed(model_args, data_args, training_args, lora_args, workers):
         _print(f"check: {line}")
     import ray
 

@@ -71,3 +71,12 @@ def test_preset_help_describes_the_preset():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "LoRA on one node without DeepSpeed" in r.stdout and "NPROC_PER_NODE" in r.stdout \
         and "--use_lora True" in r.stdout
+
+
+def test_launcher_check_refuses_a_sequence_parallel_size_the_ranks_would(tiny_model_dir, toy_data, tmp_path):
+    """3 processes cannot form groups of 2: refused by the launcher's one check, before torchrun starts."""
+    r = launch("-m", tiny_model_dir, "-d", toy_data, "--output_dir", str(tmp_path / "out"),
+               "--sequence_parallel_size", "2", NPROC_PER_NODE="3")
+    assert r.returncode == 2, r.stderr
+    assert "--sequence_parallel_size 2: does not divide the world size 3" in r.stderr
+    assert "configuration and data OK" not in r.stdout + r.stderr and "torchrun" not in r.stderr

@@ -109,3 +109,48 @@ def test_routing_counter_counts_every_top_k_choice():
     model(input_ids=inputs["input_ids"], use_cache=False)
     assert counter.take() == {}  # evaluation forwards are not counted
     counter.remove()
+
+
+def train_one_step(trainer_cls, micro_batch: int, accumulation: int, coef: float, tmp_path, **trainer_kwargs):
+    """One SGD step of full fine-tuning on 4 identical rows (so that the aux loss of 4 rows together equals that of
+    each: the rows are distributed the same), as ``micro_batch`` x ``accumulation``. Returns the weights after."""
+    import transformers
+
+    model = tiny_model("qwen3_moe", vocab_size=VOCAB)
+    model.router_aux_loss_coef = coef  # transformers' own addition (the plain Trainer); sft's switches it off
+    model.config.output_router_logits = trainer_cls is transformers.Trainer
+    row = {k: v[0] for k, v in batch(rows=1).items()}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=micro_batch, gradient_accumulation_steps=accumulation,
+        max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", use_cpu=True, report_to=[],
+        save_strategy="no", logging_strategy="no", seed=0, disable_tqdm=True, dataloader_drop_last=True)
+    trainer = trainer_cls(model=model, args=args, train_dataset=[row] * 4, **trainer_kwargs)
+    trainer.train()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+GATE = "model.layers.0.mlp.gate.weight"
+
+
+def test_aux_loss_update_same_at_gradient_accumulation_1_and_4(tmp_path):
+    """sft's Trainer: the same update from 1 micro batch of 4 rows and 4 micro batches of 1 row, the aux loss on
+    (coefficient 1, so that its share of the update is large), through the full path and the supervised head."""
+    from sft.train.trainer import Trainer
+
+    ours = [train_one_step(Trainer, mb, ga, 1.0, tmp_path, moe_aux_loss_coef=1.0, supervised_head=head)
+            for mb, ga, head in ((4, 1, True), (1, 4, False))]  # the supervised head at 1, the full path at 4
+    for name, w in ours[0].items():
+        torch.testing.assert_close(ours[1][name], w, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_transformers_own_aux_loss_grows_with_gradient_accumulation(tmp_path):
+    """What the test above guards against: transformers' Trainer with the model's own ``coef x aux`` per micro batch
+    moves the router differently at 4 micro batches (the aux loss weighs 4 times more), and at 1 as sft does at 4."""
+    import transformers
+
+    from sft.train.trainer import Trainer
+
+    theirs = [train_one_step(transformers.Trainer, mb, ga, 1.0, tmp_path) for mb, ga in ((4, 1), (1, 4))]
+    assert not torch.allclose(theirs[0][GATE], theirs[1][GATE], rtol=1e-3, atol=1e-5)
+    ours = train_one_step(Trainer, 1, 4, 1.0, tmp_path, moe_aux_loss_coef=1.0, supervised_head=True)
+    torch.testing.assert_close(theirs[0][GATE], ours[GATE], rtol=RTOL, atol=ATOL)
