@@ -285,8 +285,8 @@ def make_trainer(model, data: PreparedData, collator, training_args, settings: R
         logger.info("LM head and loss: %s", "at supervised positions only (--lm_head_supervised_only)"
                     if supervised_head else "every position (FSDP)" if training_args.fsdp else
                     f"every position (model type '{model_type}' has no plain LM head, see sft/model/loss.py)")
+    routing_health.attach(trainer)  # its line after the step line: metrics' callback goes ahead of it
     metrics.attach(trainer, training_args.peak_tflops)
-    routing_health.attach(trainer)
     stragglers.attach(trainer, training_args.straggler_factor, training_args.straggler_window)
     return trainer
 

@@ -119,10 +119,10 @@ def resolve_aux_coef(model, requested: Optional[float], router_trained: bool) ->
                     "the model defines none")
         return 0.0
     coef = float(requested) if requested is not None else own if router_trained else 0.0
-    why = ("--moe_aux_loss_coef" if requested is not None else "the model's own" if router_trained else
-           "the router is frozen (LoRA without --lora_router True)")
-    logger.info("routing: aux loss coefficient %g (%s; the model's is %g), weighted like the cross entropy over the "
-                "global batch", coef, why, own)
+    why = (f"--moe_aux_loss_coef; the model's is {own:g}" if requested is not None else "the model's own"
+           if router_trained else f"the router is frozen: LoRA without --lora_router True; the model's is {own:g}")
+    logger.info("routing: aux loss coefficient %g (%s)%s", coef, why, ", weighted like the cross entropy over the "
+                "global batch" if coef else ": the aux loss is logged, not trained")
     return coef
 
 
