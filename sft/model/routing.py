@@ -115,7 +115,7 @@ def resolve_aux_coef(model, requested: Optional[float], router_trained: bool) ->
                                + (" (it balances with its routers' score-correction bias)" if free else "")
                                + "; leave it unset"])
         logger.info("routing: no aux loss; %s", f"aux-loss-free balancing by the score-correction bias of {free} "
-                    "routers, kept as loaded (a buffer: not trained, not updated)" if free else
+                    "router(s), kept as loaded (a buffer: not trained, not updated)" if free else
                     "the model defines none")
         return 0.0
     coef = float(requested) if requested is not None else own if router_trained else 0.0

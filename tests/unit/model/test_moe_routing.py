@@ -37,7 +37,8 @@ def grads_of(model, loss):
 # model type -> (MoE layers, experts, score-correction bias, own aux coefficient)
 SHAPES = {"qwen3_moe": (2, 8, False, 0.001), "mixtral": (2, 8, False, 0.001), "gpt_oss": (2, 8, False, 0.001),
           "deepseek_v3": (1, 8, True, None), "qwen3_next": (4, 8, False, 0.001),
-          "qwen3_5_moe_text": (4, 8, False, 0.001)}
+          "qwen3_5_moe_text": (4, 8, False, 0.001), "kimi_linear": (3, 8, True, None), "jamba": (2, 4, False, 0.001)}
+FAST_HEAD = {"qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text"}  # forwards read
 
 
 @pytest.mark.parametrize("model_type", sorted(SHAPES))
@@ -48,7 +49,7 @@ def test_routers_found_by_structure(model_type):
     assert [e for _, _, e in found] == [experts] * layers, [n for n, _, _ in found]
     assert aux_free_routers(model) == (layers if bias else 0)
     assert model_aux_coef(model) == coef
-    assert supports_supervised_head(model)
+    assert supports_supervised_head(model) == (model_type in FAST_HEAD)
 
 
 def test_aux_coefficient_defaults_and_refusals():
@@ -64,20 +65,23 @@ def test_aux_coefficient_defaults_and_refusals():
     assert free.model.layers[1].mlp.gate.e_score_correction_bias.requires_grad is False  # a buffer: never trained
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", sorted(FAST_HEAD))
 def test_supervised_head_equals_full_path_with_aux_loss(model_type):
     """The supervised-only head plus ``coef x aux`` (weighted_aux without num_items: the micro batch's own) equals the
-    model's own loss with labels and output_router_logits=True, and so do all gradients, the router's included."""
+    model's own loss with labels and output_router_logits=True, and so do all gradients, the router's included
+    (DeepSeek-V3: no aux loss, the cross entropy alone)."""
     model = tiny_model(model_type, vocab_size=VOCAB).train()
-    inputs, coef = batch(), model.router_aux_loss_coef
-    full = model(**inputs, output_router_logits=True, use_cache=False).loss
+    inputs, coef = batch(), model_aux_coef(model)
+    kwargs = {"output_router_logits": True} if coef is not None else {}
+    full = model(**inputs, **kwargs, use_cache=False).loss
     full_grads = grads_of(model, full)
     loss, out = compute_supervised_loss(model, inputs, None, model.get_output_embeddings(), return_outputs=True,
-                                        output_router_logits=True)
-    ours = loss + coef * weighted_aux(out.aux_loss, inputs["labels"][:, 1:], None)
-    assert out.aux_loss.item() > 0 and ours.item() == pytest.approx(full.item(), rel=RTOL)
+                                        **kwargs)
+    ours = loss + coef * weighted_aux(out.aux_loss, inputs["labels"][:, 1:], None) if coef is not None else loss
+    assert coef is None or out.aux_loss.item() > 0
+    assert ours.item() == pytest.approx(full.item(), rel=RTOL)
     ours_grads = grads_of(model, ours)
-    assert ours_grads.keys() == full_grads.keys() and any(".gate." in n for n in full_grads)
+    assert ours_grads.keys() == full_grads.keys() and f"{routers(model)[0][0]}.weight" in full_grads
     for name, g in full_grads.items():
         torch.testing.assert_close(ours_grads[name], g, rtol=RTOL, atol=ATOL, msg=name)
 
