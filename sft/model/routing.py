@@ -38,8 +38,12 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _stack_size(module: torch.nn.Module) -> Optional[int]:
-    """E of a module holding experts (a 3-D parameter ``[E, out, in]`` of its own), else None."""
-    return next((int(p.shape[0]) for p in _unwrapped(module).parameters(recurse=False) if p.dim() == 3), None)
+    """E of a module holding experts (a 3-D parameter ``[E, out, in]`` of its own; a convolution's 3-D weight, e.g. the
+    depthwise Conv1d of a linear-attention or state-space layer, is not one), else None."""
+    module = _unwrapped(module)
+    if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+        return None
+    return next((int(p.shape[0]) for p in module.parameters(recurse=False) if p.dim() == 3), None)
 
 
 def routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]]:
