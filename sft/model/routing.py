@@ -37,13 +37,24 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _shapes(module: torch.nn.Module):
+    """The shapes of a module's own parameters; a parametrized one's as it stands for (torch's parametrize: the
+    ``original``'s, or a bitsandbytes 4-bit parametrization's ``quant_state.shape``)."""
+    for p in module.parameters(recurse=False):
+        yield tuple(p.shape)
+    for plist in getattr(module, "parametrizations", {}).values():
+        state = next((q.quant_state for q in plist if getattr(q, "quant_state", None) is not None), None)
+        yield tuple(state.shape) if getattr(state, "shape", None) is not None else tuple(plist.original.shape)
+
+
 def _stack_size(module: torch.nn.Module) -> Optional[int]:
-    """E of a module holding experts (a 3-D parameter ``[E, out, in]`` of its own; a convolution's 3-D weight, e.g. the
-    depthwise Conv1d of a linear-attention or state-space layer, is not one), else None."""
+    """E of a module holding experts (a 3-D parameter ``[E, out, in]`` of its own, also when parametrized, e.g. in
+    4-bit; a convolution's 3-D weight, e.g. the depthwise Conv1d of a linear-attention or state-space layer, is not
+    one), else None."""
     module = _unwrapped(module)
     if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
         return None
-    return next((int(p.shape[0]) for p in module.parameters(recurse=False) if p.dim() == 3), None)
+    return next((int(shape[0]) for shape in _shapes(module) if len(shape) == 3), None)
 
 
 def routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]]:
@@ -59,11 +70,9 @@ def routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]]:
         n_experts = sizes[0]
         for child_name, child in children.items():
             inner = _unwrapped(child)
-            if _stack_size(child) is not None or id(inner) in seen:
+            if _stack_size(child) is not None or id(inner) in seen or isinstance(inner, torch.nn.Linear):
                 continue
-            weight = getattr(inner, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == n_experts \
-                    and not isinstance(inner, torch.nn.Linear):
+            if any(len(shape) == 2 and shape[0] == n_experts for shape in _shapes(inner)):
                 seen.add(id(inner))
                 found.append((f"{name}.{child_name}" if name else child_name, inner, int(n_experts)))
     return found

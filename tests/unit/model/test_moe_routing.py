@@ -158,3 +158,26 @@ def test_transformers_own_aux_loss_grows_with_gradient_accumulation(tmp_path):
     assert not torch.allclose(theirs[0][GATE], theirs[1][GATE], rtol=1e-3, atol=1e-5)
     ours = train_one_step(Trainer, 1, 4, 1.0, tmp_path, moe_aux_loss_coef=1.0, supervised_head=True)
     torch.testing.assert_close(theirs[0][GATE], ours[GATE], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("wrap", ["peft_all_linear", "experts_4bit"])
+def test_routers_found_through_lora_and_4bit_experts(wrap):
+    """peft's LoRA with 'all-linear' (ParamWrapper on the 3-D experts and the router) and bitsandbytes' 4-bit
+    parametrization of the expert stacks leave the same routers found, and the counts still come."""
+    model = tiny_model("qwen3_moe", vocab_size=VOCAB)
+    if wrap == "peft_all_linear":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, lora_dropout=0.0, target_modules="all-linear"))
+    else:
+        from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+        for layer in model.model.layers:
+            for name in ("gate_up_proj", "down_proj"):
+                replace_parameter_4bit(layer.mlp.experts, name, quant_type="nf4")
+    assert [(n.split("layers.")[-1], e) for n, _, e in routers(model)] == [("0.mlp.gate", 8), ("1.mlp.gate", 8)]
+    counter = RoutingCounter(model)
+    model.train()
+    model(input_ids=batch()["input_ids"], use_cache=False)
+    assert len(counter.take()["layers"]) == 2
+    counter.remove()
