@@ -52,8 +52,9 @@ class TierLimit(NamedTuple):
 # Chosen from CI's slowest tests (issue 55's fresh-clone run, wall time with both workers busy: integration 124 s at
 # most, cluster 225 s) and the CPU measured for some of them (docs/testing.md "Where a test's time goes": the slowest
 # ~100 s): the tests over them, or within ~20% of them (a machine kind's worse day), carry a budget mark. The tier
-# lines and the list of tests nearest their allowance give the whole distribution of the next run. The cluster tier counts wall time only: its training runs under slurmd, sshd and Ray's daemons, not as this
-# process's children, so their CPU time never reaches resource.getrusage(RUSAGE_CHILDREN).
+# lines and the list of tests nearest their allowance give the whole distribution of the next run. The cluster tier
+# counts wall time only: its training runs under slurmd, sshd and Ray's daemons, not as this process's children,
+# so their CPU time never reaches resource.getrusage(RUSAGE_CHILDREN).
 LIMITS = {"unit": TierLimit(UNIT_TEST_LIMIT_S, WALL_FACTOR * UNIT_TEST_LIMIT_S),
           "integration": TierLimit(120.0, WALL_FACTOR * 120.0),
           "cluster": TierLimit(None, 180.0)}
