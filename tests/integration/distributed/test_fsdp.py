@@ -42,8 +42,6 @@ def test_accelerate_under_torchrun_on_cpu_keeps_fsdp_off(tmp_path):
         assert f"rank {rank} world 2 DistributedType.MULTI_CPU fsdp_plugin=False" in r.stdout, r.stdout
 
 
-@pytest.mark.budget(300, reason="three 2-process FSDP2 runs each (uninterrupted, killed, resumed), then sft-export: "
-                          "100-124 s of wall time in CI")
 @pytest.mark.parametrize("mode,saved,extra", [("full", "model.safetensors", " --save_async True"),
                                                ("lora", "adapter_model.safetensors", "")])
 def test_kill9_and_resume_under_fsdp2_is_bit_exact(mode, saved, extra, tmp_path):

@@ -40,8 +40,6 @@ def train(kind, model, data, out, fault=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
 
-@pytest.mark.budget(250, reason="three runs each (uninterrupted, faulted, resumed), two processes for the SIGTERM "
-                          "case: ~100 s of wall time in CI")
 @pytest.mark.parametrize("kind", ["kill", "term"])
 def test_a_fault_during_a_background_write_resumes_exactly(kind, tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "toy.jsonl", TOY)
