@@ -2,12 +2,12 @@
 """Kill-and-resume loop: is a run that was SIGKILLed at a random moment and started again bit-identical
 to the uninterrupted run?
 
-Trains once without interruption (the reference), then for each iteration: starts the same command in
-a fresh --output_dir, SIGKILLs its whole process group at a random moment (a random delay after a
-random checkpoint-k appeared, which mostly lands inside that save, or after it was complete, which
-lands in a later training step), runs the same command again to the end (it resumes with ``auto``), and compares every
-tensor of the final adapter/model with the reference's, bit for bit. Prints one line per iteration
-and ``exact: K/N``; exits 0 only when all N were exact.
+Trains once without interruption (the reference: finetune.py, also with ``--launcher``), then for each
+iteration: starts the same command in a fresh --output_dir, SIGKILLs its whole process group at a random
+moment (a random delay after a random checkpoint-k appeared, which mostly lands inside that save, or after it
+was complete, which lands in a later training step), runs the same command again to the end (it resumes with
+``auto``), and compares every tensor of the final adapter/model with the reference's, bit for bit. Prints one
+line per iteration and ``exact: K/N``; exits 0 only when all N were exact.
 
     .venv/bin/python scripts/kill_resume_loop.py --iterations 10
     .venv/bin/python scripts/kill_resume_loop.py --iterations 3 --nproc 2          # torchrun, 2 CPU processes
@@ -43,7 +43,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(a, out: str) -> list[str]:
+def command(a, out: str, launcher: bool | None = None) -> list[str]:
+    """The run's command line: through finetune/launch.sh with ``--launcher`` (unless ``launcher`` is False), else
+    finetune.py (under torchrun for several processes)."""
     flags = ["--model_name_or_path", a.model, "--data_path", a.data, "--output_dir", out,
              "--max_steps", str(a.steps), "--per_device_train_batch_size", "2", "--learning_rate", "1e-2",
              "--save_strategy", "steps", "--save_steps", str(a.save_steps), "--save_total_limit", "2",
@@ -53,7 +55,7 @@ def command(a, out: str) -> list[str]:
         flags += ["--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0.05"]
     else:
         flags += ["--learning_rate", "1e-3"]
-    if a.launcher:
+    if a.launcher if launcher is None else launcher:
         return ["bash", os.path.join(ROOT, "finetune", "launch.sh"), "-m", a.model, "-d", a.data, *flags[4:]]
     entry = os.path.join(ROOT, "finetune.py")
     if a.nproc == 1:
@@ -243,9 +245,12 @@ def main(argv=None) -> int:
           f"kill seed {kill_seed}, work {work}", flush=True)
     ref = os.path.join(work, "reference")
     t0 = time.monotonic()
-    rc = run_to_end(command(a, ref), os.path.join(work, "reference.log"))
+    # the reference trains through finetune.py (torchrun) even with --launcher: the launcher adds a check and a
+    # preflight (another process loading the libraries and the data) and the signal handling, not another training,
+    # so the comparison then also proves that a run through it ends with the plain run's weights
+    rc = run_to_end(command(a, ref, launcher=False), os.path.join(work, "reference.log"))
     if rc != 0 and port_taken(os.path.join(work, "reference.log")):
-        rc = run_to_end(command(a, ref), os.path.join(work, "reference.log"))
+        rc = run_to_end(command(a, ref, launcher=False), os.path.join(work, "reference.log"))
     if rc != 0:
         print(f"reference run failed (rc {rc}); see {work}/reference.log; its last lines:\n"
               f"{tail(os.path.join(work, 'reference.log'))}")

@@ -109,6 +109,8 @@ def _wait_for(log, needle, p, limit=RUN_LIMIT_S):
 
 @pytest.mark.multinode
 @needs_namespaces
+@pytest.mark.budget(280, reason="a Ray job stopped by SIGTERM, then its resume under another placement strategy: two "
+                          "Ray Train runs on namespace hosts, 140 s in CI")
 def test_sigterm_under_strict_spread_then_resume_under_strict_pack(cluster, tmp_path, tiny_model_dir, data):
     """STRICT_SPREAD: one worker per node; SIGTERM to the driver: checkpoint, exit 75. The same command with
     STRICT_PACK (both workers on one node) resumes from that checkpoint and finishes."""

@@ -1,8 +1,9 @@
-"""sft-export (issue 44 item 3) on the tiny model: a ZeRO-3 checkpoint of a real 2-process run and an FSDP2 sharded
-(torch.distributed.checkpoint) checkpoint written by 2 fully_shard-ed processes become model folders that
-``AutoModelForCausalLM.from_pretrained`` loads with the logits of an independent reference (the run's own final save;
-the model the shards were written from); a full and a LoRA checkpoint (copied, and merged); and the refusals: a
-damaged or unmarked checkpoint by name, a non-empty OUT without --overwrite, --merge without an adapter."""
+"""sft-export (issue 44 item 3) on the tiny model: a ZeRO-3 checkpoint of a real 2-process run becomes a model folder
+that ``AutoModelForCausalLM.from_pretrained`` loads with the logits of an independent reference (the run's own final
+save); a full and a LoRA checkpoint (copied, and merged); and the refusals: a damaged or unmarked checkpoint by name, a
+non-empty OUT without --overwrite, --merge without an adapter. An FSDP2 sharded (torch.distributed.checkpoint)
+checkpoint of 2 processes, exported to the run's final model bit for bit, is in the FSDP2 kill -9 test
+(tests/integration/distributed/test_fsdp.py), which writes one anyway."""
 import json
 import os
 import subprocess
@@ -81,24 +82,6 @@ def test_zero3_checkpoint_exports_to_a_model_folder_with_the_runs_logits(tmp_pat
     got, want = _logits(out), _logits(run)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert (got - _logits(tiny_model_dir)).abs().max() > 1e-3  # the 2 steps moved the logits: the check can fail
-
-
-def test_fsdp2_sharded_checkpoint_exports_to_a_model_folder_with_equal_logits(tmp_path, tiny_model_dir, capsys):
-    """torch.distributed.checkpoint shards of an FSDP2 model (2 processes, each writing its own __R_0.distcp,
-    accelerate's ``pytorch_model_fsdp_0/{"model": ...}`` layout; tests/helpers/dcp_worker.py) are read in one
-    process and give the logits of the model they were written from."""
-    ckpt, ref = tmp_path / "checkpoint-1", tmp_path / "reference"
-    _torchrun([os.path.join(ROOT, "tests", "helpers", "dcp_worker.py"), tiny_model_dir, str(ckpt), str(ref)])
-    assert sorted(n for n in os.listdir(ckpt / "pytorch_model_fsdp_0") if n.endswith(".distcp")) == [
-        "__0_0.distcp", "__1_0.distcp"]
-    assert export_main([str(ckpt), str(tmp_path / "exported")]) == 0  # in process (the command: the ZeRO-3 test)
-    stdout = capsys.readouterr().out
-    print(stdout)
-    assert "torch.distributed.checkpoint shards: pytorch_model_fsdp_0/, 2 .distcp files" in stdout
-    assert _diff_line(stdout) <= 1e-5
-    got = _logits(tmp_path / "exported")
-    torch.testing.assert_close(got, _logits(ref), rtol=0, atol=1e-5)
-    assert (got - _logits(tiny_model_dir)).abs().max() > 1e-3
 
 
 @pytest.fixture(scope="module")
