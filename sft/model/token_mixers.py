@@ -27,6 +27,7 @@ batch: transformers masks the padding itself), a cache, or one document per row,
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -181,3 +182,38 @@ def keep_documents_apart(model) -> list[str]:
                     "with a fresh state (exact; cost: one call per document of the micro batch in each such layer)",
                     len(mixers), ", ".join(kinds))
     return kinds
+
+
+def meta_model(config):
+    """``transformers.AutoModelForCausalLM.from_config(config)`` on the meta device (no memory, no weights): the
+    model's module tree for structural questions. Raises what transformers raises for a config it cannot build."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def kinds_in_folder(model_dir: str) -> list[str]:
+    """The token-mixer kinds (:func:`mixer_kinds`) of the model whose ``config.json`` is in ``model_dir``, from its
+    module tree built on the meta device; empty when the config cannot be read or built (the loader reports that)."""
+    from transformers import AutoConfig
+
+    try:
+        return mixer_kinds(meta_model(AutoConfig.from_pretrained(model_dir)))
+    except Exception:  # noqa: BLE001 - any failure here is reported by the loader, with its own fix
+        return []
+
+
+def sequence_parallel_problem(size: int, model_dir: Optional[str] = None, kinds: Optional[list] = None) -> list[str]:
+    """One problem line when sequence parallelism (``size`` > 1) meets a model with layers that carry a state across
+    positions: a rank's slice of a row would start from a zero state instead of the previous rank's (passing the state
+    from rank to rank is not implemented). The layers are ``kinds`` (:func:`mixer_kinds` of a loaded model) or read
+    from the folder ``model_dir`` (its config built on the meta device, only when ``size`` > 1). Empty otherwise."""
+    if kinds is None:
+        kinds = kinds_in_folder(model_dir) if size > 1 and model_dir else []
+    if size <= 1 or not kinds:
+        return []
+    return [f"--sequence_parallel_size {size}: the model has layers that carry a state across positions "
+            f"({', '.join(kinds)}); a rank's part of a row would start without the state of the part before it. Use "
+            "--sequence_parallel_size 1 (for longer rows: --gradient_checkpointing True, a smaller "
+            "--per_device_train_batch_size)"]

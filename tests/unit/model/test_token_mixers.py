@@ -124,3 +124,23 @@ def test_mixers_found_by_what_they_hold():
     assert keep_documents_apart(jamba) == ["JambaMambaMixer"]
     assert list(jamba.state_dict()) == keys  # the forward is replaced on the instance: no new names
     assert mixer_kinds(tiny_model("lfm2", vocab_size=128)) == ["Lfm2ShortConv"]
+
+
+def test_sequence_parallelism_refused_from_the_config(toy_data, tmp_path):
+    """Validation builds the folder's config on the meta device and refuses --sequence_parallel_size 2 in one line
+    naming the layer kind; an attention-only model is not refused."""
+    from sft.app.validation import validate
+    from sft.config.arguments import parse_args
+    from sft.errors import ConfigError
+    from sft.model.token_mixers import sequence_parallel_problem
+    from tests.helpers.families import tiny_config
+
+    hybrid, plain = tmp_path / "hybrid", tmp_path / "plain"
+    tiny_config("nemotron_h", vocab_size=128).save_pretrained(hybrid)
+    tiny_config("mixtral", vocab_size=128).save_pretrained(plain)
+    args = parse_args(["--model_name_or_path", str(hybrid), "--data_path", toy_data, "--output_dir",
+                       str(tmp_path / "o"), "--sequence_parallel_size", "2", "--report_to", "none"])
+    with pytest.raises(ConfigError) as e:
+        validate(*args)
+    assert [p for p in e.value.problems if "NemotronHMamba2Mixer" in p][0].startswith("--sequence_parallel_size 2:")
+    assert sequence_parallel_problem(2, str(plain)) == [] and sequence_parallel_problem(1, str(hybrid)) == []
