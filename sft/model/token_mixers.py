@@ -22,7 +22,8 @@ documents of the micro batch in each such layer).
 
 The boundaries are read once per forward, by a pre-hook on the decoder (the owner of the layer stack): the
 collator's ``cu_seq_lens_q`` when given, else where ``position_ids`` restart; with an ``attention_mask`` (a padded
-batch: transformers masks the padding itself), a cache, or one document per row, layers run unchanged.
+batch: transformers masks the padding itself) or one document per row, layers run unchanged; on a row of several
+documents a cache argument is dropped (each document starts without a state).
 """
 from __future__ import annotations
 
@@ -138,11 +139,11 @@ def _per_document(forward, bounds: _Bounds):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         rows, row_len = bounds.rows, bounds.row_len
         if (rows is None or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3
-                or hidden.shape[1] != row_len or hidden.shape[0] != len(rows)
-                or any(kwargs.get(k) is not None for k in CACHE_KWARGS)):
+                or hidden.shape[1] != row_len or hidden.shape[0] != len(rows)):
             return forward(*args, **kwargs)
         batch = hidden.shape[0]
-        kept = {k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS}
+        # a cache's state would be one document's, carried into the next: each document starts without one
+        kept = {k: (None if k in CACHE_KWARGS else v) for k, v in kwargs.items() if k not in BOUNDARY_KWARGS}
         outs = []
         for r, docs in enumerate(rows):
             parts = [forward(*[_slice(a, r, s, e, batch, row_len) for a in args],
@@ -163,6 +164,10 @@ def keep_documents_apart(model) -> list[str]:
         ValueError: ``cu_seq_lens_q`` does not cut the rows into whole documents.
     """
     mixers = find_token_mixers(model)
+    if mixers:  # a cache of conv and recurrent states is of no use in training (a multimodal model's text config too)
+        config = _decoder(model).config
+        for c in {id(c): c for c in (config, getattr(config, "text_config", None)) if c is not None}.values():
+            c.use_cache = False
     holders: dict[int, _Bounds] = {}
     for _, mixer, owner in mixers:
         if getattr(mixer, _MARK, False):

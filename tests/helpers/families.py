@@ -72,6 +72,10 @@ _SHAPES: dict[str, dict] = {
                         num_key_value_heads=4, head_dim=4),
     "mixtral": dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2),
 }
+# multimodal checkpoints as released (a vision tower beside the language model): model_type -> its text model_type
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+               spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "kimi_linear", "lfm2", "nemotron_h", "jamba", "bamba")
 MOE = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "deepseek_v3", "mixtral")
 FAMILIES = tuple(_SHAPES)
@@ -84,17 +88,23 @@ def tiny_config(model_type: str, vocab_size: int = QWEN_VOCAB, **overrides):
     """
     from transformers import AutoConfig
 
+    if model_type in MULTIMODAL:  # the text model's tiny shape as text_config, a one-block vision tower
+        text = dict(_COMMON, **_SHAPES[MULTIMODAL[model_type]], vocab_size=vocab_size, **overrides)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=dict(_VISION),
+                                    tie_word_embeddings=False)
     kwargs = dict(_COMMON, **_SHAPES[model_type], vocab_size=vocab_size, **overrides)
     return AutoConfig.for_model(model_type, **kwargs)
 
 
 def tiny_model(model_type: str, seed: int = 0, vocab_size: int = QWEN_VOCAB, **overrides):
-    """A seeded, random, fp32 ``AutoModelForCausalLM`` of the family (eval mode off: as ``from_pretrained`` gives)."""
+    """A seeded, random, fp32 ``AutoModelForCausalLM`` of the family (eval mode off: as ``from_pretrained`` gives);
+    ``AutoModelForImageTextToText`` for a :data:`MULTIMODAL` one."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size, **overrides), dtype=torch.float32)
+    auto = AutoModelForImageTextToText if model_type in MULTIMODAL else AutoModelForCausalLM
+    return auto.from_config(tiny_config(model_type, vocab_size, **overrides), dtype=torch.float32)
 
 
 def tiny_family_dir(model_type: str, seed: int = 0, **overrides) -> str:
