@@ -7,7 +7,8 @@ Mamba2 mixers (Jamba, Bamba, Nemotron-H, Falcon-H1, Granite-4.0 hybrid, Zamba/Za
 the short convolutions of LFM2. Every one of them in transformers 5.24 has a **depthwise causal ``nn.Conv1d``**
 (``groups == in_channels == out_channels``, kernel > 1, left padding ``kernel - 1`` or none): that is how such a
 layer is found here, by what it holds, not by its name (:func:`find_token_mixers`). The token mixer is the child of a
-decoder layer (an element of an ``nn.ModuleList`` inside ``model.get_decoder()``) that holds such a convolution.
+decoder layer (an element of an ``nn.ModuleList`` owned, beside the token embedding, by ``model.get_decoder()``)
+that holds such a convolution. Recurrences without such a convolution (RWKV, xLSTM) are not found.
 
 :func:`keep_documents_apart` replaces each token mixer's ``forward`` (on the instance: parameter names, LoRA
 wrapping and gradient-checkpointing recompute are untouched) by one that, on a row holding several documents, runs
@@ -61,8 +62,13 @@ def find_token_mixers(model) -> list[tuple[str, torch.nn.Module, torch.nn.Module
     positions: ``[(qualified name, mixer module, owner of its layer stack), ...]``, in model order; empty for a model
     whose decoder layers hold no depthwise causal convolution."""
     decoder = _decoder(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     found, seen = [], set()
     for owner in decoder.modules():
+        # the text decoder's stack: its owner holds the token embedding (not an audio or vision encoder's stack)
+        if embed is not None and not any(c is embed for c in owner.children()):
+            continue
         for stack_name, stack in owner.named_children():
             if not isinstance(stack, torch.nn.ModuleList):
                 continue
@@ -85,6 +91,7 @@ class _Bounds:
 
     def __init__(self):
         self.rows, self.row_len = None, 0
+        self.inside = False  # a mixer's per-document call is running: a mixer nested in it runs as called
 
     def read(self, args, kwargs) -> None:
         """A forward pre-hook of the decoder (``with_kwargs=True``): one host copy of the boundaries per forward."""
@@ -134,21 +141,28 @@ def _join(parts: list, dim: int):
     return first
 
 
-def _per_document(forward, bounds: _Bounds):
+def _per_document(forward, bounds: _Bounds, kind: str):
     def run(*args, **kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
         rows, row_len = bounds.rows, bounds.row_len
-        if (rows is None or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3
-                or hidden.shape[1] != row_len or hidden.shape[0] != len(rows)):
+        if rows is None or bounds.inside:
             return forward(*args, **kwargs)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (len(rows), row_len):
+            raise ValueError(f"per-document layers: {kind} got hidden states of shape "
+                             f"{tuple(getattr(hidden, 'shape', ()))}, not [{len(rows)}, {row_len}, hidden]: its "
+                             "documents cannot be cut apart; train with --padding_free False (padded micro batches)")
         batch = hidden.shape[0]
         # a cache's state would be one document's, carried into the next: each document starts without one
         kept = {k: (None if k in CACHE_KWARGS else v) for k, v in kwargs.items() if k not in BOUNDARY_KWARGS}
         outs = []
-        for r, docs in enumerate(rows):
-            parts = [forward(*[_slice(a, r, s, e, batch, row_len) for a in args],
-                             **{k: _slice(v, r, s, e, batch, row_len) for k, v in kept.items()}) for s, e in docs]
-            outs.append(_join(parts, 1))
+        bounds.inside = True
+        try:
+            for r, docs in enumerate(rows):
+                parts = [forward(*[_slice(a, r, s, e, batch, row_len) for a in args],
+                                 **{k: _slice(v, r, s, e, batch, row_len) for k, v in kept.items()}) for s, e in docs]
+                outs.append(_join(parts, 1))
+        finally:
+            bounds.inside = False
         return _join(outs, 0)
 
     run.__wrapped__ = forward
@@ -161,7 +175,8 @@ def keep_documents_apart(model) -> list[str]:
     (:func:`mixer_kinds`), empty when the model has none (nothing is changed then).
 
     Raises (during a forward):
-        ValueError: ``cu_seq_lens_q`` does not cut the rows into whole documents.
+        ValueError: ``cu_seq_lens_q`` does not cut the rows into whole documents, or a mixer gets hidden states that
+            are not ``[rows, row_len, hidden]`` on a row of several documents (never a silent leak).
     """
     mixers = find_token_mixers(model)
     if mixers:  # a cache of conv and recurrent states is of no use in training (a multimodal model's text config too)
@@ -179,7 +194,7 @@ def keep_documents_apart(model) -> list[str]:
                 owner.register_forward_pre_hook(lambda mod, a, kw, h=holder: h.read(a, kw), with_kwargs=True)
                 owner._sft_document_bounds = holder
             holders[id(owner)] = holder
-        mixer.forward = _per_document(mixer.forward, holders[id(owner)])
+        mixer.forward = _per_document(mixer.forward, holders[id(owner)], type(mixer).__name__)
         setattr(mixer, _MARK, True)
     kinds = list(dict.fromkeys(type(m).__name__ for _, m, _ in mixers))
     if kinds:
