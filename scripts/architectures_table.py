@@ -17,7 +17,8 @@ decides for it:
 Families that have a tiny shape in ``tests/helpers/families.py`` are built from it (their layer pattern), the others
 from transformers' default config; those transformers cannot build on the meta device are listed by the error.
 
-Usage: python scripts/architectures_table.py [--check]   (--check: exit 1 when docs/architectures.md is not current)
+Usage, from the repository root (it reads tests/helpers/families.py):
+    python -m scripts.architectures_table [--check]   (--check: exit 1 when docs/architectures.md is not current)
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ TESTED_ELSEWHERE = ("qwen2", "llama", "gemma2")  # tests/helpers/assets.py and t
 
 
 def tested_families() -> set[str]:
-    sys.path.insert(0, ROOT)
     from tests.helpers.families import FAMILIES, MULTIMODAL
 
     return set(FAMILIES) | set(MULTIMODAL) | set(TESTED_ELSEWHERE)
@@ -119,13 +119,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="exit 1 when docs/architectures.md is not current")
     args = p.parse_args(argv)
-    sys.path.insert(0, ROOT)
     with open(PAGE, encoding="utf-8") as f:
         page = f.read()
     new = page_with(render(), page)
     if args.check:
         if new != page:
-            print(f"{PAGE} is not current: run python scripts/architectures_table.py", file=sys.stderr)
+            print(f"{PAGE} is not current: run python -m scripts.architectures_table", file=sys.stderr)
             return 1
         return 0
     with open(PAGE, "w", encoding="utf-8") as f:

@@ -85,17 +85,28 @@ def mixer_kinds(model) -> list[str]:
     return list(dict.fromkeys(type(m).__name__ for _, m, _ in find_token_mixers(model)))
 
 
+def current_documents(module, batch: int, row_len: int):
+    """The documents (``[[(start, end), ...] per row]``) of the micro batch in flight in the decoder that holds
+    ``module``, as its hook of :func:`keep_documents_apart` read them, when its rows are ``batch`` x ``row_len``; else
+    None. For attention layers that their decoder layer hands neither ``position_ids`` nor ``cu_seq_lens_q``
+    (Granite-4.0 hybrid, Zamba)."""
+    holder = getattr(module, "_sft_document_bounds", None)
+    rows = holder.all_rows if holder is not None else None
+    return rows if rows is not None and holder.row_len == row_len and len(rows) == batch else None
+
+
 class _Bounds:
     """The documents of the micro batch in flight, shared by the mixers of one decoder: ``rows`` is
     ``[[(start, end), ...] per row]`` (end exclusive) or None (run layers unchanged); ``row_len`` tokens."""
 
     def __init__(self):
         self.rows, self.row_len = None, 0
+        self.all_rows = None  # the same, also when every row is one document (for attention: current_documents)
         self.inside = False  # a mixer's per-document call is running: a mixer nested in it runs as called
 
     def read(self, args, kwargs) -> None:
         """A forward pre-hook of the decoder (``with_kwargs=True``): one host copy of the boundaries per forward."""
-        self.rows = None
+        self.rows = self.all_rows = None
         ref = kwargs.get("inputs_embeds")
         if ref is None:
             ref = kwargs.get("input_ids", args[0] if args else None)
@@ -115,10 +126,11 @@ class _Bounds:
         elif pos is not None:
             pos = pos[0] if pos.dim() == 3 else pos  # multimodal rope: [sections, batch, len], the same per section
             rows = document_bounds(pos, batch)
-        else:
-            return
+        else:  # neither: each row is one sequence
+            rows = [[(0, row_len)] for _ in range(batch)]
+        self.all_rows, self.row_len = rows, row_len
         if any(len(docs) > 1 for docs in rows):
-            self.rows, self.row_len = rows, row_len
+            self.rows = rows
 
 
 def _slice(value, r: int, s: int, e: int, batch: int, row_len: int):
@@ -192,7 +204,8 @@ def keep_documents_apart(model) -> list[str]:
             if holder is None:
                 holder = _Bounds()
                 owner.register_forward_pre_hook(lambda mod, a, kw, h=holder: h.read(a, kw), with_kwargs=True)
-                owner._sft_document_bounds = holder
+                for m in owner.modules():  # the attention layers of this decoder find the boundaries here too
+                    m._sft_document_bounds = holder
             holders[id(owner)] = holder
         mixer.forward = _per_document(mixer.forward, holders[id(owner)], type(mixer).__name__)
         setattr(mixer, _MARK, True)

@@ -62,6 +62,12 @@ _SHAPES: dict[str, dict] = {
                   mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False),
     "bamba": dict(_MAMBA2, mamba_n_heads=8, mamba_expand=2, num_hidden_layers=4,
                   attn_layer_indices=[2], use_mamba_kernels=False),
+    # hybrids whose decoder layers hand their attention no position ids (the boundaries come from the decoder)
+    "granitemoehybrid": dict(num_hidden_layers=2, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+                             mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8, mamba_n_groups=1,
+                             num_local_experts=0, shared_intermediate_size=64, use_mamba_kernels=False),
+    "zamba": dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=4, n_mamba_heads=1, attention_head_dim=16, use_mamba_kernels=False),
     # experts only (attention everywhere)
     "qwen3_moe": dict(_EXPERTS, num_hidden_layers=2),
     "gpt_oss": dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=16,
@@ -77,6 +83,7 @@ MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
                spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "kimi_linear", "lfm2", "nemotron_h", "jamba", "bamba")
+HYBRID_MORE = ("granitemoehybrid", "zamba")  # hybrids beyond the list (not in HYBRID: other tests use it)
 MOE = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "deepseek_v3", "mixtral")
 FAMILIES = tuple(_SHAPES)
 

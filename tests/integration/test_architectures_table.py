@@ -8,7 +8,7 @@ from scripts import architectures_table as table
 def test_committed_page_is_the_scripts_output():
     with open(table.PAGE, encoding="utf-8") as f:
         page = f.read()
-    assert table.page_with(table.render(), page) == page, "run python scripts/architectures_table.py"
+    assert table.page_with(table.render(), page) == page, "run python -m scripts.architectures_table"
 
 
 def test_rows_follow_the_code():

@@ -4,7 +4,8 @@ Tiny random fp32 models (vocabulary 128) of every family of :data:`tests.helpers
 1, 9 and 4 tokens: different lengths, a one-token document, and one longer than the convolution window (4) and the
 recurrences' chunks (64 for the gated delta rule and KDA's PyTorch paths, 8 for the tiny Mamba2 configs). Both
 layouts: the padding-free row (:class:`sft.data.packing.PaddingFreeCollator`, one row) and ``--packing`` rows
-(:class:`sft.data.packing.PackedCollator`, two rows, the second padded).
+(:class:`sft.data.packing.PackedCollator`, two rows, the second padded). Granite-4.0 hybrid and Zamba too, whose
+decoder layers hand their attention no position ids (the attention reads the decoder's boundaries).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from sft.data.packing import PackedCollator, PaddingFreeCollator
 from sft.model.attention import check_packing_support, use_packed_attention
 from sft.model.token_mixers import find_token_mixers, keep_documents_apart, mixer_kinds
-from tests.helpers.families import HYBRID, tiny_model
+from tests.helpers.families import HYBRID, HYBRID_MORE, tiny_model
 
 LENGTHS = (70, 1, 9, 4)
 REL = 1e-5  # the loss, and all gradients together (norm of the difference / norm)
@@ -85,7 +86,7 @@ def _prepare(model, layout: str):
 
 
 @pytest.mark.parametrize("layout", ["padding_free", "packing"])
-@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("family", HYBRID + HYBRID_MORE)
 def test_packed_row_equals_documents_alone(family, layout):
     model = tiny_model(family, vocab_size=128)
     assert _prepare(model, layout), f"{family}: no token mixer found"
