@@ -30,6 +30,7 @@ from typing import Optional
 
 from sft.compat.peft import without_gptqmodel
 from sft.errors import SFTError, explain_load_errors
+from sft.model.architecture import auto_class, auto_class_of
 from sft.model.export import MODEL_FILES, check_out_dir, merge_adapter, write_folder
 from sft.train.checkpoint import checkpoint_dirs, latest_complete, verify, zero_world_size
 from sft.train.integrity import HASH, MARKER, file_digest
@@ -198,7 +199,7 @@ def _merge(checkpoint: str, out_dir: str, base: Optional[str], overwrite: bool) 
     with open(os.path.join(checkpoint, "adapter_config.json")) as f:
         base = base or json.load(f).get("base_model_name_or_path")
     tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    reference = auto_class_of(base).from_pretrained(base, dtype=torch.float32)
     if len(tok) > reference.get_input_embeddings().weight.shape[0]:
         reference.resize_token_embeddings(len(tok))
     with without_gptqmodel():  # as merge_adapter: a 16-bit base (a quantized one was refused there)
@@ -221,10 +222,10 @@ def _export_weights(checkpoint: str, out_dir: str, kind: str, dtype: str, max_sh
         config = transformers.AutoConfig.from_pretrained(checkpoint)
     if kind == "full":
         with explain_load_errors("model", checkpoint, fix):
-            model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+            model = auto_class(config).from_pretrained(checkpoint, dtype=torch.float32)
         source = "model*.safetensors"
     else:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class(config).from_config(config, dtype=torch.float32)
         source = _load_zero(checkpoint, model) if kind == "zero" else _load_dcp(dcp_folder(checkpoint), model)
     if dtype == "auto":
         dtype = str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
@@ -324,10 +325,9 @@ def _compare(out: str, reference, tok, atol: float, what: str) -> tuple[int, flo
     """Reload ``out`` in float32 and compare its logits with ``reference``'s on :func:`probe_ids`. Returns (tokens,
     max abs diff). Raises :class:`ExportMismatch` above ``atol``."""
     import torch
-    import transformers
 
     with explain_load_errors("written model", out, "report this: the folder was just written"):
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        reloaded = auto_class_of(out).from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.tensor([probe_ids(tok)])
     with torch.no_grad():
         got = reloaded(input_ids=ids).logits.float()

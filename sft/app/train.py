@@ -42,6 +42,7 @@ from sft.model.loading import apply_lora, generation_config_for, load_model
 from sft.model.loss import use_supervised_head
 from sft.model.routing import model_aux_coef, resolve_aux_coef
 from sft.model.sequence_parallel import use_sequence_parallel_attention
+from sft.model.token_mixers import keep_documents_apart, sequence_parallel_problem
 from sft.train import checkpoint, metrics, routing_health, stragglers
 from sft.train.checkpoint import CheckpointError, latest_complete, run_info, warn_if_different
 from sft.train.integrity import is_checkpoint_failure, is_out_of_space, out_of_space_message
@@ -222,6 +223,10 @@ def prepare_model(model_args, data_args, training_args, lora_args, runtime: Runt
     elif data_args.padding_free:
         collator = padding_free_collator(model, collator)
     sp = runtime.sequence_parallel
+    if data_args.packing or collator is not data.collator:  # rows of several documents: stateful layers told too
+        problems = sequence_parallel_problem(sp.size if sp.enabled else 1, kinds=keep_documents_apart(model))
+        if problems:  # validation reads the config first; this is the loaded model's word
+            raise ConfigError(problems)
     if sp.enabled:  # each rank of the group: its slice of the row; attention sees the whole row
         use_sequence_parallel_attention(model, sp, training_args.sequence_parallel_mode)
         collator = SequenceParallelSplit(collator, sp.size, sp.rank, data.tok.pad_token_id or 0)

@@ -15,6 +15,7 @@ from sft.distributed.process_group import NCCL_TRACE_DIR, check_sequence_paralle
 from sft.errors import ConfigError, SFTError
 from sft.model.loading import read_chat_template, template_kwargs
 from sft.model.quantized import HUB_ID as _HUB_ID, importable, model_folder, read_quantization, training_problems
+from sft.model.token_mixers import sequence_parallel_problem
 from sft.train.checkpoint import check_resume, check_zero_world_size, resolve_resume
 from sft.train.world_size import plan_world_size_change
 
@@ -397,16 +398,15 @@ def fsdp_checkpoint_layout(t, resume: Optional[str]) -> list[str]:
 
 def validate(model_args: ModelArguments, data_args: DataArguments, training_args: TrainingArguments,
              lora_args: LoraArguments) -> None:
-    """Check every rule that can be checked without loading the model; raise once with all problems.
-
-    Raises:
-        ConfigError: one line per problem, each naming the flag, the value and the fix.
-    """
+    """Check every rule that can be checked without loading the model (a model's layers, where asked, from its
+    config on the meta device); raise once with all problems: ``ConfigError``, one line per problem naming the flag,
+    the value and the fix."""
     p = (_check_model(model_args.model_name_or_path)
          + _check_chat_template(model_args.chat_template, model_args.chat_template_kwargs)
          + _check_data(data_args, training_args)
          + _check_training(training_args) + _check_lora(model_args, training_args, lora_args)
-         + _check_fsdp(training_args, lora_args) + _check_output(training_args))
+         + _check_fsdp(training_args, lora_args) + _check_output(training_args)
+         + sequence_parallel_problem(training_args.sequence_parallel_size, model_folder(model_args.model_name_or_path)))
     m, out = model_args.model_name_or_path, training_args.output_dir
     if m and out and os.path.isdir(m) and os.path.realpath(m) == os.path.realpath(out):
         p.append(f"--output_dir {out}: is the base model's folder; saving would overwrite it; choose another folder")

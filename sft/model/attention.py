@@ -22,7 +22,9 @@ Document boundaries come from the batch when the collator gives them (``cu_seq_l
 keyword arguments of ``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` that transformers
 passes down to every attention call: :class:`sft.data.packing.PaddingFreeCollator`, \
 :class:`sft.data.packing.PackedCollator`),
-so a layer on the GPU does not copy position ids to the host; otherwise from the position ids, as before.
+so a layer on the GPU does not copy position ids to the host; otherwise from the position ids, as before; and where
+a hybrid's decoder layer hands its attention neither (Granite-4.0 hybrid, Zamba), from its decoder's forward
+(:func:`sft.model.token_mixers.current_documents`).
 
 The matching mask function (``transformers.masking_utils.AttentionMaskInterface``) returns no mask when the model
 gets no ``attention_mask`` (the packed collator never gives one); with a 2-D padding mask (a padded batch, or
@@ -50,6 +52,7 @@ import torch
 from sft.compat.transformers import attn_implementation
 from sft.data.packing import document_bounds, flat_offsets  # noqa: F401  (the packed batch's format)
 from sft.errors import ConfigError
+from sft.model.token_mixers import current_documents
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +209,8 @@ def packed_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     no_bounds = position_ids is None and kwargs.get("cu_seq_lens_q") is None
+    known = current_documents(module, query.shape[0], q_len) if no_bounds else None  # read once per forward
+    no_bounds = no_bounds and known is None
     if no_bounds and attention_mask is None and q_len > 1 and q_len == key.shape[2] and causal:
         raise ValueError(f"attention '{PACKED_ATTENTION}': the model passes no position_ids to its attention "
                          f"({type(module).__name__}), so packed samples cannot be told apart; load it with "
@@ -225,7 +230,7 @@ def packed_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     elif cu is not None:
         bounds = _bounds_from_cu_seqlens(cu, batch_size, row_len)
     else:
-        bounds = document_bounds(position_ids, batch_size)
+        bounds = known if known is not None else document_bounds(position_ids, batch_size)
     if window is not None and max(e - s for docs in bounds for s, e in docs) > window:
         raise ValueError(f"attention '{PACKED_ATTENTION}': a document is longer than the sliding window ({window} "
                          "tokens); load the model with attn_implementation='sdpa'")

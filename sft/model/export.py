@@ -17,6 +17,7 @@ import transformers
 from sft.compat.peft import without_gptqmodel
 from sft.errors import SFTError, explain_load_errors
 from sft.logs import quiet_libraries
+from sft.model.architecture import auto_class_of
 from sft.model.loading import require_vocabulary
 from sft.model.quantized import loading_fix, merge_problem, read_quantization
 
@@ -64,7 +65,7 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
         tok = transformers.AutoTokenizer.from_pretrained(adapter_dir)
     require_vocabulary(tok, adapter_dir, "the adapter folder should hold the tokenizer finetune.py saved")
     with explain_load_errors("base model", base, "give the base model's folder with --base"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = auto_class_of(base).from_pretrained(base, dtype=torch.float32)
     if len(tok) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tok))
     with explain_load_errors("adapter", adapter_dir, "check that it was trained on this base model"):
@@ -144,7 +145,7 @@ def generate_reply(model_dir: str, prompt: str, max_new_tokens: int = 48, system
         tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     require_vocabulary(tok, model_dir, fix)
     with explain_load_errors("model", model_dir, loading_fix(read_quantization(model_dir)) or fix):
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        model = auto_class_of(model_dir).from_pretrained(model_dir)
     if not tok.chat_template:
         raise SFTError(f"{model_dir}: the tokenizer has no chat template; {fix}")
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]

@@ -13,6 +13,7 @@ from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
 from sft.data.end_tokens import end_of_turn_id, model_end_ids
 from sft.errors import SFTError, explain_load_errors
 from sft.logs import release_import_notices
+from sft.model.architecture import auto_class_of, freeze_non_text, linear_names_outside_text
 from sft.model.quantized import loading_fix, model_folder, read_quantization
 from sft.model.spec import LoadSpec, LoraSpec
 
@@ -242,7 +243,8 @@ def load_model(path: str, tok, vocab_grew: bool, spec: LoadSpec = LoadSpec(), de
         elif device.type == "cuda" and spec.load_on_device:
             # straight into the training dtype on this process's GPU: no full copy in host memory first
             extra = {"device_map": {"": device.index if device.index is not None else torch.cuda.current_device()}}
-        model = transformers.AutoModelForCausalLM.from_pretrained(
+        auto = auto_class_of(path, trust_remote_code=spec.trust_remote_code, cache_dir=spec.cache_dir)
+        model = auto.from_pretrained(
             path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code, cache_dir=spec.cache_dir, **extra,
         )
     if spec.quantize_4bit and extra:
@@ -255,6 +257,7 @@ def load_model(path: str, tok, vocab_grew: bool, spec: LoadSpec = LoadSpec(), de
     if len(tok) > embedding_rows(model):
         model.resize_token_embeddings(len(tok), mean_resizing=True)
         vocab_grew = True
+    freeze_non_text(model)  # a multimodal checkpoint trained on text: its vision tower stays as it was
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
     model.config.pad_token_id = tok.pad_token_id  # the choice made in choose_pad_token
     if getattr(model, "generation_config", None) is not None:
@@ -322,8 +325,8 @@ def apply_lora(model, tok, vocab_grew: bool, spec: LoraSpec = LoraSpec(), activa
     config = LoraConfig(
         r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
         target_modules=list(spec.target_modules or ()) or default_targets, bias=spec.bias,
-        task_type="CAUSAL_LM", modules_to_save=modules_to_save,
-        ensure_weight_tying=bool(train_emb and tied),
+        task_type="CAUSAL_LM", modules_to_save=modules_to_save, ensure_weight_tying=bool(train_emb and tied),
+        exclude_modules=linear_names_outside_text(model) or None,  # a vision tower: never adapted
     )
     if activation_checkpointing:
         model.enable_input_require_grads()

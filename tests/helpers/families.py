@@ -62,6 +62,12 @@ _SHAPES: dict[str, dict] = {
                   mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False),
     "bamba": dict(_MAMBA2, mamba_n_heads=8, mamba_expand=2, num_hidden_layers=4,
                   attn_layer_indices=[2], use_mamba_kernels=False),
+    # hybrids whose decoder layers hand their attention no position ids (the boundaries come from the decoder)
+    "granitemoehybrid": dict(num_hidden_layers=2, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+                             mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8, mamba_n_groups=1,
+                             num_local_experts=0, shared_intermediate_size=64, use_mamba_kernels=False),
+    "zamba": dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=2, mamba_d_state=8, mamba_d_conv=4,
+                  mamba_expand=2, mamba_dt_rank=4, n_mamba_heads=1, attention_head_dim=16, use_mamba_kernels=False),
     # experts only (attention everywhere)
     "qwen3_moe": dict(_EXPERTS, num_hidden_layers=2),
     "gpt_oss": dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=16,
@@ -72,7 +78,12 @@ _SHAPES: dict[str, dict] = {
                         num_key_value_heads=4, head_dim=4),
     "mixtral": dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2),
 }
+# multimodal checkpoints as released (a vision tower beside the language model): model_type -> its text model_type
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+               spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "kimi_linear", "lfm2", "nemotron_h", "jamba", "bamba")
+HYBRID_MORE = ("granitemoehybrid", "zamba")  # hybrids beyond the issue's list (not in HYBRID: other tests use it)
 MOE = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "deepseek_v3", "mixtral")
 FAMILIES = tuple(_SHAPES)
 
@@ -84,17 +95,23 @@ def tiny_config(model_type: str, vocab_size: int = QWEN_VOCAB, **overrides):
     """
     from transformers import AutoConfig
 
+    if model_type in MULTIMODAL:  # the text model's tiny shape as text_config, a one-block vision tower
+        text = dict(_COMMON, **_SHAPES[MULTIMODAL[model_type]], vocab_size=vocab_size, **overrides)
+        return AutoConfig.for_model(model_type, text_config=text, vision_config=dict(_VISION),
+                                    tie_word_embeddings=False)
     kwargs = dict(_COMMON, **_SHAPES[model_type], vocab_size=vocab_size, **overrides)
     return AutoConfig.for_model(model_type, **kwargs)
 
 
 def tiny_model(model_type: str, seed: int = 0, vocab_size: int = QWEN_VOCAB, **overrides):
-    """A seeded, random, fp32 ``AutoModelForCausalLM`` of the family (eval mode off: as ``from_pretrained`` gives)."""
+    """A seeded, random, fp32 ``AutoModelForCausalLM`` of the family (eval mode off: as ``from_pretrained`` gives);
+    ``AutoModelForImageTextToText`` for a :data:`MULTIMODAL` one."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size, **overrides), dtype=torch.float32)
+    auto = AutoModelForImageTextToText if model_type in MULTIMODAL else AutoModelForCausalLM
+    return auto.from_config(tiny_config(model_type, vocab_size, **overrides), dtype=torch.float32)
 
 
 def tiny_family_dir(model_type: str, seed: int = 0, **overrides) -> str:
