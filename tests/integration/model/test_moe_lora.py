@@ -1,0 +1,29 @@
+"""The default LoRA command on a tiny Qwen3-MoE (8 experts, top-2) from transformers' own config: it trains with every
+routed expert adapted and the router frozen (it exited 2 before: peft refuses dropout on expert parameters)."""
+import os
+import subprocess
+import sys
+
+from safetensors.torch import load_file
+
+from tests.helpers.families import tiny_family_dir
+from tests.helpers.paths import ROOT
+
+
+def test_default_lora_command_trains_experts_with_router_frozen(toy_data, tmp_path):
+    model = tiny_family_dir("qwen3_moe")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--model_name_or_path", model,
+                        "--data_path", toy_data, "--output_dir", str(out), "--use_lora", "True", "--max_steps", "3",
+                        "--per_device_train_batch_size", "2", "--report_to", "none", "--save_strategy", "no",
+                        "--logging_steps", "1", "--disable_tqdm", "True"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stderr.splitlines() if "LoRA r=64 alpha=16 dropout=0.05" in x)
+    # r·E·(in + out) per expert tensor: 64·8·(32 + 32) + 64·8·(16 + 32), two layers
+    assert f"experts down_proj,gate_up_proj {2 * (64 * 8 * 64 + 64 * 8 * 48):,}" in line, line
+    assert "router frozen (gate)" in line
+    keys = set(load_file(out / "adapter_model.safetensors"))
+    assert sum(k.endswith("mlp.experts.lora_A.weight") or k.endswith("mlp.experts.base_layer.lora_A.weight")
+               for k in keys) == 4  # 2 layers x (gate_up_proj, down_proj)
+    assert not any(".gate." in k for k in keys)
