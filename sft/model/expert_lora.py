@@ -150,3 +150,40 @@ def lora_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torc
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.size(0), device=perm.device)
     return out[inv].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+_LAYER_STATE = ("parameter_name", "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
+                "lora_dropout", "r", "lora_alpha", "scaling", "use_rslora", "use_dora", "lora_bias", "lora_variant",
+                "in_features", "out_features", "num_experts", "_param_ndim", "_did_swap_in_out_features",
+                "_sft_dropout")
+
+
+def nest_in_declared_order(model) -> int:
+    """Put the adapters of each experts module's nested wrappers in the order a 16-bit model gets them (the first
+    declared parameter innermost). peft nests a 4-bit (parametrized) module's wrappers in sorted name order
+    (``down_proj`` inside ``gate_up_proj``) and a 16-bit one's in declaration order, so that a Q-LoRA adapter would
+    save as ``experts.lora_A`` what a 16-bit run saves as ``experts.base_layer.lora_A``; moved here, a Q-LoRA adapter
+    loads onto (and merges into) the 16-bit base. Returns the number of nests reordered."""
+    moved = 0
+    outers = [m for m in model.modules() if isinstance(m, ParamWrapper)
+              and not any(getattr(p, "base_layer", None) is m for p in model.modules())]
+    for outer in outers:
+        chain, base = [], outer
+        while isinstance(base, ParamWrapper):
+            chain.append(base)
+            base = base.base_layer
+        chain.reverse()  # innermost first
+        declared = list(getattr(base, "parametrizations", {}).keys()) or [
+            n for n, _ in base.named_parameters(recurse=False)]
+        want = sorted(chain, key=lambda w: declared.index(w.parameter_name))
+        if want == chain:
+            continue
+        states = [{k: getattr(w, k) for k in _LAYER_STATE if hasattr(w, k)} for w in want]
+        for w, state in zip(chain, states):
+            for k, v in state.items():
+                if isinstance(v, torch.nn.Module):
+                    w._modules[k] = v
+                else:
+                    object.__setattr__(w, k, v)
+        moved += 1
+    return moved

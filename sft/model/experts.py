@@ -55,13 +55,14 @@ def is_experts_module(module: torch.nn.Module) -> bool:
 def expert_parameter_names(module: torch.nn.Module) -> list[str]:
     """The names of ``module``'s own 3-D parameters (also those replaced by a parametrization, e.g. 4-bit)."""
     own = [n for n, p in module.named_parameters(recurse=False) if p.ndim == 3]
-    parametrized = getattr(module, "parametrizations", {})
-    return own + [n for n in parametrized if n not in own and len(expert_shape(module, n)) == 3]
+    parametrized = getattr(module, "parametrizations", None) or {}
+    return own + [n for n in parametrized.keys() if n not in own and len(expert_shape(module, n)) == 3]
 
 
 def expert_shape(module: torch.nn.Module, name: str) -> torch.Size:
     """The logical shape of parameter ``name`` (a 4-bit parametrized one: the shape it stands for)."""
-    plist = getattr(module, "parametrizations", {}).get(name) if hasattr(module, "parametrizations") else None
+    plists = getattr(module, "parametrizations", None)
+    plist = plists[name] if plists is not None and name in plists else None
     if plist is not None:
         for p in plist:
             qs = getattr(p, "quant_state", None)
@@ -171,7 +172,9 @@ def peft_targets(model: torch.nn.Module, chosen: list[Target]) -> tuple[object, 
         n for n, p in model.named_parameters() if p.ndim == 2]
     short_p = sorted({".".join(p.split(".")[-2:]) for p in params})
     hit_p = {n for n in param_paths if any(n.endswith("." + s) for s in short_p)}
-    target_parameters = short_p if hit_p == set(params) else params
+    parametrized = any(hasattr(model.get_submodule(p.rpartition(".")[0]), "parametrizations") for p in params)
+    # peft matches a parametrized (4-bit) module's parameter by its full path only
+    target_parameters = short_p if hit_p == set(params) and not parametrized else params
     return (target_modules if mods else None), (target_parameters or None)
 
 
@@ -207,3 +210,43 @@ def summary(chosen: list[Target], counts: dict[str, int], router_candidates: lis
         elif kind == "router" and router_candidates:
             parts.append(f"router frozen ({','.join(sorted(set(router_candidates)))})")
     return " · ".join(parts) or "nothing"
+
+
+def quantize_experts(model: torch.nn.Module) -> int:
+    """Store every experts module's 3-D parameters in 4-bit NF4 (bitsandbytes' ``replace_parameter_4bit``: packed
+    uint8 with a per-64-value absmax, dequantized to their dtype on access), for Q-LoRA: bitsandbytes' loading
+    replaces ``nn.Linear`` only, and routed experts are most of a mixture-of-experts model. Call it before peft's
+    k-bit preparation (which would cast 16-bit experts to fp32). Returns the number of values now stored 4-bit."""
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    done = 0
+    for _, m in list(model.named_modules()):
+        if not is_experts_module(m):
+            continue
+        for name in [n for n, p in m.named_parameters(recurse=False) if p.ndim == 3]:
+            done += getattr(m, name).numel()
+            replace_parameter_4bit(m, name, quant_type="nf4")
+    return done
+
+
+def four_bit_values(model: torch.nn.Module) -> tuple[int, int]:
+    """``(values stored 4-bit, all values)`` of ``model``: bitsandbytes' 4-bit linear weights and 4-bit expert
+    parameters at the shape they stand for, against every parameter so counted."""
+    from torch.nn.utils.parametrize import ParametrizationList
+
+    four = total = 0
+    for m in model.modules():
+        if isinstance(m, ParametrizationList):
+            continue  # its packed ``original`` is counted at the shape it stands for, below
+        for n, p in m.named_parameters(recurse=False):
+            qs = getattr(p, "quant_state", None)
+            size = int(torch.Size(qs.shape).numel()) if qs is not None else p.numel()
+            four += size if qs is not None else 0
+            total += size
+        for n in (getattr(m, "parametrizations", None) or {}):
+            shape = expert_shape(m, n)
+            if getattr(m.parametrizations[n], "original", None) is not None and shape.numel():
+                packed = m.parametrizations[n].original
+                four += shape.numel() if packed.dtype == torch.uint8 else 0
+                total += shape.numel()
+    return four, total

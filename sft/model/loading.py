@@ -13,8 +13,17 @@ from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
 from sft.data.end_tokens import end_of_turn_id, model_end_ids
 from sft.errors import SFTError, explain_load_errors
 from sft.logs import release_import_notices
-from sft.model.expert_lora import ExpertLoraWrapper
-from sft.model.experts import choose_targets, count_by_kind, describe_candidates, lora_candidates, peft_targets, summary
+from sft.model.expert_lora import ExpertLoraWrapper, nest_in_declared_order
+from sft.model.experts import (
+    choose_targets,
+    count_by_kind,
+    describe_candidates,
+    four_bit_values,
+    lora_candidates,
+    peft_targets,
+    quantize_experts,
+    summary,
+)
 from sft.model.quantized import loading_fix, model_folder, read_quantization
 from sft.model.spec import LoadSpec, LoraSpec
 
@@ -250,6 +259,11 @@ def load_model(path: str, tok, vocab_grew: bool, spec: LoadSpec = LoadSpec(), de
     if spec.quantize_4bit and extra:
         from peft import prepare_model_for_kbit_training
 
+        experts = quantize_experts(model) if q is None else 0  # bitsandbytes' loading quantized nn.Linear only
+        four, total = four_bit_values(model)
+        logger.info("Q-LoRA base: %s of %s parameters stored 4-bit NF4 (routed experts: %s)", f"{four:,}",
+                    f"{total:,}", f"{experts:,}")
+
         # fp32 layer norms and lm_head, frozen base, input grads for checkpointing (peft's Q-LoRA recipe)
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=bool(spec.activation_checkpointing),
@@ -325,9 +339,9 @@ def apply_lora(model, tok, vocab_grew: bool, spec: LoraSpec = LoraSpec(), activa
         task_type="CAUSAL_LM", modules_to_save=modules_to_save,
         ensure_weight_tying=bool(train_emb and tied),
     )
-    holders = {type(model.get_submodule(t.path.rpartition(".")[0])) for t in chosen if t.parameter}
+    holders = [model.get_submodule(t.path.rpartition(".")[0]) for t in chosen if t.parameter]
     if holders:
-        register_custom_lora_layer(config, {cls: ExpertLoraWrapper for cls in holders})
+        register_custom_lora_layer(config, {cls: ExpertLoraWrapper for cls in {type(h) for h in holders}})
     if activation_checkpointing:
         model.enable_input_require_grads()
     try:
@@ -336,6 +350,8 @@ def apply_lora(model, tok, vocab_grew: bool, spec: LoraSpec = LoraSpec(), activa
     except ValueError as e:
         raise SFTError(f"--lora_target_modules {' '.join(spec.target_modules or ['all-linear'])}: "
                        f"{str(e).splitlines()[0][:200]}; {describe_candidates(candidates)}") from None
+    if any(hasattr(h, "parametrizations") for h in holders):  # 4-bit experts: peft nests their wrappers otherwise
+        nest_in_declared_order(model)
     if target_parameters and spec.dropout:
         # peft refuses to build (and load) a parameter adapter whose config names a dropout; the experts' dropout
         # lives in their layers (ExpertLoraWrapper), and adapter_config.json records 0 so that peft loads it

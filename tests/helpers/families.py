@@ -84,7 +84,7 @@ def tiny_config(model_type: str, vocab_size: int = QWEN_VOCAB, **overrides):
     """
     from transformers import AutoConfig
 
-    kwargs = dict(_COMMON, **_SHAPES[model_type], vocab_size=vocab_size, **overrides)
+    kwargs = {**_COMMON, **_SHAPES[model_type], "vocab_size": vocab_size, **overrides}
     return AutoConfig.for_model(model_type, **kwargs)
 
 

@@ -153,3 +153,36 @@ def test_unknown_and_router_names_are_refused_naming_what_exists():
     assert "expert parameters: down_proj, gate_up_proj" in str(e.value)
     with pytest.raises(SFTError, match="--lora_router True"):
         lora(tiny_model("qwen3_moe", vocab_size=128), target_modules=("q_proj", "gate"))
+
+
+def test_qlora_stores_experts_in_nf4_and_adapts_them_as_on_the_dequantized_base():
+    from sft.model.experts import four_bit_values, quantize_experts
+
+    shape = dict(hidden_size=64, moe_intermediate_size=64, head_dim=32)
+    model = tiny_model("qwen3_moe", vocab_size=128, **shape)
+    values = sum(getattr(m, p).numel() for _, m in experts_of(model) for p in ("gate_up_proj", "down_proj"))
+    assert quantize_experts(model) == values
+    packed = [m.parametrizations[p].original for _, m in experts_of(model) for p in ("gate_up_proj", "down_proj")]
+    assert all(t.dtype == torch.uint8 for t in packed)
+    four, total = four_bit_values(model)
+    assert four == values
+    assert total == sum(p.numel() for p in tiny_model("qwen3_moe", vocab_size=128, **shape).parameters())
+    nf4_bytes = sum(t.numel() for t in packed) + sum(  # packed values + fp32 absmax per 64 values
+        m.parametrizations[p][0].quant_state.absmax.numel() * 4 for _, m in experts_of(model)
+        for p in ("gate_up_proj", "down_proj"))
+    assert nf4_bytes <= 0.3 * four * 2  # against the bf16 bytes of the same experts
+    ref = tiny_model("qwen3_moe", vocab_size=128, **shape)
+    with torch.no_grad():  # the reference base: the dequantized values, as 16-bit parameters
+        for (_, q), (_, r) in zip(experts_of(model), experts_of(ref)):
+            for p in ("gate_up_proj", "down_proj"):
+                getattr(r, p).copy_(getattr(q, p))
+    ours = lora(model, dropout=0.0, target_modules=("gate_up_proj", "down_proj"))
+    randomize_b(ours)
+    with without_v4_moe_conversion(), without_gptqmodel():
+        theirs = get_peft_model(ref, LoraConfig(r=4, lora_alpha=16, target_modules=[],
+                                                target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    theirs.load_state_dict({k: v for k, v in ours.state_dict().items() if "lora_" in k}, strict=False)
+    out = [m(input_ids=IDS, labels=IDS) for m in (ours, theirs)]
+    torch.testing.assert_close(out[0].logits, out[1].logits, rtol=1e-5, atol=1e-5)
+    out[0].loss.backward()
+    assert all(p.grad is not None for n, p in ours.named_parameters() if "lora_" in n)
