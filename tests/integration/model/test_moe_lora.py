@@ -6,6 +6,7 @@ import sys
 
 from safetensors.torch import load_file
 
+from sft.compat.peft import without_v4_moe_conversion
 from tests.helpers.families import tiny_family_dir
 from tests.helpers.paths import ROOT
 
@@ -15,7 +16,8 @@ def test_default_lora_command_trains_experts_with_router_frozen(toy_data, tmp_pa
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--model_name_or_path", model,
                         "--data_path", toy_data, "--output_dir", str(out), "--use_lora", "True", "--max_steps", "3",
-                        "--per_device_train_batch_size", "2", "--report_to", "none", "--save_strategy", "no",
+                        "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--report_to", "none",
+                        "--save_strategy", "no",
                         "--logging_steps", "1", "--disable_tqdm", "True"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -27,3 +29,18 @@ def test_default_lora_command_trains_experts_with_router_frozen(toy_data, tmp_pa
     assert sum(k.endswith("mlp.experts.lora_A.weight") or k.endswith("mlp.experts.base_layer.lora_A.weight")
                for k in keys) == 4  # 2 layers x (gate_up_proj, down_proj)
     assert not any(".gate." in k for k in keys)
+    # sft-merge writes the experts' update into their 3-D weights: the merged model gives the adapter's logits
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from sft.model.export import merge_adapter
+
+    merged = AutoModelForCausalLM.from_pretrained(merge_adapter(str(out), str(tmp_path / "merged")))
+    with without_v4_moe_conversion():
+        adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(out))
+    ids = torch.tensor([[151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapter(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(model).state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
+    assert not torch.equal(merged.state_dict()["model.layers.0.mlp.experts.gate_up_proj"], base)
