@@ -5,14 +5,15 @@ hidden and expert width, and a tiny whole model of the same shape, side by side 
     .venv/bin/python bench/moe.py                       # every arm, the default shapes
     .venv/bin/python bench/moe.py --tokens 2048 --steps 5
 
-Arms (each in its own process, so that one arm's peak cannot hide another's; run one after the other):
+Arms (memory: each in its own process, so that one arm's peak cannot hide another's; speed: all in one process, their
+steps alternated, so that the load of a shared machine falls on every arm alike):
 
 * ``eager``     -- frozen experts, transformers' per-expert loop (``experts_implementation="eager"``);
 * ``grouped``   -- frozen experts, transformers' ``grouped_mm`` path (the default);
 * ``peft``      -- LoRA r 16 on every expert through peft's ``ParamWrapper`` (builds W + s·B·A each forward);
 * ``ours``      -- the same LoRA through :class:`sft.model.expert_lora.ExpertLoraWrapper` (grouped, no W + s·B·A).
 
-Per arm: tokens/s of a forward + backward step (median of ``--steps`` after one warm-up) and the peak resident memory
+Per arm: tokens/s of a forward + backward step (median of ``--steps`` after a warm-up) and the peak resident memory
 the steps added above the warmed-up model (``VmHWM`` after ``/proc/self/clear_refs`` less ``VmRSS`` before them,
 MiB). Then the Q-LoRA bytes of the layer's experts in NF4 (packed values + absmax) against bf16. Figures from a
 machine shared with other work compare only within one run.
@@ -138,19 +139,31 @@ def main(argv=None):
     if a.arm:
         print(json.dumps(run_arm(a)))
         return
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    rows = []
-    for arm in ARMS + ("model-peft", "model-ours"):
+    # glibc returns every block of 128 KiB or more to the system when freed (a fixed mmap threshold), so that the
+    # resident memory follows the tensors alive, not what the allocator keeps cached
+    env = {**os.environ, "PYTHONPATH": ROOT, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    arms = ARMS + ("model-peft", "model-ours")
+    peaks = {}
+    for arm in arms:  # memory: one process per arm
         args = [sys.executable, os.path.abspath(__file__), "--arm", arm, *(argv if argv is not None else sys.argv[1:])]
         r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
         if r.returncode:
             sys.exit(f"arm {arm} failed: {r.stderr[-2000:]}")
-        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        peaks[arm] = json.loads(r.stdout.strip().splitlines()[-1])["peak_mib"]
+    steps = {arm: build(a, arm)[1] for arm in arms}  # speed: every arm in this process, alternated step by step
+    times = {arm: [] for arm in arms}
+    for arm in arms:
+        steps[arm]()  # warm-up
+    for _ in range(a.steps):
+        for arm in arms:
+            t = time.perf_counter()
+            steps[arm]()
+            times[arm].append(time.perf_counter() - t)
     print(f"MoE layer: hidden {a.hidden}, {a.experts} experts of {a.expert_dim}, top-{a.top_k}, {a.tokens} tokens, "
-          f"LoRA r {a.r}; whole model: {a.layers} layers")
+          f"LoRA r {a.r}; whole model: {a.layers} layers; tokens/s: median of {a.steps} alternated steps")
     print(f"{'arm':<12} {'tokens/s':>10} {'peak MiB':>9}")
-    for row in rows:
-        print(f"{row['arm']:<12} {row['tokens_per_s']:>10.0f} {row['peak_mib']:>9.1f}")
+    for arm in arms:
+        print(f"{arm:<12} {a.tokens / statistics.median(times[arm]):>10.0f} {peaks[arm]:>9.1f}")
     q = qlora_bytes(a)
     print(f"Q-LoRA experts of one layer: {q['expert_values']:,} values, bf16 {q['bf16_bytes']:,} B, NF4 "
           f"{q['nf4_bytes']:,} B ({q['ratio']:.3f} x bf16)")

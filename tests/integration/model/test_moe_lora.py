@@ -44,3 +44,24 @@ def test_default_lora_command_trains_experts_with_router_frozen(toy_data, tmp_pa
         torch.testing.assert_close(merged(input_ids=ids).logits, adapter(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     base = AutoModelForCausalLM.from_pretrained(model).state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
     assert not torch.equal(merged.state_dict()["model.layers.0.mlp.experts.gate_up_proj"], base)
+
+
+def test_lora_ds_preset_zero2_two_processes_trains_the_experts(toy_data, tmp_path):
+    """finetune/finetune_lora_ds.sh (LoRA, ZeRO-2) with its defaults on 2 CPU processes (gloo)."""
+    from tests.helpers.paths import pythonpath_env
+    from tests.helpers.ports import free_port
+
+    out = tmp_path / "out"
+    env = pythonpath_env({**os.environ, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
+    env.pop("GPUS_PER_NODE", None)
+    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_ds.sh"), "-m",
+                        tiny_family_dir("qwen3_moe"), "-d", toy_data, "--output_dir", str(out), "--max_steps", "2",
+                        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                        "--save_strategy", "no", "--model_max_length", "64", "--report_to", "none",
+                        "--disable_tqdm", "True"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "experts down_proj,gate_up_proj" in r.stderr and "router frozen (gate)" in r.stderr
+    keys = set(load_file(out / "adapter_model.safetensors"))
+    assert any(k.endswith("mlp.experts.base_layer.lora_B.weight") for k in keys)
