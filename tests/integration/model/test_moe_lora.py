@@ -1,26 +1,35 @@
-"""The default LoRA command on a tiny Qwen3-MoE (8 experts, top-2) from transformers' own config: it trains with every
-routed expert adapted and the router frozen (it exited 2 before: peft refuses dropout on expert parameters)."""
+"""The default LoRA command on a tiny Qwen3-MoE (8 experts, top-2) from transformers' own config, through
+finetune/finetune_lora_ds.sh (LoRA, ZeRO-2) on 2 CPU processes: it trains with every routed expert adapted and the
+router frozen (it exited 2 before: peft refuses dropout on expert parameters), and sft-merge of the adapter gives its
+logits."""
 import os
 import subprocess
 import sys
 
+import torch
+from peft import PeftModel
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from sft.compat.peft import without_v4_moe_conversion
+from sft.model.export import merge_adapter
 from tests.helpers.families import tiny_family_dir
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, pythonpath_env
+from tests.helpers.ports import free_port
 
 
-def test_default_lora_command_trains_experts_with_router_frozen(toy_data, tmp_path):
+def test_lora_ds_preset_trains_experts_router_frozen_and_merges(toy_data, tmp_path):
     model = tiny_family_dir("qwen3_moe")
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "finetune.py"), "--model_name_or_path", model,
-                        "--data_path", toy_data, "--output_dir", str(out), "--use_lora", "True", "--max_steps", "3",
-                        "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--report_to", "none",
-                        "--save_strategy", "no",
-                        "--logging_steps", "1", "--disable_tqdm", "True"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    env = pythonpath_env({**os.environ, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
+    env.pop("GPUS_PER_NODE", None)
+    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_ds.sh"), "-m", model, "-d", toy_data,
+                        "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
+                        "--gradient_accumulation_steps", "1", "--learning_rate", "1e-2", "--save_strategy", "no",
+                        "--model_max_length", "64", "--report_to", "none", "--disable_tqdm", "True"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-4000:]
     line = next(x for x in r.stderr.splitlines() if "LoRA r=64 alpha=16 dropout=0.05" in x)
     # r·E·(in + out) per expert tensor: 64·8·(32 + 32) + 64·8·(16 + 32), two layers
     assert f"experts down_proj,gate_up_proj {2 * (64 * 8 * 64 + 64 * 8 * 48):,}" in line, line
@@ -30,12 +39,6 @@ def test_default_lora_command_trains_experts_with_router_frozen(toy_data, tmp_pa
                for k in keys) == 4  # 2 layers x (gate_up_proj, down_proj)
     assert not any(".gate." in k for k in keys)
     # sft-merge writes the experts' update into their 3-D weights: the merged model gives the adapter's logits
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from sft.model.export import merge_adapter
-
     merged = AutoModelForCausalLM.from_pretrained(merge_adapter(str(out), str(tmp_path / "merged")))
     with without_v4_moe_conversion():
         adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(out))
@@ -44,24 +47,3 @@ def test_default_lora_command_trains_experts_with_router_frozen(toy_data, tmp_pa
         torch.testing.assert_close(merged(input_ids=ids).logits, adapter(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     base = AutoModelForCausalLM.from_pretrained(model).state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
     assert not torch.equal(merged.state_dict()["model.layers.0.mlp.experts.gate_up_proj"], base)
-
-
-def test_lora_ds_preset_zero2_two_processes_trains_the_experts(toy_data, tmp_path):
-    """finetune/finetune_lora_ds.sh (LoRA, ZeRO-2) with its defaults on 2 CPU processes (gloo)."""
-    from tests.helpers.paths import pythonpath_env
-    from tests.helpers.ports import free_port
-
-    out = tmp_path / "out"
-    env = pythonpath_env({**os.environ, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
-                          "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"})
-    env.pop("GPUS_PER_NODE", None)
-    r = subprocess.run(["bash", os.path.join(ROOT, "finetune", "finetune_lora_ds.sh"), "-m",
-                        tiny_family_dir("qwen3_moe"), "-d", toy_data, "--output_dir", str(out), "--max_steps", "2",
-                        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
-                        "--save_strategy", "no", "--model_max_length", "64", "--report_to", "none",
-                        "--disable_tqdm", "True"],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "experts down_proj,gate_up_proj" in r.stderr and "router frozen (gate)" in r.stderr
-    keys = set(load_file(out / "adapter_model.safetensors"))
-    assert any(k.endswith("mlp.experts.base_layer.lora_B.weight") for k in keys)
