@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from sft.compat.peft import without_gptqmodel
+from sft.compat.peft import without_gptqmodel, without_v4_moe_conversion
 from sft.errors import SFTError, explain_load_errors
 from sft.model.architecture import auto_class, auto_class_of
 from sft.model.export import MODEL_FILES, check_out_dir, merge_adapter, write_folder
@@ -202,7 +202,7 @@ def _merge(checkpoint: str, out_dir: str, base: Optional[str], overwrite: bool) 
     reference = auto_class_of(base).from_pretrained(base, dtype=torch.float32)
     if len(tok) > reference.get_input_embeddings().weight.shape[0]:
         reference.resize_token_embeddings(len(tok))
-    with without_gptqmodel():  # as merge_adapter: a 16-bit base (a quantized one was refused there)
+    with without_gptqmodel(), without_v4_moe_conversion():  # as merge_adapter
         reference = PeftModel.from_pretrained(reference, checkpoint)
     tokens, diff = _compare(out, reference, tok, MERGE_ATOL, "the base model with the checkpoint's adapter")
     return Exported(out, "lora", f"adapter_model.safetensors merged into {base}", tuple(sorted(os.listdir(out))),

@@ -69,9 +69,10 @@ def load_spec(model_args, training_args, lora_args) -> LoadSpec:
 
 
 def lora_spec(model_args, lora_args) -> LoraSpec:
-    """The LoRA adapter of ``--lora_r --lora_alpha --lora_dropout --lora_target_modules --lora_bias
+    """The LoRA adapter of ``--lora_r --lora_alpha --lora_dropout --lora_target_modules --lora_router --lora_bias
     --train_embeddings``."""
     targets = lora_args.lora_target_modules
     return LoraSpec(r=lora_args.lora_r, alpha=lora_args.lora_alpha, dropout=lora_args.lora_dropout,
-                    target_modules=tuple(targets) if targets else None, bias=lora_args.lora_bias,
+                    target_modules=tuple(targets) if targets else None, router=lora_args.lora_router,
+                    bias=lora_args.lora_bias,
                     train_embeddings=model_args.train_embeddings)

@@ -36,3 +36,13 @@ def parser_actions(parser) -> list:
     """An ``argparse.ArgumentParser``'s actions (``parser._actions``; argparse has no public list of them). Used to
     read a flag's ``dest`` / ``nargs`` and to set one flag's ``type`` after ``HfArgumentParser`` built it."""
     return parser._actions
+
+
+def grouped_linear(x, weight, offsets, bias=None, is_transposed: bool = False):
+    """The frozen experts' grouped projection as transformers' ``grouped_mm`` experts path computes it
+    (``transformers.integrations.moe._grouped_linear``: ``x`` [S, in] sorted by expert, ``weight`` [E, out, in] or
+    [E, in, out] with ``is_transposed``, ``offsets`` [E] int32 cumulative row counts, ``bias`` [S, out] or None;
+    returns [S, out] in the weight's dtype; torch's ``grouped_mm`` where it applies, transformers' loop otherwise)."""
+    from transformers.integrations.moe import _grouped_linear
+
+    return _grouped_linear(x, weight, offsets, bias=bias, is_transposed=is_transposed)

@@ -165,9 +165,11 @@ class LoraArguments:
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input, in [0, 1)."})
     lora_target_modules: Optional[list[str]] = field(
         default=None,
-        metadata={"help": "Module names to adapt. Default: every linear projection of the architecture "
-                  "(peft 'all-linear', lm_head excluded)."},
+        metadata={"help": "Names to adapt: linear modules and expert parameters (gate_up_proj, down_proj). Default: "
+                  "attention, every routed expert, shared experts and dense MLPs (lm_head and routers excluded)."},
     )
+    lora_router: bool = field(
+        default=False, metadata={"help": "Also adapt the routers of mixture-of-experts blocks (frozen by default)."})
     lora_weight_path: str = field(default="", metadata={"help": "Unused; kept so Qwen commands still parse."})
     lora_bias: str = field(
         default="none", metadata={"help": "Which biases to train.", "choices": ["none", "all", "lora_only"]}

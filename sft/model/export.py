@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import transformers
 
-from sft.compat.peft import without_gptqmodel
+from sft.compat.peft import without_gptqmodel, without_v4_moe_conversion
 from sft.errors import SFTError, explain_load_errors
 from sft.logs import quiet_libraries
 from sft.model.architecture import auto_class_of
@@ -69,7 +69,7 @@ def merge_adapter(adapter_dir: str, out_dir: str, base: Optional[str] = None, ov
     if len(tok) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tok))
     with explain_load_errors("adapter", adapter_dir, "check that it was trained on this base model"):
-        with without_gptqmodel():  # the base is 16-bit here (a quantized one is refused above)
+        with without_gptqmodel(), without_v4_moe_conversion():  # a 16-bit base here (a quantized one: refused)
             model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     gen_path = os.path.join(adapter_dir, "generation_config.json")
     if os.path.isfile(gen_path):

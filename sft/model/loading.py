@@ -7,13 +7,24 @@ from typing import Optional
 import torch
 import transformers
 
-from sft.compat.peft import without_gptqmodel
+from sft.compat.peft import register_custom_lora_layer, without_gptqmodel, without_v4_moe_conversion
 from sft.data.chat import ENDOFTEXT, chat_token_ids, ensure_chat_template
 from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
 from sft.data.end_tokens import end_of_turn_id, model_end_ids
 from sft.errors import SFTError, explain_load_errors
 from sft.logs import release_import_notices
-from sft.model.architecture import auto_class_of, freeze_non_text, linear_names_outside_text
+from sft.model.architecture import auto_class_of, freeze_non_text, linear_names_outside_text, non_text_modules
+from sft.model.expert_lora import ExpertLoraWrapper, nest_in_declared_order
+from sft.model.experts import (
+    choose_targets,
+    count_by_kind,
+    describe_candidates,
+    four_bit_values,
+    lora_candidates,
+    peft_targets,
+    quantize_experts,
+    summary,
+)
 from sft.model.quantized import loading_fix, model_folder, read_quantization
 from sft.model.spec import LoadSpec, LoraSpec
 
@@ -250,6 +261,11 @@ def load_model(path: str, tok, vocab_grew: bool, spec: LoadSpec = LoadSpec(), de
     if spec.quantize_4bit and extra:
         from peft import prepare_model_for_kbit_training
 
+        experts = quantize_experts(model) if q is None else 0  # bitsandbytes' loading quantized nn.Linear only
+        four, total = four_bit_values(model)
+        logger.info("Q-LoRA base: %s of %s parameters stored 4-bit NF4 (routed experts: %s)", f"{four:,}",
+                    f"{total:,}", f"{experts:,}")
+
         # fp32 layer norms and lm_head, frozen base, input grads for checkpointing (peft's Q-LoRA recipe)
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=bool(spec.activation_checkpointing),
@@ -286,23 +302,16 @@ def _quant_linears(model) -> list:
     return [m for m in model.modules() if isinstance(m, BaseQuantLinear)]
 
 
-def linear_module_names(model, exclude_output: bool = False) -> list[str]:
-    """Sorted last names of the linear modules of ``model``: ``torch.nn.Linear`` and its subclasses
-    (bitsandbytes), and gptqmodel's quantized linears; ``exclude_output`` leaves the output embedding (lm_head)
-    out, as peft's ``all-linear`` does."""
-    quant = {id(m) for m in _quant_linears(model)}
-    out = model.get_output_embeddings() if exclude_output else None
-    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                   if (isinstance(m, torch.nn.Linear) or id(m) in quant) and m is not out and n})
-
-
 def apply_lora(model, tok, vocab_grew: bool, spec: LoraSpec = LoraSpec(), activation_checkpointing: bool = False):
     """Wrap ``model`` in a peft LoRA model as ``spec`` says (:class:`LoraSpec`). Base weights are frozen; only
     adapters (and, when the chat tokens are new or ``spec.train_embeddings == "true"``, the embeddings and lm_head)
-    are trained.
+    are trained. What is adapted follows :mod:`sft.model.experts`: by default attention, every routed expert's
+    projections (3-D parameters, computed by :mod:`sft.model.expert_lora` without rebuilding them), shared experts
+    and dense MLPs; routers only with ``spec.router``. The log line names each kind and its trainable count.
 
     Raises:
-        SFTError: a target module name the model lacks (its linear module names are listed).
+        SFTError: a target name the model lacks (what exists is listed by kind), or a router named without
+            ``spec.router``.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -320,29 +329,44 @@ def apply_lora(model, tok, vocab_grew: bool, spec: LoraSpec = LoraSpec(), activa
         out = model.get_output_embeddings()
         if out is not None:
             modules_to_save.append(_module_name(model, out))
-    # peft's "all-linear" finds torch.nn.Linear (and bitsandbytes' subclasses) only, not GPTQ's quantized linears
-    default_targets = linear_module_names(model, exclude_output=True) if _quant_linears(model) else "all-linear"
+    quant = {id(m) for m in _quant_linears(model)}
+    candidates = lora_candidates(model, lambda m: isinstance(m, torch.nn.Linear) or id(m) in quant)
+    outside = tuple(f"{p}." for p in non_text_modules(model))  # a vision tower and merger: never a LoRA candidate
+    candidates = [c for c in candidates if not c.path.startswith(outside)] if outside else candidates
+    chosen = choose_targets(candidates, spec.target_modules, spec.router)
+    target_modules, target_parameters = peft_targets(model, chosen)
+    if not target_modules and not target_parameters:
+        raise SFTError(f"--lora_target_modules {' '.join(spec.target_modules or ['all-linear'])}: nothing to adapt; "
+                       + describe_candidates(candidates))
     config = LoraConfig(
         r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-        target_modules=list(spec.target_modules or ()) or default_targets, bias=spec.bias,
-        task_type="CAUSAL_LM", modules_to_save=modules_to_save, ensure_weight_tying=bool(train_emb and tied),
+        target_modules=target_modules, target_parameters=target_parameters, bias=spec.bias,
+        task_type="CAUSAL_LM", modules_to_save=modules_to_save,
+        ensure_weight_tying=bool(train_emb and tied),
         exclude_modules=linear_names_outside_text(model) or None,  # a vision tower: never adapted
     )
+    holders = [model.get_submodule(t.path.rpartition(".")[0]) for t in chosen if t.parameter]
+    if holders:
+        register_custom_lora_layer(config, {cls: ExpertLoraWrapper for cls in {type(h) for h in holders}})
     if activation_checkpointing:
         model.enable_input_require_grads()
     try:
-        with without_gptqmodel(not _quant_linears(model)):
+        with without_gptqmodel(not _quant_linears(model)), without_v4_moe_conversion():
             model = get_peft_model(model, config)
     except ValueError as e:
-        names = linear_module_names(model)
         raise SFTError(f"--lora_target_modules {' '.join(spec.target_modules or ['all-linear'])}: "
-                       f"{str(e).splitlines()[0][:200]}; linear modules of this model: {', '.join(names)}") from None
+                       f"{str(e).splitlines()[0][:200]}; {describe_candidates(candidates)}") from None
+    if any(hasattr(h, "parametrizations") for h in holders):  # 4-bit experts: peft nests their wrappers otherwise
+        nest_in_declared_order(model)
+    if target_parameters and spec.dropout:
+        # peft refuses to build (and load) a parameter adapter whose config names a dropout; the experts' dropout
+        # lives in their layers (ExpertLoraWrapper), and adapter_config.json records 0 so that peft loads it
+        model.peft_config["default"].lora_dropout = 0.0
     hooked = keep_lora_inputs_in_autocast_dtype(model)
     trainable, total = model.get_nb_trainable_parameters()
-    logger.info("LoRA r=%d alpha=%d dropout=%.3g targets=%s: %d trainable of %d parameters (%.3f%%)",
-                spec.r, spec.alpha, spec.dropout,
-                sorted({n.rsplit(".", 1)[-1] for n in config.target_modules})
-                if isinstance(config.target_modules, (set, list)) else config.target_modules,
+    routers = [t.name for t in candidates if t.kind == "router"]
+    logger.info("LoRA r=%d alpha=%d dropout=%.3g: %s: %d trainable of %d parameters (%.3f%%)",
+                spec.r, spec.alpha, spec.dropout, summary(chosen, count_by_kind(model, chosen), routers),
                 trainable, total, 100.0 * trainable / total)
     logger.debug("LoRA inputs stay in the autocast dtype in %d layers", hooked)
     return model

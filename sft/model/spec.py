@@ -45,8 +45,10 @@ class LoraSpec:
         r: the rank (``--lora_r``; default 64).
         alpha: the update is scaled by ``alpha / r`` (``--lora_alpha``; default 16).
         dropout: dropout on the adapter's input, in [0, 1) (``--lora_dropout``; default 0.05).
-        target_modules: module names to adapt (``--lora_target_modules``); None (default): every linear projection
-            (peft's ``all-linear``, lm_head excluded).
+        target_modules: names to adapt (``--lora_target_modules``: linear modules, expert parameters such as
+            ``gate_up_proj``); None (default): attention, routed experts, shared experts and dense MLPs
+            (:mod:`sft.model.experts`; lm_head excluded).
+        router: adapt the experts' routers too (``--lora_router``; default False).
         bias: which biases train: ``"none"`` (default), ``"all"`` or ``"lora_only"`` (``--lora_bias``).
         train_embeddings: ``"auto"`` (default: only when the chat template's tokens are new to the model),
             ``"true"`` or ``"false"`` (``--train_embeddings``): also train the input embeddings and lm_head.
@@ -56,5 +58,6 @@ class LoraSpec:
     alpha: int = 16
     dropout: float = 0.05
     target_modules: Optional[tuple[str, ...]] = None
+    router: bool = False
     bias: str = "none"
     train_embeddings: str = "auto"

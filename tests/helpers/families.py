@@ -96,10 +96,10 @@ def tiny_config(model_type: str, vocab_size: int = QWEN_VOCAB, **overrides):
     from transformers import AutoConfig
 
     if model_type in MULTIMODAL:  # the text model's tiny shape as text_config, a one-block vision tower
-        text = dict(_COMMON, **_SHAPES[MULTIMODAL[model_type]], vocab_size=vocab_size, **overrides)
+        text = {**_COMMON, **_SHAPES[MULTIMODAL[model_type]], "vocab_size": vocab_size, **overrides}
         return AutoConfig.for_model(model_type, text_config=text, vision_config=dict(_VISION),
                                     tie_word_embeddings=False)
-    kwargs = dict(_COMMON, **_SHAPES[model_type], vocab_size=vocab_size, **overrides)
+    kwargs = {**_COMMON, **_SHAPES[model_type], "vocab_size": vocab_size, **overrides}
     return AutoConfig.for_model(model_type, **kwargs)
 
 
