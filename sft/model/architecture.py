@@ -79,6 +79,13 @@ def freeze_non_text(model) -> int:
     return frozen
 
 
+def inside_text(model, candidates: list) -> list:
+    """``candidates`` (objects with a ``path``: a qualified module or parameter name in ``model``) less those inside
+    :func:`non_text_modules` (a multimodal model's vision tower and merger); all of them for a causal LM."""
+    outside = tuple(f"{p}." for p in non_text_modules(model))
+    return [c for c in candidates if not c.path.startswith(outside)] if outside else list(candidates)
+
+
 def linear_names_outside_text(model) -> list[str]:
     """Qualified names of the ``nn.Linear`` modules inside :func:`non_text_modules` (for peft's ``exclude_modules``:
     LoRA never targets the vision tower)."""

@@ -13,7 +13,7 @@ from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
 from sft.data.end_tokens import end_of_turn_id, model_end_ids
 from sft.errors import SFTError, explain_load_errors
 from sft.logs import release_import_notices
-from sft.model.architecture import auto_class_of, freeze_non_text, linear_names_outside_text, non_text_modules
+from sft.model.architecture import auto_class_of, freeze_non_text, inside_text, linear_names_outside_text
 from sft.model.expert_lora import ExpertLoraWrapper, nest_in_declared_order
 from sft.model.experts import (
     choose_targets,
@@ -331,8 +331,7 @@ def apply_lora(model, tok, vocab_grew: bool, spec: LoraSpec = LoraSpec(), activa
             modules_to_save.append(_module_name(model, out))
     quant = {id(m) for m in _quant_linears(model)}
     candidates = lora_candidates(model, lambda m: isinstance(m, torch.nn.Linear) or id(m) in quant)
-    outside = tuple(f"{p}." for p in non_text_modules(model))  # a vision tower and merger: never a LoRA candidate
-    candidates = [c for c in candidates if not c.path.startswith(outside)] if outside else candidates
+    candidates = inside_text(model, candidates)  # a vision tower and merger: never a LoRA candidate
     chosen = choose_targets(candidates, spec.target_modules, spec.router)
     target_modules, target_parameters = peft_targets(model, chosen)
     if not target_modules and not target_parameters:
