@@ -60,3 +60,9 @@ def without_v4_moe_conversion():
         yield
     finally:
         mod.convert_peft_config_for_transformers, mod.convert_peft_adapter_state_dict_for_transformers = saved
+
+
+def param_ndim(wrapper) -> int:
+    """The number of dimensions of the parameter a ``peft.tuners.lora.layer.ParamWrapper`` adapts (3 for an expert
+    stack, 2 for a matrix): its private ``_param_ndim`` (peft 0.21.2); 0 where a peft has no such attribute."""
+    return int(getattr(wrapper, "_param_ndim", 0) or 0)

@@ -46,3 +46,16 @@ def grouped_linear(x, weight, offsets, bias=None, is_transposed: bool = False):
     from transformers.integrations.moe import _grouped_linear
 
     return _grouped_linear(x, weight, offsets, bias=bias, is_transposed=is_transposed)
+
+
+def experts_apply_gate(experts, h):
+    """The gated activation of an experts module of transformers' ``use_experts_implementation`` layout over the
+    fused gate/up product ``h`` [tokens, 2·intermediate] -> [tokens, intermediate]: its private ``_apply_gate``
+    (transformers 5.24; gpt-oss's clamped, interleaved form included)."""
+    return experts._apply_gate(h)
+
+
+def experts_are_parallel(experts) -> bool:
+    """True when transformers spread this experts module across ranks (``DistributedConfig(ep_size)``): its private
+    ``_is_expert_parallel`` flag (transformers 5.24); False where the attribute is missing."""
+    return bool(getattr(experts, "_is_expert_parallel", False))

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 from peft.tuners.lora.layer import ParamWrapper as PeftParamWrapper
 
-from sft.compat.transformers import grouped_linear
+from sft.compat.peft import param_ndim
+from sft.compat.transformers import experts_apply_gate, experts_are_parallel, grouped_linear
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -74,7 +75,7 @@ class ParamWrapper(PeftParamWrapper):
         quiet = copy.copy(config)
         quiet.lora_dropout = 0.0
         super().update_layer(adapter_name, r, lora_alpha, quiet, **kwargs)
-        if self._param_ndim == 3 and self._sft_dropout > 0:
+        if param_ndim(self) == 3 and self._sft_dropout > 0:
             self.lora_dropout[adapter_name] = torch.nn.Dropout(self._sft_dropout)
 
     def expert_factors(self, adapter: str, dtype: torch.dtype):
@@ -93,8 +94,8 @@ class ParamWrapper(PeftParamWrapper):
             base = base.base_layer
         adapters = self.active_adapters
         plain = (self.disable_adapters or self.merged or len(adapters) != 1 or kwargs.get("adapter_names")
-                 or getattr(base, "_is_expert_parallel", False) or not hasattr(base, "is_transposed")
-                 or any(not isinstance(w, ParamWrapper) or w._param_ndim != 3 for w in chain))
+                 or experts_are_parallel(base) or not hasattr(base, "is_transposed")
+                 or any(not isinstance(w, ParamWrapper) or param_ndim(w) != 3 for w in chain))
         if plain:
             return super().forward(x, *args, **kwargs)
         loras = {w.parameter_name: w for w in chain if adapters[0] in w.lora_A}
@@ -141,7 +142,7 @@ def lora_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torc
     up = "gate_up_proj" if experts.has_gate else "up_proj"
     bias = getattr(experts, f"{up}_bias")[ids_sorted] if experts.has_bias else None
     h = project(up, x_g, bias)
-    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    h = experts_apply_gate(experts, h) if experts.has_gate else experts.act_fn(h)
     bias = experts.down_proj_bias[ids_sorted] if experts.has_bias else None
     out = project("down_proj", h, bias)
     if getattr(experts, "has_post_expert_norm", False):
@@ -182,7 +183,7 @@ def nest_in_declared_order(model) -> int:
         for w, state in zip(chain, states):
             for k, v in state.items():
                 if isinstance(v, torch.nn.Module):
-                    w._modules[k] = v
+                    setattr(w, k, v)  # nn.Module.__setattr__: replaces the registered child
                 else:
                     object.__setattr__(w, k, v)
         moved += 1
