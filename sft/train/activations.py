@@ -64,6 +64,26 @@ CHECKPOINTED_LAYERS_FROZEN = {2: 7.0, 4: 13.0}
 # measured 12.2 (bf16 autocast) and 12.4-12.6 (fp32) with SmolLM2's 49,152-token vocabulary, 1,024 and 4,096 supervised
 # positions (VmHWM over supervised_lm_loss forward + backward on random hidden states).
 HEAD_BYTES_PER_LOGIT = 12.5
+# Mamba2's PyTorch SSD (transformers' torch_forward: segment_sum over the chunks of the sequence it scans) builds
+# tensors of heads x (chunks + 1)^2 fp32 per layer, quadratic in the length where the probe (256 tokens) sees almost
+# nothing: one kept for backward (the exp of the segment sums, for the chunk-state einsum), a few more alive while it
+# is computed and differentiated. Measured (tiny nemotron_h, one Mamba2 layer of 4 heads, chunk 8, fp32, padding-free
+# rows of documents of 512 scanned as one sequence; VmHWM of one step less the plan without them): 7.3, 6.5 and 3.9
+# such tensors at 4,096, 8,192 and 16,384 tokens (glibc keeps the smaller ones in its heap and returns those over its
+# 32 MiB mmap threshold); 5 plans the three steps within 0.87-1.17.
+SSD_CHUNK_TENSORS = 5
+
+
+def chunk_buffer_bytes(mixers, tokens: int, checkpointing: bool) -> int:
+    """Bytes of Mamba2's chunk buffers (:data:`SSD_CHUNK_TENSORS`) for ``tokens`` scanned as one sequence (an upper
+    bound where a layer scans each document apart): without checkpointing one per layer kept for backward and the rest
+    for the largest layer, with it those of the one layer recomputed. ``mixers``: :func:`sft.train.counting.census`'s
+    ``(path, kind, heads, chunk)``; gated delta rule and KDA layers keep chunk states linear in the length, which the
+    probe measures. 0 without Mamba2 layers."""
+    sizes = [h * (-(-int(tokens) // q) + 1) ** 2 * 4 for _, kind, h, q in mixers if kind == "mamba2_ssd" and q]
+    if not sizes:
+        return 0
+    return (0 if checkpointing else sum(sizes)) + (SSD_CHUNK_TENSORS - 1) * max(sizes)
 
 
 def _dim(config, *names, default=0) -> int:

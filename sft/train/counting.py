@@ -64,7 +64,8 @@ class Census:
         expert_total: the routed experts' parameters (every expert, unscaled); ``expert_active`` those a token runs.
         expert_bytes: bytes the routed experts are stored in; ``expert_dtypes`` their storage (``bfloat16``, ``nf4``).
         experts: ``(path, E, top_k)`` of each experts module.
-        mixers: ``(path, kind)`` of each token mixer counted (``gated_delta_rule``, ``mamba2_ssd``, ``mamba``).
+        mixers: ``(path, kind, heads, chunk)`` of each token mixer counted (kind ``gated_delta_rule``, ``mamba2_ssd``
+            or ``mamba``; ``heads`` and ``chunk`` of the chunked scans, 0 where none).
     """
 
     weights: dict = field(default_factory=dict)
@@ -142,24 +143,25 @@ def _dim(module, *names) -> int:
     return next((v for v in (getattr(module, n, None) for n in names) if isinstance(v, int) and v > 0), 0)
 
 
-def mixer_flops(module: torch.nn.Module) -> tuple[Optional[str], int]:
-    """``(kind, forward FLOPs per token)`` of a state-carrying token mixer that holds ``A_log`` itself (module
-    docstring); ``(None, 0)`` for any other module. Sizes are read from the layer's attributes (transformers 5.24)."""
+def mixer_flops(module: torch.nn.Module) -> tuple[Optional[str], int, int, int]:
+    """``(kind, forward FLOPs per token, heads, chunk)`` of a state-carrying token mixer that holds ``A_log`` itself
+    (module docstring); ``(None, 0, 0, 0)`` for any other module. Sizes are read from the layer's attributes
+    (transformers 5.24)."""
     if "A_log" not in dict(module.named_parameters(recurse=False)):
-        return None, 0
+        return None, 0, 0, 0
     n = _dim(module, "ssm_state_size")
     if n:
         heads, p = _dim(module, "num_heads"), _dim(module, "head_dim")
         if heads and p:  # Mamba2: chunked SSD
             q = _dim(module, "chunk_size") or 256
-            return "mamba2_ssd", heads * (2 * q * (n + p) + 4 * n * p)
-        return "mamba", 9 * _dim(module, "intermediate_size") * n
+            return "mamba2_ssd", heads * (2 * q * (n + p) + 4 * n * p), heads, q
+        return "mamba", 9 * _dim(module, "intermediate_size") * n, 0, 0
     heads = _dim(module, "num_v_heads", "num_heads")
     dk, dv = _dim(module, "head_k_dim", "head_dim"), _dim(module, "head_v_dim", "head_dim")
     if not (heads and dk and dv):
-        return None, 0
+        return None, 0, 0, 0
     c = GDN_CHUNK
-    return "gated_delta_rule", int(heads * (c * (6 * dk + 4 * dv) + c * c / 3 + 6 * dk * dv))
+    return "gated_delta_rule", int(heads * (c * (6 * dk + 4 * dv) + c * c / 3 + 6 * dk * dv)), heads, c
 
 
 def census(model: torch.nn.Module) -> Census:
@@ -203,11 +205,13 @@ def census(model: torch.nn.Module) -> Census:
             weight = dict((n, (s, t)) for n, s, t, _ in own).get("weight")
             if isinstance(k, int) and weight is not None and len(weight[0]) == 2:
                 out.add("router", trainable(weight[1]), weight[0].numel())
-            mix, flops = mixer_flops(module)
+            mix, flops, heads, chunk = mixer_flops(module)
             if mix:
-                out.mixers.append((path, mix))
+                out.mixers.append((path, mix, heads, chunk))
                 out.mixer_flops += flops
         for name, child in module.named_children():
+            if name == "parametrizations":  # parametrize originals: counted above, by logical shape
+                continue
             visit(f"{path}.{name}" if path else name, child, chain + [module], scale)
 
     visit("", model, [], 1.0)

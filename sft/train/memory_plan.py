@@ -56,6 +56,7 @@ from sft.train.activations import (  # noqa: F401  (re-exported: the plan's fact
     PROBE_TOKENS,
     _dim,
     activation_bytes_per_token,
+    chunk_buffer_bytes,
     measure_saved_bytes,
     probe_logged,
 )
@@ -195,12 +196,12 @@ def params_line(p: Optional[dict]) -> str:
     return f"; parameters {n(p['total'])}{experts}"
 
 
-def parameter_figures(model) -> dict:
+def parameter_figures(model, counted=None) -> dict:
     """``{"total", "experts", "active", "expert_bytes", "expert_dtypes"}`` of ``model`` (:func:`sft.train.counting.
     census`): parameters by their logical size (4-bit ones as the matrix they stand for, ZeRO-3's by ``ds_shape``),
     those of routed experts, those a token runs (experts at ``top_k / E``), the bytes the experts are stored in and
     their storage names (``bfloat16``; ``nf4`` under ``--q_lora``)."""
-    c = census(model)
+    c = counted or census(model)
     return {"total": c.total, "experts": c.expert_total, "active": c.active, "expert_bytes": c.expert_bytes,
             "expert_dtypes": sorted(c.expert_dtypes)}
 
@@ -301,11 +302,14 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     else:  # every position: logits, their fp32 upcast and the fp32 gradient of the log-softmax
         head_per_token, head_max = vocab * (act_bytes + 4 + 4), None
     head = head_per_token * rank_tokens if head_max is None else min(head_per_token * rank_tokens, head_max)
+    counted = census(model)
+    activations = per_token * rank_tokens + chunk_buffer_bytes(counted.mixers, rank_tokens, checkpointing)
     return MemoryPlan(weights=int(weights), gradients=int(gradients), optimizer=int(optimizer),
-                      activations=int(per_token * rank_tokens), head=int(head), tokens=int(tokens),
+                      activations=int(activations), head=int(head), tokens=int(tokens),
                       per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where,
                       sequence_parallel=sp, world_size=w, head_per_token=int(head_per_token), head_max=head_max,
-                      optimizer_step=int(optimizer_step), staged=int(staged), parameters=parameter_figures(model))
+                      optimizer_step=int(optimizer_step), staged=int(staged),
+                      parameters=parameter_figures(model, counted))
 
 
 def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
