@@ -166,7 +166,7 @@ def mixer_flops(module: torch.nn.Module) -> tuple[Optional[str], int, int, int]:
 
 def census(model: torch.nn.Module) -> Census:
     """Walk ``model`` once (module docstring) and count its weights, routed experts, routers and token mixers."""
-    out, config, seen = Census(), getattr(model, "config", None), set()
+    out, config, seen, held = Census(), getattr(model, "config", None), set(), set()
 
     def visit(path: str, module: torch.nn.Module, chain: list, scale: float) -> None:
         if id(module) in seen:
@@ -174,7 +174,8 @@ def census(model: torch.nn.Module) -> Census:
         seen.add(id(module))
         trainable = lambda t: bool(getattr(t, "requires_grad", False))  # noqa: E731
         own = list(_own_params(module))
-        out.total += sum(shape.numel() for _, shape, _, _ in own)
+        out.total += sum(shape.numel() for _, shape, t, _ in own if id(t) not in held)  # tied weights once
+        held.update(id(t) for _, _, t, _ in own)
         kind = "experts" if scale < 1 else "dense"
         if isinstance(module, torch.nn.Linear):
             out.add(kind, trainable(module.weight), scale * module.in_features * module.out_features)

@@ -42,6 +42,7 @@ def test_full_fine_tuning_flops_are_six_times_the_active_parameters(family):
     k, e = _config_value(model.config, TOP_K), _config_value(model.config, EXPERTS)
     c = census(model)
     assert {(ee, kk) for _, ee, kk in c.experts} == {(e, k)} and c.experts
+    assert c.total == sum(p.numel() for p in model.parameters())  # each parameter once
     flops, six = model_flops_per_token(model), 6 * active_parameters(model)
     assert abs(flops / six - 1) < 0.05, (flops, six)
     routed = c.weights[("experts", True)] + c.weights.get(("router", True), 0)
