@@ -59,6 +59,25 @@ CHECKPOINTED_LAYERS = {2: 2.5, 4: 6.0}
 # worker step at 2,048 tokens held about 4.4 layers, and ran 1.3x slower). Not yet measured on a GPU, whose caching
 # allocator keeps other slack.
 CHECKPOINTED_LAYERS_FROZEN = {2: 7.0, 4: 13.0}
+# Those counts are glibc's heap keeping the freed blocks of the recomputed layers; it serves a block of at least its
+# mmap threshold (dynamic, at most 32 MiB on 64-bit: DEFAULT_MMAP_THRESHOLD_MAX) with mmap and unmaps it when freed.
+# Once one layer's hidden-sized activation (tokens x hidden x activation bytes) is that large, the slack goes and about
+# the theory's two layers hold. LoRA r 64, dropout 0.05, fp32, checkpointing on (bench/memory_plan.py, SmolLM2-135M's
+# width with 8 layers): at 17,901 tokens (41 MB blocks) the inputs plus about 2 layers' worth, VmHWM 3.7 GiB against
+# 18.8 planned with 13; at 4,096 (9.4 MB blocks) 4.9 layers. The issue-52 sft-train run (a plan in fp32: 1,005 KiB per
+# token, 17,901 tokens) peaked at 5.7 GiB against 20.13 planned (6.6 with 2). bf16 at 17,901 tokens (20.6 MB blocks,
+# under the threshold) still held 6-7 layers (30 layers: 9.11 GiB measured, 10.35 planned with 7).
+CHECKPOINTED_LAYERS_MMAPPED = 2.0
+MMAP_THRESHOLD_MAX = 32 * 2 ** 20
+
+
+def checkpointed_layers(kept: float, tokens: int, hidden: int, act_bytes: int, device_type: str) -> float:
+    """The layers' worth of one layer's saved bytes a checkpointed step holds besides every layer's input: ``kept``
+    (the measured constants above), or :data:`CHECKPOINTED_LAYERS_MMAPPED` on CPU once ``tokens x hidden x
+    act_bytes`` reaches :data:`MMAP_THRESHOLD_MAX` (glibc then unmaps each freed block)."""
+    if device_type == "cpu" and int(tokens) * hidden * act_bytes >= MMAP_THRESHOLD_MAX:
+        return min(kept, CHECKPOINTED_LAYERS_MMAPPED)
+    return kept
 # The LM head at supervised positions (sft.model.loss): bytes per logit of one chunk at the peak of its backward (the
 # logits in the compute dtype, their fp32 upcast, the log-softmax and its gradient, less what is freed on the way):
 # measured 12.2 (bf16 autocast) and 12.4-12.6 (fp32) with SmolLM2's 49,152-token vocabulary, 1,024 and 4,096 supervised

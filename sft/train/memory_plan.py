@@ -52,10 +52,12 @@ from sft.train.activations import (  # noqa: F401  (re-exported: the plan's fact
     BACKWARD_FACTOR_FROZEN,
     CHECKPOINTED_LAYERS,
     CHECKPOINTED_LAYERS_FROZEN,
+    CHECKPOINTED_LAYERS_MMAPPED,
     HEAD_BYTES_PER_LOGIT,
     PROBE_TOKENS,
     _dim,
     activation_bytes_per_token,
+    checkpointed_layers,
     chunk_buffer_bytes,
     measure_saved_bytes,
     probe_logged,
@@ -292,9 +294,12 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     frozen_base = sum(numel(p) for p in params) > 2 * n_trainable  # adapters, not the weights, are trained
     key = 2 if act_bytes <= 2 else 4
     per_token = int(saved_off * (BACKWARD_FACTOR_FROZEN[key] if frozen_base else BACKWARD_FACTOR))
+    recomputed = 0  # bytes of the recomputed layers when glibc unmaps their blocks (sft.train.activations)
     if checkpointing:  # every layer's input, and what one layer's recomputation and backward take (module docstring)
-        kept = (CHECKPOINTED_LAYERS_FROZEN if frozen_base else CHECKPOINTED_LAYERS)[key]
+        kept = checkpointed_layers((CHECKPOINTED_LAYERS_FROZEN if frozen_base else CHECKPOINTED_LAYERS)[key],
+                                   rank_tokens, h, act_bytes, device.type)
         per_token = min(per_token, int(layers * act_bytes * h + kept * layer))
+        recomputed = int(kept * layer * rank_tokens) if kept == CHECKPOINTED_LAYERS_MMAPPED else 0
     vocab = _dim(config, "vocab_size", default=0)
     # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS logits (every token taken as supervised: an upper bound)
     if supervised_head:
@@ -302,6 +307,9 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     else:  # every position: logits, their fp32 upcast and the fp32 gradient of the log-softmax
         head_per_token, head_max = vocab * (act_bytes + 4 + 4), None
     head = head_per_token * rank_tokens if head_max is None else min(head_per_token * rank_tokens, head_max)
+    # the LM head's backward ends before the first recomputed layer's starts: with blocks unmapped when freed the step
+    # holds the larger of the two, not their sum (fp32 LoRA at 17,901 tokens: inputs + 2 layers, no head on top)
+    head = max(0, head - recomputed)
     counted = census(model)
     activations = per_token * rank_tokens + chunk_buffer_bytes(counted.mixers, rank_tokens, checkpointing)
     return MemoryPlan(weights=int(weights), gradients=int(gradients), optimizer=int(optimizer),

@@ -142,3 +142,24 @@ def test_mamba2_chunk_buffers_grow_with_the_square_of_the_chunks():
     assert big.activations > 8 * small.activations
     dense = tiny_model("qwen3_moe", vocab_size=128)
     assert plan(dense, tokens=8192, **kw).activations == 8 * plan(dense, tokens=1024, **kw).activations
+
+
+def test_checkpointed_layers_fall_to_two_once_a_layer_block_is_mmapped():
+    """With checkpointing on CPU, once one layer's hidden-sized block (tokens x hidden x bytes) reaches glibc's 32 MiB
+    mmap threshold the plan holds every layer's input plus CHECKPOINTED_LAYERS_MMAPPED layers, not the heap-slack
+    count measured at 2k-8k tokens; on CUDA, and below the threshold, the measured count stays."""
+    from sft.train.activations import CHECKPOINTED_LAYERS, CHECKPOINTED_LAYERS_MMAPPED, MMAP_THRESHOLD_MAX
+
+    model = tiny_model("qwen3_moe", vocab_size=128)
+    h, layers, layer = model.config.hidden_size, model.config.num_hidden_layers, 5000.0
+    long = MMAP_THRESHOLD_MAX // (h * 4)  # fp32: the first token count whose block is mmapped
+    # a probe total well above the checkpointed count, so that checkpointing pays (the plan takes the smaller)
+    kw = dict(checkpointing=True, optim="sgd", measured=(100 * layer, layer), held_available=(0, GIB, "test"))
+    inputs = layers * 4 * h
+    assert plan(model, tokens=long - 1, **kw).per_token == int(inputs + CHECKPOINTED_LAYERS[4] * layer)
+    mmapped = plan(model, tokens=long, **kw)
+    assert mmapped.per_token == int(inputs + CHECKPOINTED_LAYERS_MMAPPED * layer)
+    # the LM head's peak and the recomputed layers' do not overlap: the head counts only above the latter
+    assert mmapped.head == max(0, mmapped.head_for(long) - int(CHECKPOINTED_LAYERS_MMAPPED * layer * long))
+    cuda = plan(model, tokens=long, device=torch.device("cuda"), **kw)
+    assert cuda.per_token == int(inputs + CHECKPOINTED_LAYERS[4] * layer)
