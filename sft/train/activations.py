@@ -61,13 +61,13 @@ CHECKPOINTED_LAYERS = {2: 2.5, 4: 6.0}
 CHECKPOINTED_LAYERS_FROZEN = {2: 7.0, 4: 13.0}
 # Those counts are glibc's heap keeping the freed blocks of the recomputed layers; it serves a block of at least its
 # mmap threshold (dynamic, at most 32 MiB on 64-bit: DEFAULT_MMAP_THRESHOLD_MAX) with mmap and unmaps it when freed.
-# Once one layer's hidden-sized activation (tokens x hidden x activation bytes) is that large, the slack goes and about
-# the theory's two layers hold. LoRA r 64, dropout 0.05, fp32, checkpointing on (bench/memory_plan.py, SmolLM2-135M's
-# width with 8 layers): at 17,901 tokens (41 MB blocks) the inputs plus about 2 layers' worth, VmHWM 3.7 GiB against
-# 18.8 planned with 13; at 4,096 (9.4 MB blocks) 4.9 layers. The issue-52 sft-train run (a plan in fp32: 1,005 KiB per
-# token, 17,901 tokens) peaked at 5.7 GiB against 20.13 planned (6.6 with 2). bf16 at 17,901 tokens (20.6 MB blocks,
-# under the threshold) still held 6-7 layers (30 layers: 9.11 GiB measured, 10.35 planned with 7).
-CHECKPOINTED_LAYERS_MMAPPED = 2.0
+# Once one layer's hidden-sized activation (tokens x hidden x activation bytes) is that large, most of the slack goes:
+# LoRA r 64, dropout 0.05, fp32, checkpointing on, 17,901 tokens (41 MB blocks; bench/memory_plan.py, SmolLM2-135M's
+# shape) held the inputs plus 2.0 layers' worth with 8 layers (VmHWM 3.69 GiB; 17.96 planned with 13) and 3.2 with 30
+# (6.59 GiB; 20.3 planned with 13; the issue-52 sft-train run of that kind planned 20.13 and peaked at 5.7); 2.6 plans
+# the three within 0.89-1.18. At 4,096 tokens (9.4 MB blocks) the 8 layers held 4.9 (13 plans 1.49x). bf16 at 17,901
+# tokens (20.6 MB blocks, under the threshold) held 6-7 of 30 (9.11 GiB measured, 10.35 planned with 7).
+CHECKPOINTED_LAYERS_MMAPPED = 2.6
 MMAP_THRESHOLD_MAX = 32 * 2 ** 20
 
 

@@ -308,7 +308,7 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
         head_per_token, head_max = vocab * (act_bytes + 4 + 4), None
     head = head_per_token * rank_tokens if head_max is None else min(head_per_token * rank_tokens, head_max)
     # the LM head's backward ends before the first recomputed layer's starts: with blocks unmapped when freed the step
-    # holds the larger of the two, not their sum (fp32 LoRA at 17,901 tokens: inputs + 2 layers, no head on top)
+    # holds the larger of the two, not their sum (fp32 LoRA at 17,901 tokens, 8 layers: inputs + 2 layers)
     head = max(0, head - recomputed)
     counted = census(model)
     activations = per_token * rank_tokens + chunk_buffer_bytes(counted.mixers, rank_tokens, checkpointing)

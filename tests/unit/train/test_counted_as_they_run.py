@@ -144,7 +144,7 @@ def test_mamba2_chunk_buffers_grow_with_the_square_of_the_chunks():
     assert plan(dense, tokens=8192, **kw).activations == 8 * plan(dense, tokens=1024, **kw).activations
 
 
-def test_checkpointed_layers_fall_to_two_once_a_layer_block_is_mmapped():
+def test_checkpointed_layers_fall_once_a_layer_block_is_mmapped():
     """With checkpointing on CPU, once one layer's hidden-sized block (tokens x hidden x bytes) reaches glibc's 32 MiB
     mmap threshold the plan holds every layer's input plus CHECKPOINTED_LAYERS_MMAPPED layers, not the heap-slack
     count measured at 2k-8k tokens; on CUDA, and below the threshold, the measured count stays."""
