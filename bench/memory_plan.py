@@ -4,6 +4,7 @@
     .venv/bin/python bench/memory_plan.py         # full and LoRA, checkpointing off and on at 2k; on at 8k
     .venv/bin/python bench/memory_plan.py --tokens 2048 --tokens_checkpointed 8192 16384
     .venv/bin/python bench/memory_plan.py --sft_train --runs defaults lora   # whole sft-train runs instead
+    .venv/bin/python bench/memory_plan.py --family nemotron_h --kinds full --checkpointing off --tokens 4096 8192
 
 Default: one configuration per fresh process (``--worker``), for full fine-tuning and LoRA (``sft-train``'s LoRA
 defaults: r 64, alpha 16, dropout 0.05, every linear layer), gradient checkpointing off and on, at each of
@@ -22,6 +23,10 @@ measured step is like step 2, the first that holds optimizer state next to activ
 ``VmHWM`` after that step: the whole process's peak resident set
 over the step, comparable with the plan's peak, whose weights are the resident set after loading. Also printed:
 both above that resident set (*after load*), and the ratio planned / measured.
+
+``--family``: a tiny random model of that family (tests/helpers/families.py, vocabulary 128, fp32) instead of
+``--model``, full fine-tuning; ``--one_row``: one padded row without position ids (the gated delta rule's reference
+path refuses packed rows without flash-linear-attention).
 
 ``--sft_train``: the earlier way: whole ``sft-train`` runs (:data:`RUNS`) on ``--model`` / ``--data`` for
 ``--max_steps`` steps, the ``memory plan:`` line next to the training peak the run logs at the end (``memory: peak RSS
@@ -67,6 +72,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lora_alpha", type=int, default=16)
     p.add_argument("--lora_dropout", type=float, default=0.05)
     p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto")
+    p.add_argument("--family", help="a tiny model of this family (tests/helpers/families.py) instead of --model")
+    p.add_argument("--one_row", action="store_true", help="one row without position ids (no padding-free documents)")
     p.add_argument("--worker", nargs=3, metavar=("KIND", "CHECKPOINTING", "TOKENS"), help=argparse.SUPPRESS)
     p.add_argument("--sft_train", action="store_true", help="whole sft-train runs (--runs, --data, --max_steps)")
     p.add_argument("--data", default=os.path.join(EXAMPLE, "chitchat.jsonl"))
@@ -77,6 +84,8 @@ def parse(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.max_steps < 1 or min(a.tokens + a.tokens_checkpointed, default=0) < 1 or a.doc_length < 2:
         p.error("--max_steps and --tokens must be at least 1, --doc_length at least 2")
+    if a.family and a.kinds != ["full"]:
+        p.error("--family: full fine-tuning only (--kinds full)")
     return a
 
 
@@ -95,8 +104,13 @@ def worker(a: argparse.Namespace) -> dict:
 
     kind, checkpointing, tokens = a.worker[0], a.worker[1] == "on", int(a.worker[2])
     bf16 = auto_bf16(cuda=False)[0] if a.bf16 == "auto" else a.bf16 == "true"
-    tok, _eot, grew = load_tokenizer(a.model)
-    model, grew = load_model(a.model, tok, grew, LoadSpec(dtype=torch_dtype(bf16)))
+    if a.family:  # a tiny random model, fp32, vocabulary 128
+        from tests.helpers.families import tiny_model
+
+        bf16, model, tok = False, tiny_model(a.family, vocab_size=128), list(range(128))
+    else:
+        tok, _eot, grew = load_tokenizer(a.model)
+        model, grew = load_model(a.model, tok, grew, LoadSpec(dtype=torch_dtype(bf16)))
     lora = kind == "lora"
     if lora:
         model = apply_lora(model, tok, grew, LoraSpec(r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout),
@@ -119,6 +133,8 @@ def worker(a: argparse.Namespace) -> dict:
         ids = torch.randint(0, len(tok), (n,), generator=g).tolist()
         docs.append({"input_ids": ids, "labels": ids})  # every token supervised, as the plan counts the LM head
     batch = PaddingFreeCollator()(docs)
+    if a.one_row:
+        batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     for p in params:  # AdamW's state now, as after step 1

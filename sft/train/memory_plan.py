@@ -30,33 +30,9 @@ on, refusal) is taken on the worst rank, so all ranks take the same one. A refus
 that fits, checkpointing, the smallest sequence-parallel size that fits (:func:`fitting_sequence_parallel`), and the
 caller's (LoRA, a ZeRO stage).
 
-Activations per token. What autograd keeps for backward is measured where the model can run a forward pass on its
-training device before the Trainer wraps it (:func:`measure_saved_bytes`: 256 tokens through the real modules, casts,
-LoRA dropout and attention kernel; per token and per decoder layer). Elsewhere (DeepSpeed ZeRO-3, whose weights are
-partitioned, or a forward that fails) it is counted from the model's shape (:func:`activation_bytes_per_token`), after
-Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4.1: the tensors each
-layer saves for backward, per token), redone for transformers' Llama / Qwen2 / Mistral layers (RMSNorm in fp32, rotary
-q and k, grouped KV heads, SwiGLU MLP, SDPA or flash kernels that keep no score matrix) and peft's LoRA (each adapted
-layer's input cast to the adapter's dtype, a dropout mask and output when ``lora_dropout > 0``); on SmolLM2-135M in
-fp32 the count is within 4% of the probe (1,360 vs 1,311 KiB per token; with LoRA r 16, dropout 0.05: 2,091 vs
-2,033). Then:
-
-* without checkpointing, that times :data:`BACKWARD_FACTOR` (:data:`BACKWARD_FACTOR_FROZEN` when the base is frozen,
-  by the activations' dtype):
-  a step's activations at their peak (the activations' gradients in backward, the allocator's slack) over what the
-  probe sees kept;
-* with checkpointing of every decoder layer, every layer's input (layers x hidden x the activation dtype's bytes)
-  plus :data:`CHECKPOINTED_LAYERS` (:data:`CHECKPOINTED_LAYERS_FROZEN`; by the activations' dtype) layers' worth of
-  what the probe sees one layer keep (theory says two: the layer recomputed and its backward; CPU allocators keep
-  more), never more than without checkpointing.
-
-The four factors and the head's bytes are measured (``bench/memory_plan.py``: one step per configuration in a
-fresh process, its ``VmHWM`` against the plan; table in docs/benchmarks.md#memory-plan) on one CPU, SmolLM2-135M, fp32
-and bf16; not yet on a GPU, whose caching allocator keeps other slack.
-
-The module is over 400 lines because each factor keeps its derivation and measurement next to it, and the plan, the
-probe that measures a model's saved bytes and the fitting rules (budget, checkpointing, sequence-parallel size) are
-one decision.
+Activations per token: :mod:`sft.train.activations` (the probe, the count from the model's shape and the
+factors that make them a step's peak). Parameters (total, routed experts, active per token, the experts' bytes in
+their storage, bf16 or NF4 under ``--q_lora``): :func:`sft.train.counting.census`, shown in the plan's line.
 """
 from __future__ import annotations
 
@@ -71,85 +47,28 @@ import torch
 from sft.distributed.collectives import gather_objects, rank as global_rank
 from sft.errors import SFTError
 from sft.model.loss import MAX_LOGIT_ELEMENTS
+from sft.train.activations import (  # noqa: F401  (re-exported: the plan's factors and probe)
+    BACKWARD_FACTOR,
+    BACKWARD_FACTOR_FROZEN,
+    CHECKPOINTED_LAYERS,
+    CHECKPOINTED_LAYERS_FROZEN,
+    CHECKPOINTED_LAYERS_MMAPPED,
+    HEAD_BYTES_PER_LOGIT,
+    PROBE_TOKENS,
+    _dim,
+    activation_bytes_per_token,
+    checkpointed_layers,
+    chunk_buffer_bytes,
+    measure_saved_bytes,
+    probe_logged,
+)
+from sft.train.counting import census
 from sft.train.host_memory import cgroup_room, page_in, trim_heap
 
 logger = logging.getLogger("sft")
 
 GIB = 2 ** 30
 FIT = 0.9  # a plan fits when it needs at most this share of the available memory
-# Measured on a 2-core Intel Xeon with AMX, SmolLM2-135M-Instruct, fp32 and bf16 (weights and autocast), weights paged
-# in and the heap trimmed before the step and after each one (docs/benchmarks.md#memory-plan): bench/memory_plan.py's
-# worker (one padding-free step of 2,048 or 8,192 tokens in documents of 512, every token supervised, after AdamW's
-# state exists) and sft-train runs of one conversation of 1,024 to 8,192 tokens (bench/long_context.py, step 2's
-# peak). A step's activations = its VmHWM - the resident set after loading - gradients - AdamW's two moments - the
-# LM head (HEAD_BYTES_PER_LOGIT, measured alone). Keyed by the activations' bytes per element (2: bf16/fp16, 4: fp32).
-# Without checkpointing, those over what the probe sees autograd keep (the activations' gradients in backward, the
-# allocator's slack): full fine-tuning 1.20 (fp32) and 1.36 (bf16) at 2k;
-BACKWARD_FACTOR = 1.3
-# with a frozen base (LoRA r 64, dropout 0.05) 1.56 (fp32) and 0.99 (bf16) at 2k.
-BACKWARD_FACTOR_FROZEN = {2: 1.0, 4: 1.55}
-# With gradient checkpointing every layer's input is kept (layers x hidden x activation bytes per token) and one layer
-# at a time is recomputed and run backward: theory says 2 layers' worth of what the probe sees one layer keep. Full
-# fine-tuning held the inputs plus 2.0-2.5 layers' worth in bf16 (worker at 8k and 2k; sft-train at 4k: 2.5 plans
-# within 3%), and 2.7-4.3 (worker at 8k, documents of 512 and one of 8,192) to 6.1 (sft-train at 4k) in fp32;
-CHECKPOINTED_LAYERS = {2: 2.5, 4: 6.0}
-# with a frozen base 5.4 (sft-train, LoRA r 16 at 4k) and 7.0 (worker, r 64 and dropout at 8k) in bf16; in fp32 11
-# (worker) and 18 (sft-train, whose "layer" is smaller: no dropout, r 16): about 840 KiB per token in both, so no
-# one count of layers fits both; 13 plans them within 0.83-1.16. On CPU glibc keeps the freed pages of the
-# recomputed layers in its heap within a step (with MALLOC_MMAP_THRESHOLD_=1048576, which returns them, the fp32
-# worker step at 2,048 tokens held about 4.4 layers, and ran 1.3x slower). Not yet measured on a GPU, whose caching
-# allocator keeps other slack.
-CHECKPOINTED_LAYERS_FROZEN = {2: 7.0, 4: 13.0}
-# The LM head at supervised positions (sft.model.loss): bytes per logit of one chunk at the peak of its backward (the
-# logits in the compute dtype, their fp32 upcast, the log-softmax and its gradient, less what is freed on the way):
-# measured 12.2 (bf16 autocast) and 12.4-12.6 (fp32) with SmolLM2's 49,152-token vocabulary, 1,024 and 4,096 supervised
-# positions (VmHWM over supervised_lm_loss forward + backward on random hidden states).
-HEAD_BYTES_PER_LOGIT = 12.5
-
-
-def _dim(config, *names, default=0) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return default
-
-
-def activation_bytes_per_token(config, act_bytes: int, checkpointing: bool, lora_in_bytes: int = 0,
-                               lora_dropout: bool = False) -> int:
-    """Bytes one token's activations keep for backward in one micro batch (all decoder layers).
-
-    Args:
-        config: the model's ``PretrainedConfig`` (``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
-            ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``; a missing size falls back to the
-            Llama relations).
-        act_bytes: bytes per element of the activations (2 for bf16/fp16, 4 for fp32).
-        checkpointing: gradient (activation) checkpointing of every decoder layer.
-        lora_in_bytes: bytes per element of the LoRA adapters' input (their dtype; 0 without LoRA).
-        lora_dropout: LoRA with ``lora_dropout > 0`` (a dropout output and a 1-byte mask per adapted input).
-    Returns:
-        int bytes per token (see the module docstring for the count).
-    """
-    h = _dim(config, "hidden_size", "n_embd", default=1)
-    i = _dim(config, "intermediate_size", "ffn_dim", default=4 * h)
-    layers = _dim(config, "num_hidden_layers", "n_layer", default=1)
-    heads = _dim(config, "num_attention_heads", "n_head", default=1)
-    kv_heads = _dim(config, "num_key_value_heads", default=heads)
-    d = _dim(config, "head_dim", default=max(1, h // heads))
-    p = int(act_bytes)
-    q, kv = heads * d, kv_heads * d
-    norm = 4 * h + (4 * h if p < 4 else 0) + p * h  # fp32 input copy, fp32 normalised output, the cast back
-    attention = p * (2 * (q + 2 * kv) + 2 * q) + 4 * heads  # q/k/v before and after rotary, output and its copy, lse
-    mlp = 4 * p * i  # gate, act(gate), up, act(gate) * up
-    layer = 2 * norm + attention + mlp
-    if lora_in_bytes:  # q, k, v, gate, up read the normed hidden state; o reads q-sized, down reads i-sized inputs
-        inputs = 5 * h + q + i
-        layer += ((lora_in_bytes if lora_in_bytes != p else 0) * inputs
-                  + ((lora_in_bytes + 1) * inputs if lora_dropout else 0))
-    final = norm + p * h
-    if checkpointing:
-        return layers * p * h + layer + final
-    return layers * layer + final + p * h
 
 
 def optimizer_bytes(optim: str, trainable_bytes: int, trainable: int) -> tuple[int, int]:
@@ -229,6 +148,7 @@ class MemoryPlan:
     head_max: Optional[int] = None
     optimizer_step: int = 0  # what the optimizer step allocates for a moment, once activations and head are freed
     staged: int = 0  # the host copy of a checkpoint written in the background (--save_async on CPU)
+    parameters: Optional[dict] = None  # params_line's figures: total, experts, active, expert_bytes, expert_dtypes
 
     def head_for(self, rank_tokens: int) -> int:
         """The LM head's bytes for ``rank_tokens`` tokens on this rank."""
@@ -264,60 +184,29 @@ class MemoryPlan:
                 f"{g(self.activations)} ({self.tokens} tokens in the largest micro "
                 f"batch{split} x {self.per_token / 2 ** 10:.0f} KiB, gradient checkpointing "
                 f"{'on' if self.checkpointing else 'off'}) + LM head {g(self.head)} = {g(self.peak)} GiB planned peak "
-                f"of {g(self.available)} GiB {self.where}")
+                f"of {g(self.available)} GiB {self.where}{params_line(self.parameters)}")
 
 
-PROBE_TOKENS = 256
+def params_line(p: Optional[dict]) -> str:
+    """``; parameters T (E in routed experts, B GiB in D; A active per token)`` of :func:`parameter_figures`' dict;
+    ``""`` without one. Counts in millions (``M``) when at least 10**6, else as they are."""
+    if not p:
+        return ""
+    n = lambda v: f"{v / 1e6:.1f}M" if v >= 1e6 else f"{v}"  # noqa: E731
+    experts = (f" ({n(p['experts'])} in routed experts, {p['expert_bytes'] / GIB:.2f} GiB in "
+               f"{'/'.join(p['expert_dtypes'])}; {n(p['active'])} active per token)" if p["experts"] else "")
+    return f"; parameters {n(p['total'])}{experts}"
 
 
-def measure_saved_bytes(model, tokens: int = PROBE_TOKENS) -> Optional[tuple[float, float]]:
-    """``(bytes per token, bytes per token of one decoder layer)`` that autograd keeps for backward in ``model``'s
-    decoder, measured by one forward pass in training mode over ``tokens`` random token ids (one document, position
-    ids 0..tokens-1; no LM head, no backward) under ``torch.autograd.graph.saved_tensors_hooks``: the distinct storages
-    saved, parameters and buffers left out. Every module, dtype cast, LoRA dropout and attention kernel of the real
-    step is in it. None where it cannot run: no decoder module (``base_model_prefix``), weights not on one device or
-    partitioned (DeepSpeed ZeRO-3), gradient checkpointing already on, or the forward fails. The RNG is left as it was.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = getattr(base, getattr(base, "base_model_prefix", "") or "model", None)
-    params = list(model.parameters())
-    checkpointing = getattr(base, "is_activation_checkpointing", None)  # transformers 5 (was is_gradient_checkpointing)
-    if (not isinstance(decoder, torch.nn.Module) or not params or checkpointing
-            or any(hasattr(p, "ds_numel") for p in params) or len({p.device for p in params}) != 1):
-        return None
-    device = params[0].device
-    layers = _dim(getattr(model, "config", None), "num_hidden_layers", "n_layer", default=1)
-    owned = {t.untyped_storage().data_ptr() for t in (*params, *model.buffers())}
-    saved: dict[int, int] = {}
+def parameter_figures(model, counted=None) -> dict:
+    """``{"total", "experts", "active", "expert_bytes", "expert_dtypes"}`` of ``model`` (:func:`sft.train.counting.
+    census`): parameters by their logical size (4-bit ones as the matrix they stand for, ZeRO-3's by ``ds_shape``),
+    those of routed experts, those a token runs (experts at ``top_k / E``), the bytes the experts are stored in and
+    their storage names (``bfloat16``; ``nf4`` under ``--q_lora``)."""
+    c = counted or census(model)
+    return {"total": c.total, "experts": c.expert_total, "active": c.active, "expert_bytes": c.expert_bytes,
+            "expert_dtypes": sorted(c.expert_dtypes)}
 
-    def pack(t):
-        try:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in owned and t.device.type != "meta":
-                saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
-        except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
-            pass
-        return t
-
-    vocab = max(2, min(_dim(model.config, "vocab_size", default=2), 1000))
-    was_training = model.training
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            ids = torch.randint(0, vocab, (1, tokens), device=device)
-            positions = torch.arange(tokens, device=device).unsqueeze(0)
-            model.train()
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = decoder(input_ids=ids, position_ids=positions, use_cache=False)
-            del out
-    except Exception as e:  # noqa: BLE001  (a model this probe does not fit: the formula plans instead)
-        logger.debug("memory plan: the forward probe failed (%s); planning from the model's shape", e)
-        return None
-    finally:
-        model.train(was_training)
-        if device.type == "cpu":
-            trim_heap()  # the saved tensors are freed; without this glibc keeps their pages resident into training
-    total = sum(saved.values()) / tokens
-    return total, total / max(1, layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,9 +294,12 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     frozen_base = sum(numel(p) for p in params) > 2 * n_trainable  # adapters, not the weights, are trained
     key = 2 if act_bytes <= 2 else 4
     per_token = int(saved_off * (BACKWARD_FACTOR_FROZEN[key] if frozen_base else BACKWARD_FACTOR))
+    recomputed = 0  # bytes of the recomputed layers when glibc unmaps their blocks (sft.train.activations)
     if checkpointing:  # every layer's input, and what one layer's recomputation and backward take (module docstring)
-        kept = (CHECKPOINTED_LAYERS_FROZEN if frozen_base else CHECKPOINTED_LAYERS)[key]
+        kept = checkpointed_layers((CHECKPOINTED_LAYERS_FROZEN if frozen_base else CHECKPOINTED_LAYERS)[key],
+                                   rank_tokens, h, act_bytes, device.type)
         per_token = min(per_token, int(layers * act_bytes * h + kept * layer))
+        recomputed = int(kept * layer * rank_tokens) if kept == CHECKPOINTED_LAYERS_MMAPPED else 0
     vocab = _dim(config, "vocab_size", default=0)
     # sft.model.loss: chunks of at most MAX_LOGIT_ELEMENTS logits (every token taken as supervised: an upper bound)
     if supervised_head:
@@ -415,11 +307,17 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     else:  # every position: logits, their fp32 upcast and the fp32 gradient of the log-softmax
         head_per_token, head_max = vocab * (act_bytes + 4 + 4), None
     head = head_per_token * rank_tokens if head_max is None else min(head_per_token * rank_tokens, head_max)
+    # the LM head's backward ends before the first recomputed layer's starts: with blocks unmapped when freed the step
+    # holds the larger of the two, not their sum (fp32 LoRA at 17,901 tokens, 8 layers: inputs + 2 layers)
+    head = max(0, head - recomputed)
+    counted = census(model)
+    activations = per_token * rank_tokens + chunk_buffer_bytes(counted.mixers, rank_tokens, checkpointing)
     return MemoryPlan(weights=int(weights), gradients=int(gradients), optimizer=int(optimizer),
-                      activations=int(per_token * rank_tokens), head=int(head), tokens=int(tokens),
+                      activations=int(activations), head=int(head), tokens=int(tokens),
                       per_token=int(per_token), checkpointing=checkpointing, available=int(available), where=where,
                       sequence_parallel=sp, world_size=w, head_per_token=int(head_per_token), head_max=head_max,
-                      optimizer_step=int(optimizer_step), staged=int(staged))
+                      optimizer_step=int(optimizer_step), staged=int(staged),
+                      parameters=parameter_figures(model, counted))
 
 
 def _worst(plans: list[MemoryPlan]) -> tuple[int, MemoryPlan]:
@@ -516,12 +414,3 @@ def choose_checkpointing(make_plan, requested: Optional[bool], mode: str = "refu
         logger.warning("%s", message)
         return on, mine, None
     raise SFTError(message)
-
-
-def probe_logged(model) -> Optional[tuple[float, float]]:
-    """:func:`measure_saved_bytes` of ``model``, logged (per token, in KiB); None where the probe fails."""
-    measured = measure_saved_bytes(model)
-    if measured is not None:
-        logger.info("memory plan: autograd keeps %.0f KiB per token for backward (measured over %d tokens)",
-                    measured[0] / 2 ** 10, PROBE_TOKENS)
-    return measured

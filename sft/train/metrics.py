@@ -20,16 +20,13 @@ each logging step, adds to the Trainer's log line (console, ``trainer_state.json
 At the end of training it writes ``loss_curve.png`` (training loss, and evaluation loss if any, per
 optimizer step) into ``--output_dir`` on global rank 0.
 
-FLOP convention (:func:`model_flops_per_token`): a linear layer with N weights costs 2N FLOPs per
-token forward (one multiply-add per weight). Backward costs 2N for the gradient w.r.t. its input and 2N
-for the gradient w.r.t. its weights (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
-on GPU Clusters using Megatron-LM", sec. 5.1: backward = 2 x forward). A trained layer therefore costs
-6N per token (Kaplan et al. 2020, C = 6N), a frozen one 4N (no weight gradient; LoRA's frozen base
-still propagates input gradients), so a LoRA run costs 4 N_frozen + 6 N_trainable per token. N counts the
-weights of every ``torch.nn.Linear`` (lm_head included; embedding lookups, norms and the attention
-score/value products are not counted, which understates the work by about 12 L d T / 6 N, ~5% for
-SmolLM2-135M at 200-token sequences). Recomputation under activation checkpointing is not counted
-(model FLOPs, not hardware FLOPs: Chowdhery et al. 2022, PaLM, appendix B).
+FLOP convention (:func:`model_flops_per_token`, :mod:`sft.train.counting`): a weight costs 2 FLOPs per token forward,
+2 backward for its input's gradient and, when trained, 2 for its own: ``4 N_frozen + 6 N_trainable`` per token over
+the linear (and convolution) weights, routed experts at ``top_k / E`` of theirs with the routers, plus 3x the forward
+FLOPs of the layers that carry a state (gated delta rule, KDA, Mamba/Mamba2: each by its own formula, linear in the
+length). Full attention's score/value products (quadratic in the length), embedding lookups and norms are not
+counted, nor recomputation under checkpointing (model FLOPs, not hardware FLOPs: Chowdhery et al. 2022, PaLM,
+appendix B).
 """
 from __future__ import annotations
 
@@ -42,6 +39,7 @@ from typing import Optional
 import torch
 from transformers import TrainerCallback
 
+from sft.train.counting import census, head_flops_per_token, model_flops_per_token  # noqa: F401  (re-exported)
 from sft.train.host_memory import trim_heap
 
 logger = logging.getLogger("sft")
@@ -67,19 +65,6 @@ def linear_weight_counts(model: torch.nn.Module) -> tuple[int, int]:
         elif type(m).__module__.startswith("gptqmodel.") and hasattr(m, "qweight"):
             frozen += m.in_features * m.out_features
     return frozen, trainable
-
-
-def model_flops_per_token(model: torch.nn.Module) -> int:
-    """Training FLOPs per token: ``4 * N_frozen + 6 * N_trainable`` over linear weights (module docstring)."""
-    frozen, trainable = linear_weight_counts(model)
-    return 4 * frozen + 6 * trainable
-
-
-def head_flops_per_token(model: torch.nn.Module) -> int:
-    """The LM head's share of :func:`model_flops_per_token` (``model.get_output_embeddings()`` and its adapter
-    layers, if any); 0 for a model without one."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    return model_flops_per_token(head) if isinstance(head, torch.nn.Module) else 0
 
 
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
@@ -247,6 +232,9 @@ class ThroughputCallback(TrainerCallback):
                  dtype: torch.dtype = torch.float32, supervised_head: bool = False):
         self.counter = TokenCounter().attach(model)
         self.flops_per_token = model_flops_per_token(model)
+        c = census(model)
+        self.counted = (f"{len(c.experts)} routed expert layers at top_k / E = "
+                        f"{min(k / e for _, e, k in c.experts):.3g}, " if c.experts else "")
         self.head_flops = head_flops_per_token(model) if supervised_head else 0
         self.peak_flops, self.dtype = peak_flops, dtype
         self.peak_source = "--peak_tflops" if peak_flops else None
@@ -261,9 +249,9 @@ class ThroughputCallback(TrainerCallback):
             self.peak_flops = measure_matmul_peak(self.dtype, self.device)
             self.peak_source = f"measured {str(self.dtype).replace('torch.', '')} matmul on {self.device.type}"
         if state.is_world_process_zero:
-            logger.info("throughput: %.3g GFLOP per trained token (4 N_frozen + 6 N_trainable, linear weights); "
-                        "peak %.2f TFLOP/s (%s)", self.flops_per_token / 1e9, (self.peak_flops or 0) / 1e12,
-                        self.peak_source)
+            logger.info("throughput: %.3g GFLOP per trained token (4 N_frozen + 6 N_trainable over the weights, %s"
+                        "3x the state-carrying mixers; sft.train.counting); peak %.2f TFLOP/s (%s)",
+                        self.flops_per_token / 1e9, self.counted, (self.peak_flops or 0) / 1e12, self.peak_source)
         # the peak of loading (weights, optimizer set-up) apart from the peak of the steps: the step lines below report
         # the peak since training started
         kind, self.load_peak = peak_memory_bytes(self.device)

@@ -325,5 +325,5 @@ def test_checkpointed_activations_are_every_layer_input_and_a_few_layers(llama):
     assert c.num_hidden_layers * 4 * c.hidden_size + CHECKPOINTED_LAYERS[4] * layer > 2 * layer * BACKWARD_FACTOR
     assert shallow.per_token == int(2 * layer * BACKWARD_FACTOR)  # two layers' worth: checkpointing saves nothing
     assert on.head == int(HEAD_BYTES_PER_LOGIT * c.vocab_size) * 10
-    big = plan(llama, tokens=10 ** 7, checkpointing=True, optim="sgd", held_available=(0, GIB, "test"))
+    big = plan(llama, tokens=10 ** 7, checkpointing=False, optim="sgd", held_available=(0, GIB, "test"))
     assert big.head == int(HEAD_BYTES_PER_LOGIT * MAX_LOGIT_ELEMENTS)
