@@ -108,7 +108,7 @@ def _own_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.Size, torc
 
 def _expert_shapes(module: torch.nn.Module) -> Optional[int]:
     """``E`` when ``module`` holds 3-D parameters ``[E, ., .]`` with one ``E >= 2`` itself (not a convolution)."""
-    if isinstance(module, torch.nn.modules.conv._ConvNd):
+    if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
         return None
     leading = {shape[0] for _, shape, _, _ in _own_params(module) if len(shape) == 3 and min(shape[1:]) >= 2}
     return leading.pop() if len(leading) == 1 and min(leading | {2}) >= 2 else None
