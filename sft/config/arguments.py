@@ -273,7 +273,7 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
         "all-to-all over heads; heads and KV heads divisible by N), all_gather (each rank's queries against the "
         "row's gathered keys and values; any head count), auto: ulysses where the heads allow, else all_gather."})
     moe_aux_loss_coef: Optional[float] = field(default=None, metadata={"help": "Mixture-of-experts load-balancing "
-        "loss weight, the aux loss weighted like the cross entropy over the global batch (docs/moe-routing.md). Unset: "
+        "loss weight, the aux loss weighted like the cross entropy over the global batch (docs/moe.md). Unset: "
         "the model's own (config router_aux_loss_coef) when the router is trained, 0 with a frozen router (LoRA)."})
     memory_check: str = field(default="refuse", metadata={"choices": ["refuse", "warn", "off"], "help": "A memory plan "
         "over 90%% of what is available (sft/train/memory_plan.py): exit 2 with the fixes, warn, or only log it. An "
