@@ -38,6 +38,7 @@ from sft.model.attention import (
     check_packing_support,
     use_packed_attention,
 )
+from sft.model.experts import mark_zero3_leaf_blocks
 from sft.model.loading import apply_lora, generation_config_for, load_model
 from sft.model.loss import use_supervised_head
 from sft.model.routing import model_aux_coef, resolve_aux_coef
@@ -168,6 +169,8 @@ def build_trainer(model_args, data_args, training_args, lora_args, runtime: Runt
     ``(trainer, tokenizer, eot_id)``."""
     data = prepare_data(model_args, data_args, training_args)
     model, collator = prepare_model(model_args, data_args, training_args, lora_args, runtime, data)
+    if training_args.deepspeed and training_args.parsed.zero_stage == 3:
+        log_zero3_leaf_blocks(mark_zero3_leaf_blocks(model))
     head = use_supervised_head(model, training_args.lm_head_supervised_only, fsdp=bool(training_args.fsdp))
     settings, sampler, n_micro = plan_memory(model, data.train, data_args, training_args, lora_args, settings, head)
     # LoRA trains the router only with --lora_router True (read with a default: the flag comes with expert LoRA)
@@ -177,6 +180,16 @@ def build_trainer(model_args, data_args, training_args, lora_args, runtime: Runt
                            aux if model_aux_coef(model) is not None else None)
     log_run_shape(settings, runtime, len(data.train), training_args.max_steps, training_args.num_train_epochs, n_micro)
     return trainer, data.tok, data.eot
+
+
+def log_zero3_leaf_blocks(blocks: list) -> None:
+    """One line naming the mixture-of-experts blocks ZeRO-3 gathers whole (:func:`sft.model.experts.
+    mark_zero3_leaf_blocks`); nothing for a dense model."""
+    if blocks:
+        kinds = ", ".join(sorted({type(b).__name__ for _, b in blocks}))
+        logger.info("ZeRO-3: %d mixture-of-experts blocks are leaf modules (%s): each gathers all its experts' "
+                    "parameters on entry, also on a rank whose tokens reach no token of some expert", len(blocks),
+                    kinds)
 
 
 def trainer_for(model_args, data_args, training_args, lora_args, callbacks: Sequence = (),

@@ -54,7 +54,8 @@ def is_experts_module(module: torch.nn.Module) -> bool:
 
 def expert_parameter_names(module: torch.nn.Module) -> list[str]:
     """The names of ``module``'s own 3-D parameters (also those replaced by a parametrization, e.g. 4-bit)."""
-    own = [n for n, p in module.named_parameters(recurse=False) if p.ndim == 3]
+    # a parameter partitioned by ZeRO-3 (deepspeed.zero.Init) is an empty placeholder; its shape is in ``ds_shape``
+    own = [n for n, p in module.named_parameters(recurse=False) if len(getattr(p, "ds_shape", p.shape)) == 3]
     parametrized = getattr(module, "parametrizations", None) or {}
     return own + [n for n in parametrized.keys() if n not in own and len(expert_shape(module, n)) == 3]
 
@@ -73,11 +74,49 @@ def expert_shape(module: torch.nn.Module, name: str) -> torch.Size:
     return getattr(p, "ds_shape", p.shape)
 
 
+def experts_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The mixture-of-experts blocks of ``model`` (any wrapper around a transformers model, peft's included):
+    ``[(qualified name in model, block)]`` in module order, a block being the parent of an experts module (a child
+    that is one, or peft's wrapper around one, see :func:`is_experts_module`); empty for a dense model. Found by
+    structure, also when ZeRO-3 has partitioned the parameters (their ``ds_shape``)."""
+    found = []
+    for name, parent in model.named_modules():
+        if isinstance(getattr(parent, "base_layer", None), torch.nn.Module):
+            continue  # a peft wrapper (around an experts module, or around another wrapper), not a block
+        for child in parent.children():
+            while isinstance(getattr(child, "base_layer", None), torch.nn.Module):  # peft's wrappers
+                child = child.base_layer
+            if is_experts_module(child):
+                found.append((name, parent))
+                break
+    return found
+
+
+def mark_zero3_leaf_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Flag every mixture-of-experts block of ``model`` (:func:`experts_blocks`) as a ZeRO-3 leaf module; call it
+    before ``deepspeed.initialize`` (the Trainer's ``train``), which installs ZeRO-3's hooks.
+
+    ZeRO-3 gathers a module's parameters in that module's forward hook and prefetches in the order it traced. A
+    leaf module (``deepspeed.utils.set_z3_leaf_modules_by_name``, deepspeed 0.19.8: sets ``module._z3_leaf``; no
+    hook below it) gathers every parameter under it on entry: the whole expert stack and its LoRA factors, which
+    the expert LoRA forward (:mod:`sft.model.expert_lora`) reads as tensors, never by calling their modules; and a
+    rank whose tokens reach no token of some expert gathers what the other ranks gather, so no collective waits
+    for it. DeepSpeed flags three classes by default (Mixtral, Qwen2-MoE, Qwen3-MoE); this flags every block found
+    by structure, whatever its class. Returns the blocks flagged ``[(name, block)]`` (empty for a dense model)."""
+    from deepspeed.utils import set_z3_leaf_modules_by_name
+
+    blocks = experts_blocks(model)
+    if blocks:
+        set_z3_leaf_modules_by_name(model, [name for name, _ in blocks])
+    return blocks
+
+
 def _gate_kind(child: torch.nn.Module, num_experts: int) -> bool:
     w = getattr(child, "weight", None)
-    if not isinstance(w, torch.Tensor) or w.ndim != 2 or any(True for _ in child.children()):
+    shape = getattr(w, "ds_shape", getattr(w, "shape", ()))
+    if not isinstance(w, torch.Tensor) or len(shape) != 2 or any(True for _ in child.children()):
         return False
-    return w.shape[0] in (num_experts, 1)
+    return shape[0] in (num_experts, 1)
 
 
 def lora_candidates(model: torch.nn.Module, is_linear: Callable[[torch.nn.Module], bool]) -> list[Target]:
@@ -169,7 +208,7 @@ def peft_targets(model: torch.nn.Module, chosen: list[Target]) -> tuple[object, 
     hit = {n for n in module_paths if any(n == s or n.endswith("." + s) for s in short)}
     target_modules = short if hit == set(mods) else "^(" + "|".join(re.escape(p) for p in mods) + ")$"
     param_paths = [f"{n}.{p}" for n, m in model.named_modules() for p in expert_parameter_names(m)] + [
-        n for n, p in model.named_parameters() if p.ndim == 2]
+        n for n, p in model.named_parameters() if len(getattr(p, "ds_shape", p.shape)) == 2]
     short_p = sorted({".".join(p.split(".")[-2:]) for p in params})
     hit_p = {n for n in param_paths if any(n.endswith("." + s) for s in short_p)}
     parametrized = any(hasattr(model.get_submodule(p.rpartition(".")[0]), "parametrizations") for p in params)

@@ -38,10 +38,11 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _shapes(module: torch.nn.Module):
-    """The shapes of a module's own parameters; a parametrized one's as it stands for (torch's parametrize: the
-    ``original``'s, or a bitsandbytes 4-bit parametrization's ``quant_state.shape``)."""
+    """The shapes of a module's own parameters (a ZeRO-3 partitioned one's ``ds_shape``); a parametrized one's as it
+    stands for (torch's parametrize: the ``original``'s, or a bitsandbytes 4-bit parametrization's
+    ``quant_state.shape``)."""
     for p in module.parameters(recurse=False):
-        yield tuple(p.shape)
+        yield tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 leaves an empty placeholder, the shape in ds_shape
     for plist in getattr(module, "parametrizations", {}).values():
         state = next((q.quant_state for q in plist if getattr(q, "quant_state", None) is not None), None)
         yield tuple(state.shape) if getattr(state, "shape", None) is not None else tuple(plist.original.shape)

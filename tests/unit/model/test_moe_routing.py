@@ -8,6 +8,7 @@ the loss sum run in another order than over the whole logits; micro batches add 
 import pytest
 import torch
 
+from sft.model.experts import experts_blocks, mark_zero3_leaf_blocks
 from sft.model.loss import compute_supervised_loss, supports_supervised_head
 from sft.model.routing import aux_free_routers, model_aux_coef, resolve_aux_coef, routers, weighted_aux
 from sft.train.routing_health import RoutingCounter, routing_line
@@ -50,6 +51,25 @@ def test_routers_found_by_structure(model_type):
     assert aux_free_routers(model) == (layers if bias else 0)
     assert model_aux_coef(model) == coef
     assert supports_supervised_head(model) == (model_type in FAST_HEAD)
+    # the blocks ZeRO-3 gathers whole: each router's parent, flagged as DeepSpeed leaf modules (sft.model.experts)
+    blocks = experts_blocks(model)
+    assert [n for n, _ in blocks] == [n.rpartition(".")[0] for n, _, _ in found]
+    assert [b for _, b in mark_zero3_leaf_blocks(model)] == [b for _, b in blocks]
+    assert [m for m in model.modules() if getattr(m, "_z3_leaf", False)] == [b for _, b in blocks]
+
+
+def test_experts_and_routers_found_in_zero3_placeholders():
+    """ZeRO-3 loads inside deepspeed.zero.Init: every parameter an empty placeholder, its shape in ``ds_shape``."""
+    from sft.model.experts import lora_candidates
+
+    model = tiny_model("deepseek_v3", vocab_size=VOCAB)
+    want = [(t.path, t.kind) for t in lora_candidates(model, lambda m: isinstance(m, torch.nn.Linear))]
+    for p in model.parameters():
+        p.ds_shape = p.shape
+        p.data = torch.empty(0)
+    got = [(t.path, t.kind) for t in lora_candidates(model, lambda m: isinstance(m, torch.nn.Linear))]
+    assert got == want and any(kind == "experts" for _, kind in got) and any(kind == "router" for _, kind in got)
+    assert [e for _, _, e in routers(model)] == [8] and len(experts_blocks(model)) == 1
 
 
 def test_aux_coefficient_defaults_and_refusals():
