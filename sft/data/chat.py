@@ -20,6 +20,7 @@ import weakref
 from typing import Optional, Sequence
 
 from sft.data.chat_template import CHATML_TEMPLATE, compile_template, content_is_opaque  # noqa: F401 (re-exported)
+from sft.data.vocab import has_token
 from sft.errors import TemplateError
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,7 @@ def ensure_chat_template(tokenizer) -> bool:
         return False
     logger.info("the tokenizer has no chat template: using ChatML (<|im_start|>{role}\\n{content}<|im_end|>\\n)")
     tokenizer.chat_template = CHATML_TEMPLATE
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in (IM_START, IM_END) if t not in vocab]
+    missing = [t for t in (IM_START, IM_END) if not has_token(tokenizer, t)]
     if missing:
         logger.warning("adding ChatML tokens %s to the vocabulary; their embeddings will be trained", missing)
         tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)

@@ -11,6 +11,7 @@ from sft.compat.peft import register_custom_lora_layer, without_gptqmodel, witho
 from sft.data.chat import ENDOFTEXT, chat_token_ids, ensure_chat_template
 from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
 from sft.data.end_tokens import end_of_turn_id, model_end_ids
+from sft.data.vocab import special_only_size
 from sft.errors import SFTError, explain_load_errors
 from sft.logs import release_import_notices
 from sft.model.architecture import auto_class_of, freeze_non_text, inside_text, linear_names_outside_text
@@ -114,10 +115,9 @@ def require_vocabulary(tok, path: str, fix: str) -> None:
     Raises:
         SFTError: naming ``path`` and ``fix``.
     """
-    vocab = tok.get_vocab()
-    if not vocab or set(vocab.values()) <= set(tok.all_special_ids):
+    if (size := special_only_size(tok)) is not None:
         raise SFTError(f"{path}: cannot load the tokenizer: the folder has no tokenizer files (no tokenizer.json, "
-                       f"vocabulary or tokenizer model; it loads as {len(vocab)} special token(s) only); {fix}")
+                       f"vocabulary or tokenizer model; it loads as {size} special token(s) only); {fix}")
 
 
 def choose_pad_token(tok, eot_id: int) -> bool:

@@ -19,10 +19,16 @@ from sft.logs import setup_logging
 
 
 def main():
-    report_dir, argv = os.environ["SFT_TEST_REPORT_DIR"], sys.argv[1:]
-    args = parse_args(argv)
     setup_logging()
-    trainer, tok, eot = trainer_for(*args)
+    record(sys.argv[1:], os.environ["SFT_TEST_REPORT_DIR"])
+    finish_process_group()
+
+
+def record(argv: list, report_dir: str) -> None:
+    """Train with the flags ``argv`` and write the report into ``report_dir``; one process (N = 1) calls it in the
+    test's own process (tests/integration/distributed/test_sequence_parallel.py: no interpreter and imports of its
+    own), each rank under torchrun through :func:`main`."""
+    trainer, tok, eot = trainer_for(*parse_args(argv))
     shapes = []
     collate = trainer.data_collator
 
@@ -49,7 +55,6 @@ def main():
                    "grad_norms": [h["grad_norm"] for h in log if "grad_norm" in h], "row_tokens": shapes,
                    "attention": str(getattr(config, "_attn_implementation", "?")),
                    "eval_loss": [h["eval_loss"] for h in log if "eval_loss" in h]}, f)
-    finish_process_group()
 
 
 if __name__ == "__main__":

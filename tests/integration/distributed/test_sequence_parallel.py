@@ -5,7 +5,7 @@ fine-tuning under ZeRO-2 and FSDP2, both attentions (Ulysses, all-gather) and gr
 evaluation loss.
 
 Each run costs ~15-30 s on 2 cores (tests/helpers/sp_worker.py under torchrun); the N = 1 references run once per
-layout (module fixtures)."""
+layout (module fixtures), in this process (``record``: three trainings without three interpreters' imports)."""
 import json
 import os
 import subprocess
@@ -33,14 +33,21 @@ def train(tmp, model_dir, data, nproc: int, sp: int, extra: list) -> dict:
             "--per_device_train_batch_size", "4", "--max_steps", "3", "--report_to", "none", "--save_strategy", "no",
             "--logging_steps", "1", "--disable_tqdm", "True", "--bf16", "False", "--seed", "1",
             "--sequence_parallel_size", str(sp), *extra]
-    launch = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port())]
-    r = subprocess.run([*launch, WORKER, *args], capture_output=True, text=True, timeout=300,
-                       env=pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1", "SFT_TEST_REPORT_DIR": str(report)}))
-    assert r.returncode == 0, r.stderr[-4000:]
+    if nproc == 1:  # the N = 1 reference: trained in this process (the same Trainer; no interpreter of its own)
+        from tests.helpers.sp_worker import record
+
+        record(args, str(report))
+        log = ""
+    else:
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), WORKER, *args],
+                           capture_output=True, text=True, timeout=300,
+                           env=pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1",
+                                               "SFT_TEST_REPORT_DIR": str(report)}))
+        assert r.returncode == 0, r.stderr[-4000:]
+        log = r.stderr
     ranks = [json.load(open(report / f"rank{i}.json")) for i in range(nproc)]
-    return {"ranks": ranks, "weights": torch.load(report / "weights.pt"), "log": r.stderr}
+    return {"ranks": ranks, "weights": torch.load(report / "weights.pt"), "log": log}
 
 
 @pytest.fixture(scope="module")

@@ -171,3 +171,25 @@ def test_a_tokenizer_without_template_or_chatml_tokens_gets_both():
     assert ids == [3, 4] and set(ids) <= set(tok.all_special_ids)
     assert end_of_turn_id(tok) == 4
     assert ensure_chat_template(tok) is False  # has a template now: nothing added
+
+
+def test_vocabulary_questions_answered_from_the_backend_match_get_vocab():
+    """sft/data/vocab.py answers without get_vocab() where the backend can; the answers are get_vocab()'s: a token
+    present or not (added tokens included), and a vocabulary of special tokens only (refused by load_tokenizer)
+    told from an ordinary one."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from sft.data.vocab import has_token, special_only_size
+
+    def fast(vocab, **special):
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
+                                       unk_token="[UNK]", **special)
+
+    tok = fast({"[UNK]": 0, "hi": 1, "there": 2})
+    tok.add_special_tokens({"extra_special_tokens": ["<|im_end|>"]})
+    for t in ("hi", "<|im_end|>", "bye"):
+        assert has_token(tok, t) == (t in tok.get_vocab())
+    assert special_only_size(tok) is None
+    only = fast({"[UNK]": 0, "<s>": 1}, bos_token="<s>")
+    assert special_only_size(only) == len(only.get_vocab()) == 2
