@@ -359,8 +359,9 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.shape == MOE_LAYER:
-        return moe_bench().layer_row(a.tiny, device.type, torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
-                         a.out or tempfile.mkdtemp(prefix="sft-gpu-bench-"), a.time_limit_s)
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+        return moe_bench().layer_row(a.tiny, device.type, name, a.out or tempfile.mkdtemp(prefix="sft-gpu-bench-"),
+                                     a.time_limit_s)
     t_start = time.perf_counter()
     if not os.path.exists(a.data):
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prepare_example.py")], check=True, cwd=ROOT)
