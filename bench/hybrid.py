@@ -41,6 +41,8 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps per arm (after one warm-up)")
     p.add_argument("--target", type=float, default=1.3, help="the per-doc / padded ratio the issue allows")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="then one step of each arm under torch.profiler: the "
+                   "operators with the most CPU time (self), to say where a ratio comes from")
     a = p.parse_args(argv)
     if a.hidden % 64 or a.docs < 1 or a.max_len < 2 or a.steps < 1:
         p.error("--hidden must be a multiple of 64, --docs and --steps >= 1, --max_len >= 2")
@@ -109,6 +111,18 @@ def step(model, kwargs) -> float:
     return time.perf_counter() - t
 
 
+def profile(model, kwargs, top: int = 8) -> str:
+    """One step of ``model`` under ``torch.profiler``: the ``top`` operators by self CPU time, on one line."""
+    from torch.profiler import ProfilerActivity, profile as run
+
+    with run(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, kwargs)
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
+    return f"    {total:.2f} s in operators; " + "; ".join(
+        f"{e.key} {e.self_cpu_time_total / 1e6:.2f} s x{e.count}" for e in rows)
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     import torch
@@ -135,6 +149,9 @@ def main(argv=None) -> int:
         note = "" if switched else " (attention not switched: per-document by mask)"
         print(f"{family:<14}{', '.join(kinds) or 'none':<34}{med['padded']:>10.3f}{med['per-doc']:>11.3f}"
               f"{ratio:>7.2f}x  {'met' if ok else 'MISSED'} (<= {a.target}x){note}", flush=True)
+        if a.profile:
+            for name, (m, kw) in arms.items():
+                print(f"  {name}:\n{profile(m, kw)}", flush=True)
         del padded, per_doc
     return 1 if missed else 0
 
