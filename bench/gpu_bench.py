@@ -17,9 +17,9 @@ Two shapes of today's models (issues 51 and 52):
 * ``qwen3.5-hybrid`` -- a Qwen3.5-shaped hybrid at real width (transformers' ``Qwen3_5TextConfig`` defaults:
   width 4096, Gated DeltaNet and full attention 3:1) with 8 layers (6 linear-attention, 2 full-attention) and
   Qwen3.5's embedding size (248,320 rows; the Qwen tokenizer's ids within it); default rows ``bf16`` (padding-free:
-  attention and the token mixers per document, :mod:`sft.model.token_mixers`) against ``bf16-padded-sdpa`` (padded). The gated delta rule runs
-  flash-linear-attention's kernels where ``fla`` is installed (``pip install -e '.[hybrid-gpu]'``; the device line
-  says), else transformers' torch path;
+  attention and the token mixers per document, :mod:`sft.model.token_mixers`) against ``bf16-padded-sdpa`` (padded).
+  The gated delta rule runs flash-linear-attention's kernels where ``fla`` is installed (``pip install -e
+  '.[hybrid-gpu]'``; the device line says), else transformers' torch path;
 * ``qwen3-30b-a3b-layer`` -- one full-size Qwen3-30B-A3B MoE layer (width 2048, E = 128 experts of 768, top-8),
   4,096 tokens, LoRA r 16, bf16: bench/moe.py's layer arms ``grouped`` (frozen, transformers' ``grouped_mm``),
   ``peft`` (peft's ``ParamWrapper``) and ``ours`` (:mod:`sft.model.expert_lora`), time and peak memory per
