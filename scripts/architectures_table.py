@@ -12,6 +12,13 @@ decides for it:
   to the per-document implementation, and the token mixers run per document; otherwise micro batches are padded;
 * sequence parallelism: refused for token mixers (:func:`sft.model.token_mixers.sequence_parallel_problem`) and
   for attention that cannot be switched;
+* mixture of experts: the experts modules :func:`sft.model.experts.is_experts_module` finds (3-D parameters [E, ...]
+  transformers runs as experts), and whether ``--use_lora True``'s default targets
+  (:func:`sft.model.experts.choose_targets`) adapt them; 3-D parameters that are neither experts nor convolution
+  weights are named (the rule does not see them);
+* Q-LoRA (``--q_lora True``): bitsandbytes' 4-bit loading stores the ``nn.Linear`` layers in NF4 (not the output
+  embedding), :func:`sft.model.experts.quantize_experts` the experts modules' 3-D parameters; anything else stays in
+  its dtype;
 * covered by tests: the families built by ``tests/helpers/families.py`` and the tests' tiny Qwen2 / Llama / Gemma2.
 
 Families that have a tiny shape in ``tests/helpers/families.py`` are built from it (their layer pattern), the others
@@ -54,18 +61,67 @@ def family_config(model_type: str):
 
 
 def family_row(model_type: str) -> dict:
-    """One family's decisions: ``{"kinds": [...], "packed": bool, "mask": bool}`` (``mask``: the model class takes
-    transformers' attention backends, so ``--packing`` gets the block-diagonal mask from the position ids). Raises
-    what transformers raises when the config cannot be built."""
+    """One family's decisions: ``{"kinds": [...], "packed": bool, "mask": bool, **moe_facts(model)}`` (``mask``: the
+    model class takes transformers' attention backends, so ``--packing`` gets the block-diagonal mask from the
+    position ids). Raises what transformers raises when the config cannot be built."""
     from sft.model.attention import use_packed_attention
     from sft.model.token_mixers import meta_model, mixer_kinds
 
     model = meta_model(family_config(model_type))
     mask = bool(getattr(model, "_supports_sdpa", False) or getattr(model, "_supports_attention_backend", False))
-    return {"kinds": mixer_kinds(model), "packed": use_packed_attention(model), "mask": mask}
+    return {"kinds": mixer_kinds(model), "packed": use_packed_attention(model), "mask": mask, **moe_facts(model)}
 
 
-def _cells(row: dict) -> tuple[str, str, str, str]:
+def moe_facts(model) -> dict:
+    """What the expert rule finds in ``model`` (built on the meta device): ``experts`` (the experts' 3-D parameter
+    names), ``num_experts`` (E, from the experts modules), ``lora_experts`` (the default LoRA targets include them),
+    ``linears`` (``nn.Linear`` layers other than the output embedding: bitsandbytes' 4-bit loading stores them NF4)
+    and ``other_3d`` (3-D parameters that are neither experts nor convolution weights: left in their dtype, not
+    adapted by the expert rule)."""
+    import torch
+
+    from sft.model.experts import choose_targets, expert_parameter_names, is_experts_module, lora_candidates
+
+    experts, num, seen = [], set(), set()
+    for m in model.modules():
+        if is_experts_module(m):
+            num.add(int(m.num_experts))
+            experts += [n for n in expert_parameter_names(m) if n not in experts]
+            seen.update(id(p) for p in m.parameters(recurse=False))
+    convs = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    other = sorted({".".join(n.split(".")[-2:]) for mn, m in model.named_modules() if not isinstance(m, convs)
+                    for n, p in m.named_parameters(prefix=mn, recurse=False) if p.ndim == 3 and id(p) not in seen})
+    candidates = lora_candidates(model, lambda m: isinstance(m, torch.nn.Linear))
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {"experts": experts, "num_experts": sorted(num),
+            "lora_experts": any(t.kind == "experts" for t in choose_targets(candidates, None, router=False)),
+            "linears": any(isinstance(m, torch.nn.Linear) and m is not out_emb for m in model.modules()),
+            "other_3d": other}
+
+
+def _moe_cells(row: dict) -> tuple[str, str]:
+    """The MoE and Q-LoRA cells of :func:`family_row`'s facts."""
+    other = ", ".join(f"`{n}`" for n in row["other_3d"])
+    if row["experts"]:
+        names = ", ".join(f"`{n}`" for n in row["experts"])
+        e = "/".join(str(n) for n in row["num_experts"])
+        moe = f"yes: E={e}, {names}; LoRA " + ("adapts them by default" if row["lora_experts"] else "not by default")
+    else:
+        moe = "no 3-D experts"
+    if other:
+        moe += f"; 3-D {other} not taken for experts"
+    stored = [s for s, ok in (("experts", row["experts"]), ("linears", row["linears"])) if ok]
+    qlora = (" + ".join(stored) + " NF4") if stored else "nothing 4-bit"
+    if other:
+        qlora += f"; {other} stay in their dtype"
+    return moe, qlora
+
+
+def _cells(row: dict) -> tuple[str, ...]:
+    return _mixer_cells(row) + _moe_cells(row)
+
+
+def _mixer_cells(row: dict) -> tuple[str, str, str, str]:
     kinds = row["kinds"]
     mixers = ", ".join(f"`{k}`" for k in kinds) if kinds else "none found"
     if not row["packed"]:
@@ -87,7 +143,8 @@ def render() -> str:
     transformers.logging.set_verbosity_error()
     tested = tested_families()
     lines = ["| family (`model_type`) | tested | layers carrying a state (found) | padding-free / packed, CPU | "
-             "padding-free / packed, CUDA | sequence parallelism |", "|---|---|---|---|---|---|"]
+             "padding-free / packed, CUDA | sequence parallelism | MoE (3-D experts) | Q-LoRA (`--q_lora`) |",
+             "|---|---|---|---|---|---|---|---|"]
     failed = []
     for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         try:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from tests.helpers.data import TOY, write_jsonl
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_bench_module
 
 
 def test_tiny_7b_shape_rows_run_on_cpu_and_write_table_and_json(tmp_path):
@@ -30,3 +30,17 @@ def test_tiny_7b_shape_rows_run_on_cpu_and_write_table_and_json(tmp_path):
     table = (out / "table.txt").read_text()
     assert "profile of step 2:" in table and table in p.stdout + "\n"
     assert "target ours default >= 40% MFU of the measured bf16 peak (Qwen2.5-7B shape): not judged (--tiny" in table
+
+
+def test_tiny_moe_layer_shape_runs_its_three_arms_on_cpu(tmp_path):
+    """Issue 52 item 11's row at --tiny (bench/moe.py's layer arms; the hybrid shape's config and plan are checked in
+    tests/unit/bench/test_gpu_bench.py, its padding-free training in tests/integration/app/test_hybrid.py)."""
+    out = tmp_path / "moe"  # gpu_bench in this process (one interpreter start less), bench/moe.py in its own
+    rc = load_bench_module("gpu_bench").main(["--shape", "qwen3-30b-a3b-layer", "--tiny", "--out", str(out),
+                                              "--time_limit_s", "400"])
+    assert rc == 0, (out / "table.txt").read_text()[-3000:]
+    layer = json.loads((out / "results.json").read_text())["moe_layer"]
+    assert (layer["experts"], layer["top_k"], layer["r"], layer["dtype"]) == (128, 8, 16, "fp32")
+    assert [r["arm"] for r in layer["arms"]] == ["grouped", "peft", "ours"]
+    assert all(r["tokens_per_s"] > 0 and r["step_ms"] > 0 for r in layer["arms"])
+    assert "MoE layer: hidden 64, 128 experts of 32, top-8, 64 tokens, LoRA r 16" in (out / "table.txt").read_text()

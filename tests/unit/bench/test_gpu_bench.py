@@ -75,3 +75,26 @@ def test_each_target_gets_a_verdict(gpu_bench):
     # torch 2.13 has varlen_attn: a GPU without the flash-attn package takes it
     assert gpu_bench.attention_path() == ("one flash-attn varlen call per layer" if flash_varlen_available()
                                           else "one torch varlen_attn call per layer")
+
+
+def test_hybrid_shape_is_qwen35_at_real_width_with_both_layer_kinds(gpu_bench, capsys):
+    """--shape qwen3.5-hybrid (issue 51, item 7): transformers' Qwen3.5 config at width 4096, linear and full
+    attention, built on the meta device; its default rows are padding-free against padded; --tiny keeps both kinds."""
+    import transformers
+
+    kind, values = gpu_bench.SHAPES["qwen3.5-hybrid"]
+    config = getattr(transformers, kind)(**values)
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("qwen3_5_text", 4096, 8)
+    assert set(config.layer_types) == {"linear_attention", "full_attention"}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    kinds = {type(layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn).__name__
+             for layer in model.model.layers}
+    assert kinds == {"Qwen3_5GatedDeltaNet", "Qwen3_5Attention"}
+    tiny = getattr(transformers, kind)(**{**values, **gpu_bench.TINY, **gpu_bench.TINY_SHAPE["qwen3.5-hybrid"]})
+    assert tiny.layer_types == ["linear_attention", "full_attention"] and tiny.hidden_size == 64
+    assert gpu_bench.parse(["--shape", "qwen3.5-hybrid"]).rows == ["bf16", "bf16-padded-sdpa"]
+    assert gpu_bench.main(["--shape", "qwen3-30b-a3b-layer", "--dry_run"]) == 0
+    plan = capsys.readouterr().out
+    assert "--hidden 2048 --expert_dim 768 --tokens 4096" in plan and "--experts 128 --top_k 8 --r 16" in plan
+    assert "--dtype bf16 --arms grouped peft ours" in plan
