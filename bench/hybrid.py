@@ -66,7 +66,6 @@ def build(family: str, a):
     Also the mixer kinds and whether attention was switched."""
     import torch
 
-    sys.path.insert(0, ROOT)
     from sft.model.attention import use_packed_attention
     from sft.model.token_mixers import keep_documents_apart
     from tests.helpers.families import tiny_model
@@ -157,4 +156,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # the repository's packages (sft, tests.helpers)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONPATH": ROOT})
     sys.exit(main())
