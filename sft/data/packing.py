@@ -296,3 +296,21 @@ def flat_offsets(bounds, row_len: int) -> list[int]:
     """``cu_seqlens`` as a list: where each document of ``bounds`` (:func:`document_bounds`) starts in the rows
     flattened one after the other (``row_len`` tokens each), and the total at the end."""
     return [r * row_len + s for r, docs in enumerate(bounds) for s, _ in docs] + [len(bounds) * row_len]
+
+
+def cu_seqlens_bounds(offsets: list[int], batch_size: int, row_len: int) -> list[list[tuple[int, int]]]:
+    """The documents of each row, as :func:`document_bounds` gives them, from flat ``cu_seqlens`` offsets (the
+    collators' ``cu_seq_lens_q``: ``[0, end_1, ..., batch_size * row_len]`` over the flattened rows).
+
+    Raises ValueError (naming the offsets) when they do not cut ``batch_size`` rows of ``row_len`` tokens into whole
+    documents, or do not cover them."""
+    bounds: list[list[tuple[int, int]]] = [[] for _ in range(batch_size)]
+    for s, e in zip(offsets, offsets[1:]):
+        r = s // row_len
+        if e <= s or r >= batch_size or (e - 1) // row_len != r:
+            raise ValueError(f"cu_seq_lens_q {offsets} does not cut {batch_size} row(s) of {row_len} tokens into "
+                             "whole documents")
+        bounds[r].append((s - r * row_len, e - r * row_len))
+    if not offsets or offsets[0] != 0 or offsets[-1] != batch_size * row_len:
+        raise ValueError(f"cu_seq_lens_q {offsets} does not cover {batch_size} row(s) of {row_len} tokens")
+    return bounds

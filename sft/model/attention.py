@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from sft.compat.transformers import attn_implementation
-from sft.data.packing import document_bounds, flat_offsets  # noqa: F401  (the packed batch's format)
+from sft.data.packing import cu_seqlens_bounds, document_bounds, flat_offsets  # noqa: F401  (the packed batch's format)
 from sft.errors import ConfigError
 from sft.model.token_mixers import current_documents
 
@@ -121,17 +121,10 @@ _BOUNDS_CACHE: list = [None, None]  # [the cu_seq_lens tensor, its bounds]
 def _bounds_from_cu_seqlens(cu: torch.Tensor, batch_size: int, row_len: int) -> list[list[tuple[int, int]]]:
     if _BOUNDS_CACHE[0] is cu:
         return _BOUNDS_CACHE[1]
-    offsets = [int(x) for x in cu.tolist()]
-    bounds: list[list[tuple[int, int]]] = [[] for _ in range(batch_size)]
-    for s, e in zip(offsets, offsets[1:]):
-        r = s // row_len
-        if e <= s or r >= batch_size or (e - 1) // row_len != r:
-            raise ValueError(f"attention '{PACKED_ATTENTION}': cu_seq_lens_q {offsets} does not cut {batch_size} "
-                             f"row(s) of {row_len} tokens into whole documents")
-        bounds[r].append((s - r * row_len, e - r * row_len))
-    if offsets[0] != 0 or offsets[-1] != batch_size * row_len:
-        raise ValueError(f"attention '{PACKED_ATTENTION}': cu_seq_lens_q {offsets} does not cover {batch_size} "
-                         f"row(s) of {row_len} tokens")
+    try:
+        bounds = cu_seqlens_bounds([int(x) for x in cu.tolist()], batch_size, row_len)
+    except ValueError as e:
+        raise ValueError(f"attention '{PACKED_ATTENTION}': {e}") from None
     _BOUNDS_CACHE[0], _BOUNDS_CACHE[1] = cu, bounds
     return bounds
 

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from sft.data.packing import document_bounds
+from sft.data.packing import cu_seqlens_bounds, document_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +115,10 @@ class _Bounds:
         batch, row_len = ref.shape[0], ref.shape[1]
         cu, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
         if cu is not None:
-            offsets = [int(x) for x in cu.tolist()]
-            rows: list[list[tuple[int, int]]] = [[] for _ in range(batch)]
-            for s, e in zip(offsets, offsets[1:]):
-                r = s // row_len
-                if e <= s or r >= batch or (e - 1) // row_len != r:
-                    raise ValueError(f"per-document layers: cu_seq_lens_q {offsets} does not cut {batch} row(s) of "
-                                     f"{row_len} tokens into whole documents")
-                rows[r].append((s - r * row_len, e - r * row_len))
+            try:
+                rows = cu_seqlens_bounds([int(x) for x in cu.tolist()], batch, row_len)
+            except ValueError as e:
+                raise ValueError(f"per-document layers: {e}") from None
         elif pos is not None:
             pos = pos[0] if pos.dim() == 3 else pos  # multimodal rope: [sections, batch, len], the same per section
             rows = document_bounds(pos, batch)
