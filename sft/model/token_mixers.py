@@ -12,14 +12,18 @@ that holds such a convolution. Recurrences without such a convolution (RWKV, xLS
 
 :func:`keep_documents_apart` replaces each token mixer's ``forward`` (on the instance: parameter names, LoRA
 wrapping and gradient-checkpointing recompute are untouched) by one that, on a row holding several documents, runs
-the original forward once per document: a ``[1, doc_len, hidden]`` slice of the hidden states with a fresh state,
-position-sized tensor arguments sliced alike, the boundary arguments (``cu_seq_lens_q/k``, ``max_length_q/k``,
-``seq_idx``, ``cu_seqlens``) dropped, the outputs concatenated back. Exact by construction: each document goes through
-the very computation it would alone. On CUDA too: transformers 5.24 passes ``cu_seq_lens_q`` to
-flash-linear-attention's gated delta rule, but its causal convolution (``causal_conv1d_fn``, torch or the
-``causal-conv1d`` package) gets neither ``cu_seqlens`` nor ``seq_idx`` from Qwen3.5's layer, so its kernel path
-would still leak at the convolution; the per-document path is the one used everywhere (a Python loop over the
-documents of the micro batch in each such layer).
+the original forward on the documents cut apart: each document a ``[1, doc_len, hidden]`` slice of the hidden states
+with a fresh state (position-sized tensor arguments sliced alike, the boundary arguments ``cu_seq_lens_q/k``,
+``max_length_q/k``, ``seq_idx``, ``cu_seqlens`` dropped), documents of similar lengths right-padded with zeros into one
+``[documents, longest, hidden]`` batch (:func:`plan_groups`: at most :data:`PAD_WASTE` times their real positions),
+the outputs cut back to each document's length and put back in place. Exact by construction: each document goes
+through the very computation it would alone (every such layer is causal, so the zeros after a document's end never
+reach its positions, and their outputs, dropped, send no gradient back). The cost is that of a padded batch on those
+documents: one call per group, the group's longest document of sequential steps for a recurrence that steps position
+by position. On CUDA too: transformers 5.24 passes ``cu_seq_lens_q`` to flash-linear-attention's gated delta rule,
+but its causal convolution (``causal_conv1d_fn``, torch or the ``causal-conv1d`` package) gets neither ``cu_seqlens``
+nor ``seq_idx`` from Qwen3.5's layer, so its kernel path would still leak at the convolution; this path is the one
+used everywhere.
 
 The boundaries are read once per forward, by a pre-hook on the decoder (the owner of the layer stack): the
 collator's ``cu_seq_lens_q`` when given, else where ``position_ids`` restart; with an ``attention_mask`` (a padded
@@ -149,6 +153,55 @@ def _join(parts: list, dim: int):
     return first
 
 
+PAD_WASTE = 1.5  # a group of documents is padded to at most 1.5x its real tokens (plan_groups)
+
+
+def plan_groups(lengths: list[int], waste: float = PAD_WASTE) -> list[list[int]]:
+    """Documents of lengths ``lengths`` (tokens, each >= 1) grouped into right-padded batches: ``[[document index,
+    ...] per group]``, longest documents first. Greedy over the documents sorted by length (longest first): a document
+    joins the open group while ``(members + 1) * longest <= waste * (its real tokens + the document's)``, else it
+    opens the next group; so a group's padded positions are at most ``waste`` times its real ones, and documents of
+    similar lengths share one call (one call per document in the worst case, one call for the micro batch when the
+    lengths are close, as in a padded batch)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= waste * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
+def _pad_stack(value, pieces: list[tuple[int, int, int]], longest: int, batch: int, row_len: int):
+    """The ``(row, start, end)`` slices of ``value`` (a position-sized tensor, or a tuple of them) padded on the right
+    to ``longest`` positions (zeros) and stacked into ``[len(pieces), longest, ...]``; any other value as it is."""
+    if isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(_pad_stack(v, pieces, longest, batch, row_len) for v in value)  # (cos, sin)
+    if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == row_len
+            and value.shape[0] in (batch, 1)):
+        return value
+    parts = []
+    for r, s, e in pieces:
+        part = _slice(value, r, s, e, batch, row_len)
+        if e - s < longest:
+            part = torch.cat([part, part.new_zeros((1, longest - (e - s)) + tuple(part.shape[2:]))], dim=1)
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _unpad(value, i: int, length: int, members: int, longest: int):
+    """Document ``i``'s ``[1, length, ...]`` part of a group's output (tensors ``[members, longest, ...]``)."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (members, longest):
+        return value[i:i + 1, :length]
+    if isinstance(value, tuple):
+        return tuple(_unpad(v, i, length, members, longest) for v in value)
+    return value
+
+
 def _per_document(forward, bounds: _Bounds, kind: str):
     def run(*args, **kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
@@ -162,16 +215,24 @@ def _per_document(forward, bounds: _Bounds, kind: str):
         batch = hidden.shape[0]
         # a cache's state would be one document's, carried into the next: each document starts without one
         kept = {k: (None if k in CACHE_KWARGS else v) for k, v in kwargs.items() if k not in BOUNDARY_KWARGS}
-        outs = []
+        docs = [(r, s, e) for r, row in enumerate(rows) for s, e in row]
+        outs: list = [None] * len(docs)
         bounds.inside = True
         try:
-            for r, docs in enumerate(rows):
-                parts = [forward(*[_slice(a, r, s, e, batch, row_len) for a in args],
-                                 **{k: _slice(v, r, s, e, batch, row_len) for k, v in kept.items()}) for s, e in docs]
-                outs.append(_join(parts, 1))
+            for group in plan_groups([e - s for _, s, e in docs]):
+                pieces = [docs[i] for i in group]
+                longest = pieces[0][2] - pieces[0][1]
+                out = forward(*[_pad_stack(a, pieces, longest, batch, row_len) for a in args],
+                              **{k: _pad_stack(v, pieces, longest, batch, row_len) for k, v in kept.items()})
+                for j, i in enumerate(group):
+                    outs[i] = _unpad(out, j, docs[i][2] - docs[i][1], len(group), longest)
         finally:
             bounds.inside = False
-        return _join(outs, 0)
+        per_row, k = [], 0
+        for row in rows:
+            per_row.append(_join(outs[k:k + len(row)], 1))
+            k += len(row)
+        return _join(per_row, 0)
 
     run.__wrapped__ = forward
     return run
@@ -179,7 +240,7 @@ def _per_document(forward, bounds: _Bounds, kind: str):
 
 def keep_documents_apart(model) -> list[str]:
     """Make every token mixer of ``model`` (:func:`find_token_mixers`) run once per document of a packed or
-    padding-free row (idempotent; works under LoRA and gradient checkpointing). Returns the mixers' class names
+    padding-free row (documents of similar lengths batched, :func:`plan_groups`) (idempotent; works under LoRA and gradient checkpointing). Returns the mixers' class names
     (:func:`mixer_kinds`), empty when the model has none (nothing is changed then).
 
     Raises (during a forward):
@@ -208,8 +269,9 @@ def keep_documents_apart(model) -> list[str]:
     kinds = list(dict.fromkeys(type(m).__name__ for _, m, _ in mixers))
     if kinds:
         logger.info("packed rows: %d layer(s) carrying a state or window across positions (%s) run once per document "
-                    "with a fresh state (exact; cost: one call per document of the micro batch in each such layer)",
-                    len(mixers), ", ".join(kinds))
+                    "with a fresh state (exact; cost: documents of similar lengths batched with right padding, at most "
+                    "%.1fx their tokens, one call per such batch in each such layer)",
+                    len(mixers), ", ".join(kinds), PAD_WASTE)
     return kinds
 
 

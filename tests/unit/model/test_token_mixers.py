@@ -14,7 +14,7 @@ import torch
 
 from sft.data.packing import PackedCollator, PaddingFreeCollator
 from sft.model.attention import check_packing_support, use_packed_attention
-from sft.model.token_mixers import find_token_mixers, keep_documents_apart, mixer_kinds
+from sft.model.token_mixers import PAD_WASTE, find_token_mixers, keep_documents_apart, mixer_kinds, plan_groups
 from tests.helpers.families import HYBRID, HYBRID_MORE, tiny_model
 
 LENGTHS = (70, 1, 9, 4)
@@ -91,6 +91,20 @@ def test_packed_row_equals_documents_alone(family, layout):
     model = tiny_model(family, vocab_size=128)
     assert _prepare(model, layout), f"{family}: no token mixer found"
     _assert_equal_to_alone(model, layout)
+
+
+@pytest.mark.parametrize("lengths", [[70, 1, 9, 4], [1024, 560, 630, 193, 836, 764, 708, 360], [5] * 6, [1], [2, 300]])
+def test_documents_are_grouped_within_the_padding_bound(lengths):
+    """Every document in exactly one group, longest first; a group's padded positions at most PAD_WASTE times its
+    real ones; documents of close lengths share a call (the tests above run the padded groups: 70 | 9, 4 | 1)."""
+    groups = plan_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert [lengths[i] for i in g] == sorted((lengths[i] for i in g), reverse=True)
+        assert len(g) * lengths[g[0]] <= PAD_WASTE * sum(lengths[i] for i in g)
+    expected = {(70, 1, 9, 4): [[0], [2, 3], [1]], (5,) * 6: [list(range(6))], (2, 300): [[1], [0]]}
+    assert groups == expected.get(tuple(lengths), groups)
+    assert len(plan_groups([1024, 560, 630, 193, 836, 764, 708, 360])) == 2  # one call for 7 of the 8, one for 193
 
 
 def test_without_the_rule_short_convolutions_leak():
