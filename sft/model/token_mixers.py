@@ -240,7 +240,8 @@ def _per_document(forward, bounds: _Bounds, kind: str):
 
 def keep_documents_apart(model) -> list[str]:
     """Make every token mixer of ``model`` (:func:`find_token_mixers`) run once per document of a packed or
-    padding-free row (documents of similar lengths batched, :func:`plan_groups`) (idempotent; works under LoRA and gradient checkpointing). Returns the mixers' class names
+    padding-free row (documents of similar lengths batched, :func:`plan_groups`; idempotent; works under LoRA and
+    gradient checkpointing). Returns the mixers' class names
     (:func:`mixer_kinds`), empty when the model has none (nothing is changed then).
 
     Raises (during a forward):
