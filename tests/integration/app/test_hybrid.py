@@ -10,15 +10,21 @@ from tests.helpers.families import tiny_family_dir
 from tests.integration.app.test_train import logits, train
 
 
-def test_default_command_trains_qwen3_5_padding_free(toy_data, tmp_path, caplog):
-    """The default command (padding-free rows) on a tiny Qwen3.5: transformers' reference gated delta rule, handed
-    the collator's boundaries, raised ("can't keep packed sequences apart"); the layers now run per document."""
+@pytest.mark.parametrize("family,kind,steps", [
+    ("qwen3_5_text", "Qwen3_5GatedDeltaNet", 2), ("qwen3_next", "Qwen3NextGatedDeltaNet", 1),
+    ("kimi_linear", "KimiLinearDeltaAttention", 1), ("lfm2", "Lfm2ShortConv", 1), ("nemotron_h", "NemotronHMamba2Mixer", 1),
+    ("jamba", "JambaMambaMixer", 1)])
+def test_default_command_trains_hybrids_padding_free(family, kind, steps, toy_data, tmp_path, caplog):
+    """The default command (padding-free rows of 4 conversations) on tiny models of the issue's hybrid families: the
+    token mixers run per document (their exactness, family by family: tests/unit/model/test_token_mixers.py).
+    Before, Qwen3.5's and Qwen3-Next's reference gated delta rule, handed the collator's boundaries, raised ("can't
+    keep packed sequences apart"), and the others mixed the documents of a row silently."""
     caplog.set_level("INFO")
-    trainer, _, losses = train(tiny_family_dir("qwen3_5_text"), toy_data, tmp_path / "out", "--max_steps", "2",
+    trainer, _, losses = train(tiny_family_dir(family), toy_data, tmp_path / "out", "--max_steps", str(steps),
                                "--per_device_train_batch_size", "4", "--model_max_length", "128")
     assert type(trainer.data_collator).__name__ == "PaddingFreeCollator"
-    assert losses and all(math.isfinite(x) for x in losses)
-    assert "run once per document" in caplog.text and "Qwen3_5GatedDeltaNet" in caplog.text
+    assert len(losses) == steps and all(math.isfinite(x) for x in losses)
+    assert "run once per document" in caplog.text and kind in caplog.text
 
 
 def _weights(model):
