@@ -1,10 +1,14 @@
 """What LoRA adapts, decided by what the layers are (not by model names).
 
 An **experts module** holds 3-D parameters [E, ...] that transformers runs as experts: the layout
-``use_experts_implementation`` gives it (``num_experts``, ``has_gate``, ``is_transposed``), never a convolution (the
-depthwise ``Conv1d`` weights of hybrid layers are 3-D too). Its parent is a mixture-of-experts block; the block's
-other children are its **router** (a ``weight`` [E, hidden], or a linear gate with one output: a shared expert's gate)
-and its **shared** experts (everything else with linear layers). Every other linear layer is **mlp** when it sits in a
+``use_experts_implementation`` gives it (``num_experts``, ``has_gate``, ``is_transposed``), or 3-D parameters beside a
+router of E rows reading one of their dimensions (Llama 4, LongCat-Flash, JetMoE, whose experts transformers runs with
+its own ``bmm`` or loop); never a convolution (the depthwise ``Conv1d`` weights of hybrid layers are 3-D too).
+:func:`experts_modules` is the one rule: LoRA, Q-LoRA, ZeRO-3's leaf blocks, the routers
+(:mod:`sft.model.routing`) and the FLOPs count (:mod:`sft.train.counting`) all take their experts from it. Its parent
+is a mixture-of-experts block; the block's other children are its **router** (a ``weight`` [E, hidden], its own or
+its one linear's, or a linear gate with one output: a shared expert's gate) and its **shared** experts (everything
+else with linear layers). Every other linear layer is **mlp** when it sits in a
 module whose class is an MLP, else **attention** (attention, linear attention, state-space and convolution
 projections: the token mixers). The output embedding is never a target.
 
