@@ -12,8 +12,8 @@ decides for it:
   to the per-document implementation, and the token mixers run per document; otherwise micro batches are padded;
 * sequence parallelism: refused for token mixers (:func:`sft.model.token_mixers.sequence_parallel_problem`) and
   for attention that cannot be switched;
-* mixture of experts: the experts modules :func:`sft.model.experts.is_experts_module` finds (3-D parameters [E, ...]
-  transformers runs as experts), and whether ``--use_lora True``'s default targets
+* mixture of experts: the experts modules :func:`sft.model.experts.experts_modules` finds (3-D parameters [E, ...]
+  transformers runs as experts, or beside a router of E rows), and whether ``--use_lora True``'s default targets
   (:func:`sft.model.experts.choose_targets`) adapt them; 3-D parameters that are neither experts nor convolution
   weights are named (the rule does not see them);
 * Q-LoRA (``--q_lora True``): bitsandbytes' 4-bit loading stores the ``nn.Linear`` layers in NF4 (not the output
@@ -80,14 +80,13 @@ def moe_facts(model) -> dict:
     adapted by the expert rule)."""
     import torch
 
-    from sft.model.experts import choose_targets, expert_parameter_names, is_experts_module, lora_candidates
+    from sft.model.experts import choose_targets, expert_parameter_names, experts_modules, lora_candidates, num_experts
 
     experts, num, seen = [], set(), set()
-    for m in model.modules():
-        if is_experts_module(m):
-            num.add(int(m.num_experts))
-            experts += [n for n in expert_parameter_names(m) if n not in experts]
-            seen.update(id(p) for p in m.parameters(recurse=False))
+    for _, m, _ in experts_modules(model):
+        num.add(num_experts(m))
+        experts += [n for n in expert_parameter_names(m) if n not in experts]
+        seen.update(id(p) for p in m.parameters(recurse=False))
     convs = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
     other = sorted({".".join(n.split(".")[-2:]) for mn, m in model.named_modules() if not isinstance(m, convs)
                     for n, p in m.named_parameters(prefix=mn, recurse=False) if p.ndim == 3 and id(p) not in seen})

@@ -93,17 +93,20 @@ def merge_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def export_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``sft-export CHECKPOINT OUT_DIR [--merge [--base BASE_DIR]] [--dtype auto] [--max_shard_size 5GB]
-    [--overwrite]``: turn a checkpoint-N folder (DeepSpeed ZeRO-2/3 shards, FSDP2 sharded or full, a full model, a
-    LoRA adapter) into a model folder that loads with plain ``from_pretrained``, verified by reloading it and comparing
-    logits; an incomplete or damaged checkpoint is refused."""
+    """``sft-export CHECKPOINT OUT_DIR [--merge [--base BASE_DIR] | --for vllm [--base BASE_DIR]] [--dtype auto]
+    [--max_shard_size 5GB] [--overwrite]``: turn a checkpoint-N folder (DeepSpeed ZeRO-2/3 shards, FSDP2 sharded or
+    full, a full model, a LoRA adapter) into a model folder that loads with plain ``from_pretrained``, verified by
+    reloading it and comparing logits (or a LoRA adapter laid out for a server); an incomplete or damaged checkpoint is
+    refused."""
     ap = argparse.ArgumentParser(prog="sft-export", description=export_main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("checkpoint")
     ap.add_argument("out_dir")
     ap.add_argument("--merge", action="store_true", help="a LoRA checkpoint: merge the adapter into its base model "
                     "(default: copy the adapter folder)")
-    ap.add_argument("--base", default=None, help="with --merge: the base model folder (default: from "
+    ap.add_argument("--base", default=None, help="with --merge or --for: the base model folder (default: from "
                     "adapter_config.json)")
+    ap.add_argument("--for", dest="server", default=None, metavar="SERVER", help="a LoRA checkpoint: write the "
+                    "adapter in that server's layout (vllm: routed experts in vLLM's 3-D expert layout; docs/moe.md)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="dtype of the written weights (auto: the checkpoint config's dtype)")
     ap.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
@@ -113,10 +116,13 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
     def body():
         from sft.app.export import KINDS, export_checkpoint
 
-        done = export_checkpoint(a.checkpoint, a.out_dir, a.merge, a.base, a.overwrite, a.dtype, a.max_shard_size)
+        done = export_checkpoint(a.checkpoint, a.out_dir, a.merge, a.base, a.overwrite, a.dtype, a.max_shard_size,
+                                 a.server)
         print(f"exported {a.checkpoint} ({KINDS[done.kind]}: {done.source}) to {done.out_dir}: "
               f"{', '.join(done.files)}")
-        if done.tokens:
+        if a.server:
+            print(f"checked: every expert factor has the shape the base model's experts give in {a.server}'s layout")
+        elif done.tokens:
             print(f"verified: reloaded with AutoModelForCausalLM.from_pretrained, logits on {done.tokens} tokens "
                   f"differ from the checkpoint's by at most {done.max_abs_diff:.3g} (tolerance {done.tolerance:g})")
         else:

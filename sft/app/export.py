@@ -32,6 +32,7 @@ from sft.compat.peft import without_gptqmodel, without_v4_moe_conversion
 from sft.errors import SFTError, explain_load_errors
 from sft.model.architecture import auto_class, auto_class_of
 from sft.model.export import MODEL_FILES, check_out_dir, merge_adapter, write_folder
+from sft.model.vllm_adapter import SERVERS, write_vllm_adapter
 from sft.train.checkpoint import checkpoint_dirs, latest_complete, verify, zero_world_size
 from sft.train.integrity import HASH, MARKER, file_digest
 
@@ -127,7 +128,8 @@ def check_checkpoint(path: str) -> None:
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, merge: bool = False, base: Optional[str] = None,
-                      overwrite: bool = False, dtype: str = "auto", max_shard_size: str = "5GB") -> Exported:
+                      overwrite: bool = False, dtype: str = "auto", max_shard_size: str = "5GB",
+                      server: Optional[str] = None) -> Exported:
     """Write checkpoint folder ``checkpoint`` as a model folder ``out_dir`` (sharded safetensors of at most
     ``max_shard_size`` each, config, tokenizer with its chat template, generation config) and verify it.
 
@@ -136,25 +138,41 @@ def export_checkpoint(checkpoint: str, out_dir: str, merge: bool = False, base: 
             adapter_config.json); without it the adapter folder is copied.
         overwrite: allow a non-empty ``out_dir`` that holds only model-folder files
             (:data:`sft.model.export.MODEL_FILES`).
+        server: ``vllm``: a LoRA adapter is written with its routed experts in vLLM's 3-D expert layout
+            (:mod:`sft.model.vllm_adapter`; ``base`` then names the base model whose config gives their shapes);
+            None: copied as it is.
         dtype: the weights' dtype in ``out_dir``, one of :data:`DTYPES`; ``auto``: the checkpoint config's ``dtype``
             (float32 when it names none). Not used for an adapter (copied or merged in float32).
 
     Raises:
         SFTError: an incomplete or damaged checkpoint, an unknown layout, ``merge``/``base`` given for a checkpoint
-            that holds no adapter, ``out_dir`` refused (:func:`sft.model.export.check_out_dir`), weights that do not
-            fit the checkpoint's config; :class:`ExportMismatch` when the reloaded folder's logits differ.
+            that holds no adapter, ``server`` given for anything but a LoRA adapter copied, a server other than
+            those of :data:`sft.model.vllm_adapter.SERVERS` or an adapter that server would misread
+            (:func:`sft.model.vllm_adapter.vllm_expert_keys`), ``out_dir`` refused
+            (:func:`sft.model.export.check_out_dir`), weights that do not fit the checkpoint's config;
+            :class:`ExportMismatch` when the reloaded folder's logits differ.
     """
     if dtype not in DTYPES:
         raise SFTError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
     if not re.fullmatch(r"[1-9]\d*[KMG]i?B", str(max_shard_size)):  # what save_pretrained takes (transformers 5.24)
         raise SFTError(f"--max_shard_size {max_shard_size}: give a size such as 5GB, 500MB or 2GiB")
+    if server is not None and server not in SERVERS:
+        raise SFTError(f"--for {server}: not a server sft-export writes for (only {', '.join(SERVERS)}); its reading "
+                       "of 3-D expert LoRA was not established, and an adapter it silently dropped would serve the "
+                       "base model; serve the merged model instead (sft-export --merge, which every server reads)")
     check_checkpoint(checkpoint)
     kind = checkpoint_kind(checkpoint)
+    if server is not None and (kind != "lora" or merge):
+        raise SFTError(f"--for {server}: lays out a LoRA adapter for that server; "
+                       + (f"{checkpoint} holds {KINDS[kind]}" if kind != "lora" else "with --merge the model is "
+                          "merged, which the server reads as it is") + "; drop --for")
     if kind != "lora" and (merge or base):
         raise SFTError(f"{'--merge' if merge else '--base'}: {checkpoint} holds {KINDS[kind]}, not a LoRA adapter; "
                        "drop the flag")
-    if base and not merge:
+    if base and not merge and server is None:
         raise SFTError("--base: names the model a LoRA adapter is merged into; add --merge, or drop --base")
+    if server is not None:
+        return _server_adapter(checkpoint, out_dir, base, overwrite)
     if kind == "lora" and not merge:
         return _copy_adapter(checkpoint, out_dir, overwrite)
     if kind == "lora":
@@ -179,6 +197,23 @@ def _copy_adapter(checkpoint: str, out_dir: str, overwrite: bool) -> Exported:
     if bad:
         raise ExportMismatch(f"{out}: the copies of {', '.join(bad)} differ from the checkpoint's files")
     return Exported(out, "lora", "adapter_model.safetensors", tuple(names), 0, 0.0, 0.0)
+
+
+def _server_adapter(checkpoint: str, out_dir: str, base: Optional[str], overwrite: bool) -> Exported:
+    """:func:`sft.model.vllm_adapter.write_vllm_adapter`, with the adapter folder's other files (tokenizer,
+    generation config) copied."""
+    check_out_dir(out_dir, {"checkpoint": checkpoint}, overwrite)
+    names = sorted(n for n in os.listdir(checkpoint) if MODEL_FILES.match(n) and not n.startswith("adapter_")
+                   and os.path.isfile(os.path.join(checkpoint, n)))
+    what = []
+
+    def write(tmp: str) -> None:
+        what.append(write_vllm_adapter(checkpoint, base, tmp))
+        for n in names:
+            shutil.copyfile(os.path.join(checkpoint, n), os.path.join(tmp, n))
+
+    out = write_folder(out_dir, write, ".export-")
+    return Exported(out, "lora", what[0], tuple(sorted(os.listdir(out))), 0, 0.0, 0.0)
 
 
 def _marker_files(checkpoint: str) -> dict:

@@ -1,10 +1,14 @@
 """What LoRA adapts, decided by what the layers are (not by model names).
 
 An **experts module** holds 3-D parameters [E, ...] that transformers runs as experts: the layout
-``use_experts_implementation`` gives it (``num_experts``, ``has_gate``, ``is_transposed``), never a convolution (the
-depthwise ``Conv1d`` weights of hybrid layers are 3-D too). Its parent is a mixture-of-experts block; the block's
-other children are its **router** (a ``weight`` [E, hidden], or a linear gate with one output: a shared expert's gate)
-and its **shared** experts (everything else with linear layers). Every other linear layer is **mlp** when it sits in a
+``use_experts_implementation`` gives it (``num_experts``, ``has_gate``, ``is_transposed``), or 3-D parameters beside a
+router of E rows reading one of their dimensions (Llama 4, LongCat-Flash, JetMoE, whose experts transformers runs with
+its own ``bmm`` or loop); never a convolution (the depthwise ``Conv1d`` weights of hybrid layers are 3-D too).
+:func:`experts_modules` is the one rule: LoRA, Q-LoRA, ZeRO-3's leaf blocks, the routers
+(:mod:`sft.model.routing`) and the FLOPs count (:mod:`sft.train.counting`) all take their experts from it. Its parent
+is a mixture-of-experts block; the block's other children are its **router** (a ``weight`` [E, hidden], its own or
+its one linear's, or a linear gate with one output: a shared expert's gate) and its **shared** experts (everything
+else with linear layers). Every other linear layer is **mlp** when it sits in a
 module whose class is an MLP, else **attention** (attention, linear attention, state-space and convolution
 projections: the token mixers). The output embedding is never a target.
 
@@ -43,13 +47,78 @@ class Target:
     parameter: bool = False
 
 
-def is_experts_module(module: torch.nn.Module) -> bool:
-    """True for a module whose own 3-D parameters [E, ...] transformers runs as experts (see the module docstring)."""
-    if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) or not hasattr(module, "is_transposed"):
+def is_experts_module(module: torch.nn.Module, parent: Optional[torch.nn.Module] = None) -> bool:
+    """True for a module whose own 3-D parameters [E, ...] are experts (see the module docstring): transformers'
+    experts layout (``is_transposed``, ``num_experts`` = every 3-D parameter's E), or, with the module's ``parent``
+    (the mixture-of-experts block) given, 3-D parameters [E >= 2, >= 2, >= 2] beside a router: another child of
+    ``parent`` shaped as a router (:func:`_router_shape`) whose weight is [E, d], d one of the first 3-D parameter's
+    other dimensions (the hidden size the experts read; Llama 4, LongCat-Flash, JetMoE: experts that transformers
+    runs with its own loop or ``bmm``). A convolution is never one."""
+    if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
         return False
-    e = getattr(module, "num_experts", None)
     shapes = [expert_shape(module, n) for n in expert_parameter_names(module)]
-    return bool(shapes) and all(s[0] == e for s in shapes)
+    if not shapes:
+        return False
+    if hasattr(module, "is_transposed"):
+        e = getattr(module, "num_experts", None)
+        return all(s[0] == e for s in shapes)
+    e = shapes[0][0]
+    if parent is None or e < 2 or any(min(s[1:]) < 2 for s in shapes):
+        return False
+    for child in parent.children():
+        child = _unwrapped(child)
+        if child is module or expert_parameter_names(child):
+            continue
+        shape = _router_shape(child)
+        if shape is not None and shape[0] == e and shape[1] in shapes[0][1:]:
+            return True
+    return False
+
+
+def num_experts(module: torch.nn.Module) -> int:
+    """E of an experts module (:func:`is_experts_module`): its ``num_experts``, else its first 3-D parameter's leading
+    dimension."""
+    e = getattr(module, "num_experts", None)
+    if isinstance(e, int):
+        return e
+    return int(expert_shape(module, expert_parameter_names(module)[0])[0])
+
+
+def experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """Every experts module of ``model`` (any wrapper around a transformers model, peft's included), the one rule of
+    this package: ``[(qualified name, experts module, name of its block)]`` in module order. A child wrapped by peft
+    (``base_layer`` chains) is found as the module it wraps, named with its ``.base_layer`` path. Found also when
+    ZeRO-3 has partitioned the parameters (their ``ds_shape``) or bitsandbytes holds them in 4-bit."""
+    found, seen = [], set()
+    for name, parent in model.named_modules():
+        if isinstance(getattr(parent, "base_layer", None), torch.nn.Module):
+            continue  # a peft wrapper (around an experts module, or around another wrapper), not a block
+        for cname, child in parent.named_children():
+            path = f"{name}.{cname}" if name else cname
+            while isinstance(getattr(child, "base_layer", None), torch.nn.Module):  # peft's wrappers
+                child, path = child.base_layer, f"{path}.base_layer"
+            if id(child) not in seen and is_experts_module(child, parent):
+                seen.add(id(child))
+                found.append((path, child, name))
+    return found
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    while isinstance(getattr(module, "base_layer", None), torch.nn.Module):  # peft's wrappers
+        module = module.base_layer
+    return module
+
+
+def _router_shape(child: torch.nn.Module) -> Optional[tuple]:
+    """The shape of a router's 2-D ``weight`` when ``child`` is shaped as one: the weight held by ``child`` itself
+    without submodules, or by its one submodule holding parameters (a router class around a linear layer: JetMoE,
+    LongCat-Flash); else None. A ZeRO-3 partitioned weight's ``ds_shape``."""
+    holders = [(n, m) for n, m in child.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    if len(holders) != 1 or (holders[0][0] == "" and any(True for _ in child.children())):
+        return None
+    w = getattr(holders[0][1], "weight", None)
+    shape = tuple(getattr(w, "ds_shape", getattr(w, "shape", ())))
+    return shape if isinstance(w, torch.Tensor) and len(shape) == 2 else None
 
 
 def expert_parameter_names(module: torch.nn.Module) -> list[str]:
@@ -76,19 +145,13 @@ def expert_shape(module: torch.nn.Module, name: str) -> torch.Size:
 
 def experts_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The mixture-of-experts blocks of ``model`` (any wrapper around a transformers model, peft's included):
-    ``[(qualified name in model, block)]`` in module order, a block being the parent of an experts module (a child
-    that is one, or peft's wrapper around one, see :func:`is_experts_module`); empty for a dense model. Found by
-    structure, also when ZeRO-3 has partitioned the parameters (their ``ds_shape``)."""
-    found = []
-    for name, parent in model.named_modules():
-        if isinstance(getattr(parent, "base_layer", None), torch.nn.Module):
-            continue  # a peft wrapper (around an experts module, or around another wrapper), not a block
-        for child in parent.children():
-            while isinstance(getattr(child, "base_layer", None), torch.nn.Module):  # peft's wrappers
-                child = child.base_layer
-            if is_experts_module(child):
-                found.append((name, parent))
-                break
+    ``[(qualified name in model, block)]`` in module order, a block being the parent of an experts module
+    (:func:`experts_modules`); empty for a dense model."""
+    found, names = [], set()
+    for _, _, block in experts_modules(model):
+        if block not in names:
+            names.add(block)
+            found.append((block, model.get_submodule(block)))
     return found
 
 
@@ -111,12 +174,11 @@ def mark_zero3_leaf_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.M
     return blocks
 
 
-def _gate_kind(child: torch.nn.Module, num_experts: int) -> bool:
-    w = getattr(child, "weight", None)
-    shape = getattr(w, "ds_shape", getattr(w, "shape", ()))
-    if not isinstance(w, torch.Tensor) or len(shape) != 2 or any(True for _ in child.children()):
-        return False
-    return shape[0] in (num_experts, 1)
+def _is_router(child: torch.nn.Module, num_experts: int) -> bool:
+    """``child`` (of a mixture-of-experts block of ``num_experts`` experts) is its router (:func:`_router_shape`):
+    E rows, or 1 (a shared expert's gate)."""
+    shape = _router_shape(child)
+    return shape is not None and shape[0] in (num_experts, 1)
 
 
 def lora_candidates(model: torch.nn.Module, is_linear: Callable[[torch.nn.Module], bool]) -> list[Target]:
@@ -126,27 +188,22 @@ def lora_candidates(model: torch.nn.Module, is_linear: Callable[[torch.nn.Module
     modules = dict(model.named_modules())
     special: dict[str, str] = {}  # module path -> kind, for the parts of mixture-of-experts blocks
     expert_targets = []
-    for path, m in modules.items():
-        if not is_experts_module(m):
-            continue
+    found = experts_modules(model)
+    experts_ids = {id(m) for _, m, _ in found}
+    for path, m, block_path in found:
         for n in expert_parameter_names(m):
             expert_targets.append(Target(f"{path}.{n}", n, "experts", parameter=True))
-        block_path = path.rpartition(".")[0]
-        block = modules.get(block_path)
-        if block is None:
-            continue
-        for cname, child in block.named_children():
+        for cname, child in modules[block_path].named_children():
             cpath = f"{block_path}.{cname}" if block_path else cname
-            if child is m:
+            if id(child) in experts_ids:
                 continue
-            if _gate_kind(child, m.num_experts):
-                special[cpath] = "router"
-            else:
-                for sub, _ in child.named_modules():
-                    special[f"{cpath}.{sub}" if sub else cpath] = "shared"
+            kind = "router" if _is_router(child, num_experts(m)) else "shared"
+            for sub, _ in child.named_modules():
+                special[f"{cpath}.{sub}" if sub else cpath] = kind
     targets = []
     for path, m in modules.items():
-        if special.get(path) == "router" and not is_linear(m):
+        own = getattr(m, "weight", None)
+        if special.get(path) == "router" and not is_linear(m) and isinstance(own, torch.Tensor):
             targets.append(Target(f"{path}.weight", path.rpartition(".")[2], "router", parameter=True))
         elif is_linear(m) and m is not out_emb and path:
             kind = special.get(path) or _dense_kind(path, modules)
@@ -259,9 +316,7 @@ def quantize_experts(model: torch.nn.Module) -> int:
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
     done = 0
-    for _, m in list(model.named_modules()):
-        if not is_experts_module(m):
-            continue
+    for _, m, _ in experts_modules(model):
         for name in [n for n, p in m.named_parameters(recurse=False) if p.ndim == 3]:
             done += getattr(m, name).numel()
             replace_parameter_4bit(m, name, quant_type="nf4")

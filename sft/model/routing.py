@@ -1,9 +1,10 @@
 """Mixture-of-experts routing: the load-balancing (auxiliary) loss and how the routers spread tokens.
 
-Routers are found by what they are, not by model name: in a module that holds experts (a child with a 3-D parameter
-``[E, out, in]``, transformers 5.24's fused expert storage), the router is the sibling child with a 2-D parameter of
-``E`` rows (``[E, hidden]``), whose forward returns a tuple holding an integer tensor of top-k expert indices
-``[tokens, k]`` (qwen3_moe, qwen3_next, qwen3_5_moe, mixtral, gpt_oss, deepseek_v3, glm4_moe, kimi_linear ...).
+Routers are found by what they are, not by model name: in a module that holds experts (a child that
+:func:`sft.model.experts.experts_modules` finds: 3-D parameters ``[E, out, in]``, transformers 5.24's fused expert
+storage), the router is the sibling child with a 2-D parameter of ``E`` rows (``[E, hidden]``), whose forward
+returns a tuple holding an integer tensor of top-k expert indices ``[tokens, k]`` (qwen3_moe, qwen3_next,
+qwen3_5_moe, mixtral, gpt_oss, deepseek_v3, glm4_moe, kimi_linear ...).
 
 Aux loss (``--moe_aux_loss_coef``): the value the model's own forward returns as ``aux_loss`` with
 ``output_router_logits=True`` (e.g. ``load_balancing_loss_func`` of qwen3_moe: Switch Transformer's
@@ -27,6 +28,7 @@ from typing import Optional
 import torch
 
 from sft.errors import ConfigError
+from sft.model.experts import experts_modules, num_experts
 
 logger = logging.getLogger("sft")
 
@@ -48,30 +50,19 @@ def _shapes(module: torch.nn.Module):
         yield tuple(state.shape) if getattr(state, "shape", None) is not None else tuple(plist.original.shape)
 
 
-def _stack_size(module: torch.nn.Module) -> Optional[int]:
-    """E of a module holding experts (a 3-D parameter ``[E, out, in]`` of its own, also when parametrized, e.g. in
-    4-bit; a convolution's 3-D weight, e.g. the depthwise Conv1d of a linear-attention or state-space layer, is not
-    one), else None."""
-    module = _unwrapped(module)
-    if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
-        return None
-    return next((int(shape[0]) for shape in _shapes(module) if len(shape) == 3), None)
-
-
 def routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]]:
     """The router modules of ``model`` (any wrapper around a transformers model) in layer order:
     ``[(qualified name, module, E)]``; empty for a dense model. A router wrapped by peft (its ``base_layer``) is
     found as the wrapper's inner module, so hooks see the router's own output."""
-    found, seen = [], set()
-    for name, parent in model.named_modules():
-        children = dict(parent.named_children())
-        sizes = [e for e in map(_stack_size, children.values()) if e is not None]
-        if not sizes:
-            continue
-        n_experts = sizes[0]
-        for child_name, child in children.items():
+    found, seen, blocks = [], set(), {}
+    experts = experts_modules(model)  # the one rule (sft.model.experts), in module order
+    for _, m, block in experts:
+        blocks.setdefault(block, num_experts(m))
+    ids = {id(m) for _, m, _ in experts}
+    for name, n_experts in blocks.items():
+        for child_name, child in model.get_submodule(name).named_children():
             inner = _unwrapped(child)
-            if _stack_size(child) is not None or id(inner) in seen or isinstance(inner, torch.nn.Linear):
+            if id(inner) in ids or id(inner) in seen or isinstance(inner, torch.nn.Linear):
                 continue
             if any(len(shape) == 2 and shape[0] == n_experts for shape in _shapes(inner)):
                 seen.add(id(inner))

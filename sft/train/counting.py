@@ -7,10 +7,11 @@ The walk (:func:`census`) visits every module once and sorts what it holds:
 * **weights** (``torch.nn.Linear``, gptqmodel's quantized linears, ``torch.nn.Conv1d``): ``in x out`` weights (a
   convolution: ``weight.numel()``, its ``out x in / groups x kernel`` multiply-adds per position), so 4-bit packed
   weights count as the matrix they stand for;
-* **routed experts**: a module that holds 3-D parameters ``[E, a, b]`` with one leading ``E >= 2`` itself (transformers
-  5's fused experts, ``@use_experts_implementation``; a depthwise ``Conv1d``'s ``[C, 1, K]`` weight is a convolution,
-  not experts). Each token runs ``top_k`` of the ``E`` experts, so their weights count at ``top_k / E``; so does
-  everything under a wrapper whose ``base_layer`` leads to them (peft's ``ParamWrapper`` adapters, ``r x E`` wide).
+* **routed experts**: the experts modules of :func:`sft.model.experts.experts_modules` (3-D parameters ``[E, a, b]``
+  held by the module itself: transformers 5's fused experts, ``@use_experts_implementation``, or 3-D parameters
+  beside a router of E rows; a depthwise ``Conv1d``'s ``[C, 1, K]`` weight is a convolution, not experts). Each
+  token runs ``top_k`` of the ``E`` experts, so their weights count at ``top_k / E``; so does everything under a
+  wrapper whose ``base_layer`` leads to them (peft's ``ParamWrapper`` adapters, ``r x E`` wide).
   ``top_k`` is read from the router next to them (a sibling or an ancestor's attribute ``top_k``), else the config's
   ``num_experts_per_tok`` / ``num_experts_per_token`` / ``moe_topk``; none found: every expert counts (``top_k = E``).
   Parameters under bitsandbytes' ``replace_parameter_4bit`` count by their quantization state's shape;
@@ -47,6 +48,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
+
+from sft.model.experts import experts_modules, num_experts
 
 GDN_CHUNK = 64  # flash-linear-attention's chunk (BT) for chunk_gated_delta_rule / chunk_kda; transformers' default
 _TOPK_CONFIG = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "experts_per_token")
@@ -106,14 +109,6 @@ def _own_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.Size, torc
             yield f"{name}.absmax", torch.Size([0]), absmax, storage
 
 
-def _expert_shapes(module: torch.nn.Module) -> Optional[int]:
-    """``E`` when ``module`` holds 3-D parameters ``[E, ., .]`` with one ``E >= 2`` itself (not a convolution)."""
-    if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
-        return None
-    leading = {shape[0] for _, shape, _, _ in _own_params(module) if len(shape) == 3 and min(shape[1:]) >= 2}
-    return leading.pop() if len(leading) == 1 and min(leading | {2}) >= 2 else None
-
-
 def _top_k(chain: list, config) -> Optional[int]:
     """The router's ``top_k`` nearest above the experts (an ancestor's or its child's attribute), else the config's."""
     for ancestor in reversed(chain[-4:]):
@@ -129,11 +124,12 @@ def _top_k(chain: list, config) -> Optional[int]:
     return None
 
 
-def _base_experts(module: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """The experts module a wrapper's ``base_layer`` chain leads to (peft's ``ParamWrapper``), or None."""
+def _base_experts(module: torch.nn.Module, found: dict) -> Optional[torch.nn.Module]:
+    """The experts module (a key of ``found``, ids) a wrapper's ``base_layer`` chain leads to (peft's
+    ``ParamWrapper``), or None."""
     seen, m = 0, getattr(module, "base_layer", None)
     while isinstance(m, torch.nn.Module) and seen < 8:
-        if _expert_shapes(m):
+        if id(m) in found:
             return m
         m, seen = getattr(m, "base_layer", None), seen + 1
     return None
@@ -167,6 +163,7 @@ def mixer_flops(module: torch.nn.Module) -> tuple[Optional[str], int, int, int]:
 def census(model: torch.nn.Module) -> Census:
     """Walk ``model`` once (module docstring) and count its weights, routed experts, routers and token mixers."""
     out, config, seen, held = Census(), getattr(model, "config", None), set(), set()
+    found = {id(m): num_experts(m) for _, m, _ in experts_modules(model)}  # the one rule (sft.model.experts)
 
     def visit(path: str, module: torch.nn.Module, chain: list, scale: float) -> None:
         if id(module) in seen:
@@ -184,10 +181,10 @@ def census(model: torch.nn.Module) -> Census:
         elif isinstance(module, torch.nn.Conv1d):
             out.add(kind, trainable(module.weight), scale * module.weight.numel())
         else:
-            experts = _expert_shapes(module)
-            wrapped = None if experts else _base_experts(module)
+            experts = found.get(id(module))
+            wrapped = None if experts else _base_experts(module, found)
             if experts or wrapped is not None:
-                e = experts or _expert_shapes(wrapped)
+                e = experts or found[id(wrapped)]
                 k = min(e, _top_k(chain, config) or e)
                 scale = k / e
             if experts:

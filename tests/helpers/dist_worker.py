@@ -59,6 +59,9 @@ def main():
                    "deepspeed": trainer.is_deepspeed_enabled, "zero_stage": args[2].parsed.zero_stage,
                    "linear_kinds": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
                    "fsdp": trainer.is_fsdp_enabled, "fsdp2_sharded": fsdp2,
+                   # layers transformers runs under activation checkpointing (its GradientCheckpointingLayer flag)
+                   "checkpointed_layers": sum(getattr(m, "gradient_checkpointing", False) is True
+                                              for m in model.modules()),
                    "losses": [x["loss"] for x in log if "loss" in x],
                    # mixture of experts (sft/train/routing_health.py): this rank's experts with no token per step
                    "moe_idle_experts": [x.get("moe_idle_experts") for x in log if "loss" in x],

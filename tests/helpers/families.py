@@ -9,8 +9,9 @@ beside full attention), its experts (3-D expert parameters, top-k routing, share
 :func:`tiny_model` builds the model in memory (fp32, seeded); :func:`tiny_family_dir` saves it with the Qwen
 tokenizer into ``.cache/test-assets`` (built once, keyed on the family and the overrides).
 
-``FAMILIES`` names the families covered: ``HYBRID`` (layers that carry a state or a window across positions) and
-``MOE`` (experts stored as 3-D parameters).
+``FAMILIES`` names the families covered: ``HYBRID`` (layers that carry a state or a window across positions),
+``MOE`` (experts stored as 3-D parameters in transformers' experts layout) and ``MOE_OWN_LOOP`` (3-D experts that
+transformers runs with its own ``bmm`` or loop, found beside their router).
 """
 from __future__ import annotations
 
@@ -77,6 +78,14 @@ _SHAPES: dict[str, dict] = {
                         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, q_lora_rank=None, kv_lora_rank=16,
                         num_key_value_heads=4, head_dim=4),
     "mixtral": dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2),
+    # experts as 3-D parameters that transformers runs with its own bmm / loop (no use_experts_implementation)
+    "llama4_text": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=1, intermediate_size=16,
+                        intermediate_size_mlp=64, interleave_moe_layer_step=1),
+    "longcat_flash": dict(num_layers=2, n_routed_experts=4, zero_expert_num=2, moe_topk=2, expert_ffn_hidden_size=16,
+                          ffn_hidden_size=64, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=4,
+                          qk_rope_head_dim=4, v_head_dim=8, head_dim=4),
+    "jetmoe": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, kv_channels=8,
+                   intermediate_size=16),
 }
 # multimodal checkpoints as released (a vision tower beside the language model): model_type -> its text model_type
 MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
@@ -85,6 +94,7 @@ _VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_h
 HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "kimi_linear", "lfm2", "nemotron_h", "jamba", "bamba")
 HYBRID_MORE = ("granitemoehybrid", "zamba")  # hybrids beyond the issue's list (not in HYBRID: other tests use it)
 MOE = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "deepseek_v3", "mixtral")
+MOE_OWN_LOOP = ("llama4_text", "longcat_flash", "jetmoe")  # 3-D experts beside a router, outside transformers' layout
 FAMILIES = tuple(_SHAPES)
 
 

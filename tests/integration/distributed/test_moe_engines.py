@@ -1,11 +1,15 @@
-"""Mixture of experts under ZeRO-3 and FSDP2 (issue 52 item 5), 2 CPU processes (gloo): a tiny DeepSeek-V3
-(tests/helpers/families.py) with the default LoRA (attention, dense and shared MLPs, every routed expert through
-sft.model.expert_lora, router frozen; dropout 0 so that every run draws the same), 3 steps, against one process
-with the same global batch (gradient accumulation 2): the same losses and the same adapter. Each micro batch is one
-short conversation, so rank 0's tokens reach no token of some expert in every step (read from its routing health,
-sft/train/routing_health.py), and the run finishes. Under ZeRO-3 the MoE block is a leaf module, found by structure
-(sft.model.experts.mark_zero3_leaf_blocks; DeepSeek-V3's block is not a DeepSpeed default). Trained through
-tests/helpers/dist_worker.py, as the support matrix (test_deepspeed.py) trains its cells."""
+"""Mixture of experts under every engine (issue 52 item 5), 2 CPU processes (gloo): a tiny DeepSeek-V3
+(tests/helpers/families.py), 3 steps, against one process with the same global batch (gradient accumulation 2).
+The default LoRA (attention, dense and shared MLPs, every routed expert through sft.model.expert_lora, router
+frozen; dropout 0 so that every run draws the same) under DDP (gradient checkpointing on), ZeRO-3 and FSDP2: the
+same losses and the same adapter. Full fine-tuning (experts and router trained) under ZeRO-2, ZeRO-3 (gradient
+checkpointing on) and FSDP2: the same losses and the same logits of the trained model. Cells folded for time (each
+process start costs ~10-20 s here): LoRA under ZeRO-2 and full fine-tuning under DDP are not parametrized (both
+passed when run once, docs/moe.md). Each micro batch is one short conversation, so rank 0's tokens reach no token of
+some expert in every step (read from its routing health, sft/train/routing_health.py), and every run finishes.
+Under ZeRO-3 the MoE block is a leaf module, found by structure (sft.model.experts.mark_zero3_leaf_blocks;
+DeepSeek-V3's block is not a DeepSpeed default). Trained through tests/helpers/dist_worker.py, as the support
+matrix (test_deepspeed.py) trains its cells."""
 import json
 import os
 import subprocess
@@ -25,22 +29,29 @@ STEPS = 3
 # DeepSeek-V3 (8 routed experts, top-2, a shared expert; layer 0 dense, layer 1 MoE): its block class is not one of
 # the three DeepSpeed 0.19.8 flags as ZeRO-3 leaf modules by default (Mixtral, Qwen2-MoE, Qwen3-MoE)
 FAMILY = "deepseek_v3"
-FLAGS = ["--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "1e-2",
-         "--max_steps", str(STEPS), "--per_device_train_batch_size", "1", "--lazy_preprocess", "True",
-         "--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--model_max_length", "64", "--save_strategy", "no",
-         "--disable_tqdm", "True", "--report_to", "none", "--seed", "0", "--logging_steps", "1"]
-# engine: (processes, flags); the one-process reference accumulates the two ranks' micro batches
-ENGINES = {"one": (1, ["--gradient_accumulation_steps", "2"]),
-           "zero3": (2, ["--deepspeed", os.path.join(FT, "ds_config_zero3.json")]),
-           "fsdp2": (2, ["--fsdp", "--fsdp_config",
-                         os.path.join(FT, "fsdp_config_full_shard.json")])}
+COMMON = ["--learning_rate", "1e-2", "--max_steps", str(STEPS), "--per_device_train_batch_size", "1",
+          "--lazy_preprocess", "True", "--lr_scheduler_type", "constant", "--warmup_ratio", "0", "--model_max_length",
+          "64", "--save_strategy", "no", "--disable_tqdm", "True", "--report_to", "none", "--seed", "0",
+          "--logging_steps", "1"]
+LORA = ["--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0"]
+GC = ["--gradient_checkpointing", "True"]
+ZERO2, ZERO3 = (["--deepspeed", os.path.join(FT, f"ds_config_zero{n}.json")] for n in (2, 3))
+FSDP2 = ["--fsdp", "--fsdp_config", os.path.join(FT, "fsdp_config_full_shard.json")]
+# cell: (processes, flags); "one" / "one-full": the one-process references, accumulating the two ranks' micro batches
+ENGINES = {"one": (1, LORA + ["--gradient_accumulation_steps", "2"]),
+           "ddp": (2, LORA + GC), "zero3": (2, LORA + ZERO3), "fsdp2": (2, LORA + FSDP2),
+           "one-full": (1, ["--gradient_accumulation_steps", "2"]),
+           "zero2-full": (2, ZERO2), "zero3-full": (2, ZERO3 + GC), "fsdp2-full": (2, FSDP2)}
 # fp32; the ranks' gradients reduced vs two micro batches accumulated in one process: another order of additions
 RTOL = 1e-4
 # the adapters after 3 AdamW steps (lr 1e-2, values up to ~3e-2): AdamW divides each gradient element by its own
 # running magnitude, so an element whose gradient is near zero turns rounding into up to a full learning rate (as
-# in the support matrix's loss curves, test_deepspeed.py). Measured here: 5.9e-7 (ZeRO-3), 8.7e-5 (FSDP2: the
-# routed experts' lora_B), with the losses equal to 2e-7 relative.
+# in the support matrix's loss curves, test_deepspeed.py). Measured here: 0 (DDP), 5.9e-7 (ZeRO-3), 8.7e-5 (FSDP2:
+# the routed experts' lora_B), with the losses equal to 2e-7 relative.
 ADAPTER_ATOL = 3e-4
+# full fine-tuning: the trained model's logits on the probe after the same 3 AdamW steps of every weight. Measured
+# here: 2.6e-6 (ZeRO-2), 3.2e-6 (ZeRO-3), 1.7e-5 (FSDP2), 0 (DDP, not parametrized).
+LOGITS_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -61,30 +72,37 @@ def runs(tmp_path_factory):
                    "127.0.0.1", "--master_port", str(free_port()), os.path.join(ROOT, "tests", "helpers",
                                                                                   "dist_worker.py"),
                    "--model_name_or_path", model, "--data_path", data, "--output_dir", str(report / "out"),
-                   "--data_cache_dir", str(report / "cache"), *FLAGS, *extra]
+                   "--data_cache_dir", str(report / "cache"), *COMMON, *extra]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp),
                                env=pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1",
                                                    "SFT_TEST_REPORT_DIR": str(report)}))
             assert r.returncode == 0, f"{engine}: exit {r.returncode}\n{r.stderr[-4000:]}"
+            adapter = report / "out" / "adapter_model.safetensors"
             done[engine] = ([json.load(open(report / f"rank{i}.json")) for i in range(nproc)], r.stderr,
-                            load_file(str(report / "out" / "adapter_model.safetensors")))
+                            load_file(str(adapter)) if adapter.exists() else torch.load(report / "logits.pt"))
         return done[engine]
 
     return run
 
 
-@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
-def test_moe_lora_same_losses_as_one_process_and_no_hang_on_idle_experts(runs, engine):
-    (one,), _, one_adapter = runs("one")
-    ranks, log, adapter = runs(engine)
-    r0 = ranks[0]
+def _same_run_as_one_process(r0: dict, one: dict, engine: str) -> None:
+    """What every cell shares: 2 ranks of the engine, rank 0 saw experts get no token of its micro batch and still
+    finished every step (no hang), losses equal to one process's."""
     print(json.dumps({"one": one["losses"], engine: r0["losses"], "idle": r0["moe_idle_experts"]}))
-    assert r0["world_size"] == 2 and r0["zero_stage"] == (3 if engine == "zero3" else 0)
-    assert r0["fsdp2_sharded"] == (engine == "fsdp2")
-    assert "experts down_proj,gate_up_proj" in log and "router frozen (gate)" in log  # expert LoRA, not peft's
-    # rank 0 had experts that got no token of its micro batch, and every step finished (no hang)
+    assert r0["world_size"] == 2
+    assert r0["zero_stage"] == {"zero2": 2, "zero3": 3}.get(engine.split("-")[0], 0)
+    assert r0["fsdp2_sharded"] == engine.startswith("fsdp2")
+    assert (r0["checkpointed_layers"] > 0) == (engine in ("ddp", "zero3-full")), r0["checkpointed_layers"]
     assert len(r0["losses"]) == STEPS and any(n and n > 0 for n in r0["moe_idle_experts"]), r0["moe_idle_experts"]
     assert r0["losses"] == pytest.approx(one["losses"], rel=RTOL), (r0["losses"], one["losses"])
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
+def test_moe_lora_same_losses_and_adapter_as_one_process_no_hang_on_idle_experts(runs, engine):
+    (one,), _, one_adapter = runs("one")
+    ranks, log, adapter = runs(engine)
+    _same_run_as_one_process(ranks[0], one, engine)
+    assert "experts down_proj,gate_up_proj" in log and "router frozen (gate)" in log  # expert LoRA, not peft's
     # the adapter after 3 steps (every expert's LoRA factors included) equals the one-process one
     assert sorted(adapter) == sorted(one_adapter) and any(".experts." in k for k in adapter)
     assert all(one_adapter[k].abs().sum() > 0 for k in one_adapter if "lora_B" in k)  # trained: it can fail
@@ -93,5 +111,18 @@ def test_moe_lora_same_losses_as_one_process_and_no_hang_on_idle_experts(runs, e
     for k, v in one_adapter.items():
         torch.testing.assert_close(adapter[k], v, rtol=RTOL, atol=ADAPTER_ATOL, msg=f"{k}: {diff[k]:.3g}")
     if engine == "zero3":  # the MoE layer's block, found by structure: not one of DeepSpeed's default leaf classes
-        assert r0["zero3_leaf_blocks"] == 1
+        assert ranks[0]["zero3_leaf_blocks"] == 1
         assert "ZeRO-3: 1 mixture-of-experts blocks are leaf modules (DeepseekV3MoE)" in log
+
+
+@pytest.mark.parametrize("engine", ["zero2-full", "zero3-full", "fsdp2-full"])
+def test_moe_full_fine_tuning_same_losses_and_model_as_one_process(runs, engine):
+    (one,), _, one_logits = runs("one-full")
+    ranks, log, logits = runs(engine)
+    _same_run_as_one_process(ranks[0], one, engine)
+    assert "LoRA r=" not in log
+    # the trained model (experts and router included) gives the one-process model's logits on the probe
+    print(json.dumps({"logits": float((logits - one_logits).abs().max())}))
+    torch.testing.assert_close(logits, one_logits, rtol=RTOL, atol=LOGITS_ATOL)
+    if engine == "zero3-full":
+        assert ranks[0]["zero3_leaf_blocks"] == 1
