@@ -12,8 +12,8 @@ from tests.integration.app.test_train import logits, train
 
 @pytest.mark.parametrize("family,kind,steps", [
     ("qwen3_5_text", "Qwen3_5GatedDeltaNet", 2), ("qwen3_next", "Qwen3NextGatedDeltaNet", 1),
-    ("kimi_linear", "KimiLinearDeltaAttention", 1), ("lfm2", "Lfm2ShortConv", 1), ("nemotron_h", "NemotronHMamba2Mixer", 1),
-    ("jamba", "JambaMambaMixer", 1)])
+    ("kimi_linear", "KimiLinearDeltaAttention", 1), ("lfm2", "Lfm2ShortConv", 1),
+    ("nemotron_h", "NemotronHMamba2Mixer", 1), ("jamba", "JambaMambaMixer", 1)])
 def test_default_command_trains_hybrids_padding_free(family, kind, steps, toy_data, tmp_path, caplog):
     """The default command (padding-free rows of 4 conversations) on tiny models of the issue's hybrid families: the
     token mixers run per document (their exactness, family by family: tests/unit/model/test_token_mixers.py).
