@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Optional
 
 import torch
 
+from sft.compat.torch_ddp import ddp_ignore
 from sft.distributed import collectives
 from sft.model.expert_lora import expert_rows, group_offsets
 from sft.model.experts import expert_parameter_names, experts_blocks
+
+logger = logging.getLogger(__name__)
 
 
 def experts_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list]]:
@@ -99,6 +103,27 @@ def shard_experts(model: torch.nn.Module, ep) -> list[tuple[torch.nn.Parameter, 
         spread = functools.partial(expert_parallel_forward, experts, ep=ep)
         experts.sft_expert_parallel_forward = spread
         experts.forward = spread  # without a LoRA wrapper (full fine-tuning, experts not targeted) too
+    return cut
+
+
+def spread_experts(model: torch.nn.Module, ep) -> list:
+    """:func:`shard_experts` on ``model`` (the module the Trainer will wrap), the cut parameters left out of DDP
+    (:func:`sft.compat.torch_ddp.ddp_ignore`: their gradients are reduced over the replica group instead,
+    :mod:`sft.train.expert_parallel`), kept as ``model.sft_expert_shards``, and one log line. Returns the cut list.
+
+    Raises:
+        ValueError: as :func:`shard_experts`; or ``model`` has no routed experts.
+    """
+    cut = shard_experts(model, ep)
+    if not cut:
+        raise ValueError("the model has no routed experts (3-D expert parameters) to spread across ranks")
+    ids = {id(p) for p, _, _ in cut}
+    ddp_ignore(model, [n for n, p in model.named_parameters() if id(p) in ids])
+    model.sft_expert_shards = cut
+    counts = sorted({total for _, _, total in cut})
+    logger.info("expert parallelism: %d ranks per group (this rank: %d), %s of %s routed experts per layer on each "
+                "rank; tokens exchanged by all-to-all; expert gradients summed over %d replica(s)", ep.size, ep.rank,
+                "/".join(str(e // ep.size) for e in counts), "/".join(map(str, counts)), ep.world_size // ep.size)
     return cut
 
 
