@@ -48,8 +48,7 @@ def expert_parallel_problems(model_args, training_args, lora_args,
     except ConfigError as e:
         return e.problems
     p = []
-    engine = f"--deepspeed {t.deepspeed}" if t.deepspeed else f"--fsdp {' '.join(map(str, t.fsdp))}" if t.fsdp \
-        else None
+    engine = f"--deepspeed {t.deepspeed}" if t.deepspeed else "--fsdp" if t.fsdp else None
     if engine:
         p.append(f"{flag} with {engine}: the engine reduces or shards every gradient over the whole world, which "
                  "would mix the ranks' different experts; expert parallelism runs with DDP (drop the engine's flag) "

@@ -60,6 +60,7 @@ def main():
                    "linear_kinds": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
                    "fsdp": trainer.is_fsdp_enabled, "fsdp2_sharded": fsdp2,
                    "losses": [x["loss"] for x in log if "loss" in x],
+                   "grad_norms": [x.get("grad_norm") for x in log if "loss" in x],
                    # mixture of experts (sft/train/routing_health.py): this rank's experts with no token per step
                    "moe_idle_experts": [x.get("moe_idle_experts") for x in log if "loss" in x],
                    "zero3_leaf_blocks": sum(bool(getattr(m, "_z3_leaf", False)) for m in model.modules()),
