@@ -1,11 +1,15 @@
-"""Mixture of experts under ZeRO-3 and FSDP2 (issue 52 item 5), 2 CPU processes (gloo): a tiny DeepSeek-V3
+"""Mixture of experts under ZeRO-3, FSDP2 and expert parallelism (issue 52 items 5 and 6), 2 CPU processes (gloo): a
+tiny DeepSeek-V3
 (tests/helpers/families.py) with the default LoRA (attention, dense and shared MLPs, every routed expert through
 sft.model.expert_lora, router frozen; dropout 0 so that every run draws the same), 3 steps, against one process
 with the same global batch (gradient accumulation 2): the same losses and the same adapter. Each micro batch is one
 short conversation, so rank 0's tokens reach no token of some expert in every step (read from its routing health,
 sft/train/routing_health.py), and the run finishes. Under ZeRO-3 the MoE block is a leaf module, found by structure
 (sft.model.experts.mark_zero3_leaf_blocks; DeepSeek-V3's block is not a DeepSpeed default). Trained through
-tests/helpers/dist_worker.py, as the support matrix (test_deepspeed.py) trains its cells."""
+tests/helpers/dist_worker.py, as the support matrix (test_deepspeed.py) trains its cells. Under
+``--expert_parallel_size 2`` each rank keeps 4 of the 8 routed experts and the tokens travel by all-to-all
+(sft.model.expert_parallel); the clip norm (the default --max_grad_norm 1, below every step's norm: it clips) and the
+adapter saved (gathered whole) equal one process's too."""
 import json
 import os
 import subprocess
@@ -33,7 +37,8 @@ FLAGS = ["--use_lora", "True", "--lora_r", "4", "--lora_dropout", "0", "--learni
 ENGINES = {"one": (1, ["--gradient_accumulation_steps", "2"]),
            "zero3": (2, ["--deepspeed", os.path.join(FT, "ds_config_zero3.json")]),
            "fsdp2": (2, ["--fsdp", "--fsdp_config",
-                         os.path.join(FT, "fsdp_config_full_shard.json")])}
+                         os.path.join(FT, "fsdp_config_full_shard.json")]),
+           "ep2": (2, ["--expert_parallel_size", "2"])}
 # fp32; the ranks' gradients reduced vs two micro batches accumulated in one process: another order of additions
 RTOL = 1e-4
 # the adapters after 3 AdamW steps (lr 1e-2, values up to ~3e-2): AdamW divides each gradient element by its own
@@ -95,3 +100,22 @@ def test_moe_lora_same_losses_as_one_process_and_no_hang_on_idle_experts(runs, e
     if engine == "zero3":  # the MoE layer's block, found by structure: not one of DeepSpeed's default leaf classes
         assert r0["zero3_leaf_blocks"] == 1
         assert "ZeRO-3: 1 mixture-of-experts blocks are leaf modules (DeepseekV3MoE)" in log
+
+
+def test_expert_parallel_lora_equals_one_process(runs):
+    (one,), _, one_adapter = runs("one")
+    ranks, log, adapter = runs("ep2")
+    norms = [r["grad_norms"] for r in ranks]
+    print(json.dumps({"one": [one["losses"], one["grad_norms"]], "ep2": [ranks[0]["losses"], norms[0]]}))
+    assert "expert parallelism: 2 ranks per group" in log and "4 of 8 routed experts per layer" in log
+    assert len(ranks[0]["losses"]) == STEPS
+    assert ranks[0]["losses"] == pytest.approx(one["losses"], rel=RTOL), (ranks[0]["losses"], one["losses"])
+    # the norm clipped by is the whole model's (every expert once), on both ranks, and above the limit (1): it clips
+    assert norms[0] == pytest.approx(one["grad_norms"], rel=RTOL) and norms[1] == pytest.approx(norms[0], rel=RTOL)
+    assert min(one["grad_norms"]) > 1, one["grad_norms"]
+    # the adapter saved is the whole one: every expert's LoRA factors, in peft's shapes, equal to one process's
+    assert sorted(adapter) == sorted(one_adapter) and all(adapter[k].shape == v.shape for k, v in one_adapter.items())
+    diff = {k: float((adapter[k] - v).abs().max()) for k, v in one_adapter.items()}
+    print(json.dumps({"worst": max(diff.items(), key=lambda kv: kv[1])}))
+    for k, v in one_adapter.items():
+        torch.testing.assert_close(adapter[k], v, rtol=RTOL, atol=ADAPTER_ATOL, msg=f"{k}: {diff[k]:.3g}")
