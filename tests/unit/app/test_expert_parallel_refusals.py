@@ -49,3 +49,16 @@ def test_refusals_in_one_line(folders, tmp_path, family, size, extra, worlds, re
         with pytest.raises(ConfigError) as e:
             launch_shape(m, t, worlds)
         assert e.value.problems == problems
+
+
+@pytest.mark.parametrize("world,size,rank,expected", [
+    (4, 2, 3, (1, [2, 3], [1, 3])),  # group of consecutive ranks; the replicas keep the same experts (r, r + N)
+    (8, 4, 5, (1, [4, 5, 6, 7], [1, 5])),
+    (2, 2, 0, (0, [0, 1], [0])),  # W == N: one replica, nothing summed
+])
+def test_groups_are_consecutive_ranks_and_replicas_are_strided(world, size, rank, expected):
+    from sft.distributed.expert_parallel import ExpertParallel, layout
+
+    assert layout(world, rank, size) == expected
+    assert ExpertParallel(size=size, rank=expected[0], world_size=world).experts(128) == (expected[0] * 128 // size,
+                                                                                         128 // size)
