@@ -265,7 +265,7 @@ def plan_memory(model, train_ds, data_args, training_args, lora_args, settings: 
                              fsdp=bool(t.fsdp), sequence_parallel=settings.sequence_parallel)
     fixes = [] if t.use_lora else ["--use_lora True (adapters only: no gradients or optimizer state for the base "
                                    "weights)"]
-    if parallel.world_size > 1 and not t.deepspeed and not t.fsdp:
+    if parallel.world_size > 1 and not t.deepspeed and not t.fsdp and t.expert_parallel_size == 1:  # EP: DDP only
         fixes.append(f"--deepspeed finetune/ds_config_zero2.json (optimizer state and gradients sharded over the "
                      f"{parallel.world_size} processes)")
     held = held_and_available(torch.device(t.device), parallel.local_world_size, model)  # before the probe: the step

@@ -14,9 +14,13 @@ collective), from :func:`sft.distributed.process_group.start_runtime`; :func:`cu
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from typing import Optional
 
 from sft.errors import ConfigError
+
+logger = logging.getLogger("sft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,11 @@ def start(size: int) -> ExpertParallel:
                 replica_group = g if r == ep_rank else replica_group
     ep = ExpertParallel(int(size), ep_rank, world, group, replica_group)
     _CURRENT["ep"] = ep
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if size > 1 and local > 0 and local % size and rank == 0:
+        logger.warning("--expert_parallel_size %d does not divide the %d processes per node: some expert-parallel "
+                       "groups span two nodes and exchange every MoE layer's tokens over the network; a size that "
+                       "divides the processes per node keeps every group inside a node", size, local)
     return ep
 
 

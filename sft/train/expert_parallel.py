@@ -9,8 +9,8 @@ one-process gradient: :func:`reduce_expert_gradients`, once per optimizer step, 
 (linear, so accumulation is unchanged). With W == N nothing is exchanged; the division by W remains.
 
 Clipping (:func:`clip_norm`): the norm is the whole model's -- every non-expert gradient once (equal on every rank
-after DDP) and every expert's once (their squares summed over the expert-parallel group) -- so the clip is the one a
-single process makes.
+after DDP) and every expert's once (their squares summed over the expert-parallel group) -- so the clip, and the norm
+logged (also with ``--max_grad_norm 0``), are the ones a single process has.
 
 Saving: the slices are gathered into whole tensors for the length of :meth:`ExpertParallelSteps.save_model`.
 """
@@ -66,7 +66,8 @@ class ExpertParallelSteps:
     """A mixin ahead of :class:`sft.compat.trainer.TrainerHooks` in :class:`sft.train.trainer.Trainer`: under expert
     parallelism (:func:`sft.distributed.expert_parallel.current` enabled, the model carrying ``sft_expert_shards``
     from :func:`sft.model.expert_parallel.spread_experts`) the expert gradients reduced after the last micro batch,
-    the clip norm over every rank's experts, and the saved model or adapter whole. Without it: the Trainer's own."""
+    the clip norm (and the logged norm) over every rank's experts, and the saved model or adapter whole. Without it:
+    the Trainer's own."""
 
     def _expert_shards(self):
         ep = expert_parallel.current()
@@ -86,6 +87,12 @@ class ExpertParallelSteps:
             return default()
         self.accelerator.unscale_gradients()  # fp16's loss scale, as accelerate's clip_grad_norm_ does first
         return clip_norm(model.parameters(), cut, self.args.max_grad_norm, ep)
+
+    def gradient_norm(self, model, grad_norm, default):
+        ep, cut = self._expert_shards()
+        if ep is not None and grad_norm is None:  # --max_grad_norm 0: the whole model's norm, nothing clipped
+            grad_norm = clip_norm(model.parameters(), cut, 0.0, ep)
+        return default(grad_norm)
 
     def save_model(self, output_dir=None, _internal_call: bool = False) -> None:
         ep, cut = self._expert_shards()
