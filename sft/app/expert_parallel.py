@@ -34,7 +34,7 @@ def expert_parallel_problems(model_args, training_args, lora_args,
     the job may run at; None: ``WORLD_SIZE`` in a training process, unknown (not checked) in a lone check.
     Refused: a size below 1 or not dividing a world size or a layer's routed experts; a model without routed experts;
     DeepSpeed and FSDP (they reduce or shard every gradient over the whole world, mixing the ranks' different experts);
-    sequence parallelism; Q-LoRA (4-bit experts are not cut); ``--save_async`` (it stages the rank's slices, not the
+    Q-LoRA (4-bit experts are not cut); ``--save_async`` (it stages the rank's slices, not the
     gathered experts); resuming a checkpoint (its optimizer state holds rank 0's experts only)."""
     t, n = training_args, training_args.expert_parallel_size
     flag = f"--expert_parallel_size {n}"
@@ -53,9 +53,6 @@ def expert_parallel_problems(model_args, training_args, lora_args,
         p.append(f"{flag} with {engine}: the engine reduces or shards every gradient over the whole world, which "
                  "would mix the ranks' different experts; expert parallelism runs with DDP (drop the engine's flag) "
                  "or use --expert_parallel_size 1")
-    if t.sequence_parallel_size > 1:
-        p.append(f"{flag} with --sequence_parallel_size {t.sequence_parallel_size}: the two are not composed; use "
-                 "one of them")
     if lora_args.q_lora:
         p.append(f"{flag} with --q_lora True: 4-bit experts are not cut across ranks; use --q_lora False or "
                  "--expert_parallel_size 1")
