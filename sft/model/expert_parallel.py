@@ -97,6 +97,7 @@ def shard_experts(model: torch.nn.Module, ep) -> list[tuple[torch.nn.Parameter, 
                 out = b.weight.shape[0]
                 piece = b.weight.reshape(out, r, total)[:, :, first:first + count].reshape(out, r * count)
                 cut.append((_cut(b, "weight", piece), "lora_B", total))
+                lin.out_features = b.in_features = r * count  # nn.Linear's own record of the shapes
             wrapper.num_experts = count
         experts.num_experts = count
         experts.sft_expert_slice = (first, count, total)

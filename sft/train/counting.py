@@ -110,6 +110,8 @@ def _expert_shapes(module: torch.nn.Module) -> Optional[int]:
     """``E`` when ``module`` holds 3-D parameters ``[E, ., .]`` with one ``E >= 2`` itself (not a convolution)."""
     if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
         return None
+    if getattr(module, "sft_expert_slice", None):  # expert parallelism (sft.model.expert_parallel): E/N here, maybe 1
+        return module.sft_expert_slice[1]
     leading = {shape[0] for _, shape, _, _ in _own_params(module) if len(shape) == 3 and min(shape[1:]) >= 2}
     return leading.pop() if len(leading) == 1 and min(leading | {2}) >= 2 else None
 
@@ -188,10 +190,11 @@ def census(model: torch.nn.Module) -> Census:
             wrapped = None if experts else _base_experts(module)
             if experts or wrapped is not None:
                 e = experts or _expert_shapes(wrapped)
-                k = min(e, _top_k(chain, config) or e)
-                scale = k / e
+                total = getattr(module if experts else wrapped, "sft_expert_slice", (0, e, e))[2]  # E of the model
+                k = min(total, _top_k(chain, config) or total)
+                scale = k / e  # a token runs k of the model's E experts: k x one expert's FLOPs, wherever they are
             if experts:
-                out.experts.append((path, e, k))
+                out.experts.append((path, total, k))
                 for name, shape, t, storage in own:
                     if name.endswith(".absmax"):
                         out.expert_bytes += t.numel() * t.element_size()
