@@ -31,6 +31,7 @@ import torch
 
 from sft.compat.torch_ddp import ddp_ignore
 from sft.distributed import collectives
+from sft.errors import ConfigError
 from sft.model.expert_lora import expert_rows, group_offsets
 from sft.model.experts import expert_parameter_names, experts_blocks
 
@@ -73,7 +74,7 @@ def shard_experts(model: torch.nn.Module, ep) -> list[tuple[torch.nn.Parameter, 
     gradient reduction (:mod:`sft.train.expert_parallel`) use. Nothing is cut for ``ep.size`` 1.
 
     Raises:
-        ValueError: a layer's E is not divisible by ``ep.size``, or its experts are stored 4-bit (Q-LoRA).
+        ConfigError: a layer's E is not divisible by ``ep.size``, or its experts are stored 4-bit (Q-LoRA).
     """
     cut: list = []
     if not ep.enabled:
@@ -81,9 +82,11 @@ def shard_experts(model: torch.nn.Module, ep) -> list[tuple[torch.nn.Parameter, 
     for experts, chain in experts_modules(model):
         total = int(experts.num_experts)
         if total % ep.size:
-            raise ValueError(f"{total} experts do not divide into {ep.size} ranks")
+            raise ConfigError([f"--expert_parallel_size {ep.size}: does not divide the model's {total} routed experts "
+                               f"per layer; give a divisor of {total}"])
         if getattr(experts, "parametrizations", None):
-            raise ValueError("4-bit (parametrized) experts cannot be cut across ranks")
+            raise ConfigError([f"--expert_parallel_size {ep.size}: the experts are stored 4-bit (--q_lora True), which "
+                               "is not cut across ranks; use --q_lora False or --expert_parallel_size 1"])
         first, count = ep.experts(total)
         names = expert_parameter_names(experts) + [n for n, p in experts.named_parameters(recurse=False)
                                                   if n.endswith("_bias") and p.dim() == 2 and p.shape[0] == total]
@@ -113,11 +116,12 @@ def spread_experts(model: torch.nn.Module, ep) -> list:
     :mod:`sft.train.expert_parallel`), kept as ``model.sft_expert_shards``, and one log line. Returns the cut list.
 
     Raises:
-        ValueError: as :func:`shard_experts`; or ``model`` has no routed experts.
+        ConfigError: as :func:`shard_experts`; or ``model`` has no routed experts (one line each, exit 2).
     """
     cut = shard_experts(model, ep)
     if not cut:
-        raise ValueError("the model has no routed experts (3-D expert parameters) to spread across ranks")
+        raise ConfigError([f"--expert_parallel_size {ep.size}: the model has no routed experts (3-D expert "
+                           "parameters) to spread; use --expert_parallel_size 1"])
     ids = {id(p) for p, _, _ in cut}
     ddp_ignore(model, [n for n, p in model.named_parameters() if id(p) in ids])
     model.sft_expert_shards = cut

@@ -62,3 +62,16 @@ def test_groups_are_consecutive_ranks_and_replicas_are_strided(world, size, rank
     assert layout(world, rank, size) == expected
     assert ExpertParallel(size=size, rank=expected[0], world_size=world).experts(128) == (expected[0] * 128 // size,
                                                                                          128 // size)
+
+
+@pytest.mark.parametrize("family,size,refusal", [("qwen3_5_text", 2, "has no routed experts"),
+                                                 ("qwen3_moe", 3, "does not divide the model's 8 routed experts")])
+def test_the_loaded_model_refuses_too(family, size, refusal):
+    """Where validation could not read the config, the loaded model's cut says the same in one line (exit 2)."""
+    from sft.distributed.expert_parallel import ExpertParallel
+    from sft.model.expert_parallel import spread_experts
+    from tests.helpers.families import tiny_model
+
+    with pytest.raises(ConfigError, match=refusal) as e:
+        spread_experts(tiny_model(family, vocab_size=128), ExpertParallel(size=size, rank=0, world_size=size))
+    assert len(e.value.problems) == 1 and e.value.exit_code == 2
