@@ -151,7 +151,8 @@ def expert_parallel_forward(experts, hidden_states: torch.Tensor, top_k_index: t
     first, count, _ = experts.sft_expert_slice
     k, tokens = top_k_index.size(-1), hidden_states.size(0)
     ids_sorted, perm = torch.sort(top_k_index.reshape(-1), stable=True)
-    send = torch.bincount(ids_sorted // count, minlength=ep.size)
+    edges = torch.searchsorted(ids_sorted, torch.arange(ep.size + 1, device=ids_sorted.device) * count)
+    send = edges[1:] - edges[:-1]  # rows for each rank of the group (sorted ids: no atomics, deterministic on CUDA)
     recv = collectives.all_to_all_counts(send, ep.group)
     send_n, recv_n = send.tolist(), recv.tolist()  # one host read per layer: the exchanged buffers' sizes
     x_in = collectives.all_to_all_rows(hidden_states[perm // k], send_n, recv_n, ep.group)

@@ -119,3 +119,22 @@ def test_expert_parallel_lora_equals_one_process(runs):
     print(json.dumps({"worst": max(diff.items(), key=lambda kv: kv[1])}))
     for k, v in one_adapter.items():
         torch.testing.assert_close(adapter[k], v, rtol=RTOL, atol=ADAPTER_ATOL, msg=f"{k}: {diff[k]:.3g}")
+
+
+def test_expert_parallel_exchange_equals_the_whole_module(tmp_path):
+    """One experts module cut over 2 ranks (tests/helpers/ep_worker.py): outputs and gradients equal the whole
+    module's, gpt-oss's expert biases included; routing every token to rank 0's experts leaves rank 1 without a row,
+    and both ranks finish."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), os.path.join(ROOT, "tests", "helpers", "ep_worker.py"), "qwen3_moe",
+           "gpt_oss"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env=pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1", "SFT_TEST_REPORT_DIR": str(tmp_path)}))
+    assert r.returncode == 0, r.stderr[-4000:]
+    ranks = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    print(json.dumps(ranks))
+    for report in ranks:
+        assert sorted(report) == ["gpt_oss", "qwen3_moe"]
+        for family, cases in report.items():
+            for case, d in cases.items():
+                assert max(d.values()) < 1e-5, (family, case, d)
