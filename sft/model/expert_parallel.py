@@ -172,7 +172,9 @@ def expert_parallel_forward(experts, hidden_states: torch.Tensor, top_k_index: t
     return out[inv].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
-def _whole(piece: torch.Tensor, layout: str, total: int, group) -> torch.Tensor:
+def whole_tensor(piece: torch.Tensor, layout: str, total: int, group) -> torch.Tensor:
+    """The whole tensor of E = ``total`` experts from every rank's ``piece`` of it (``layout`` as in
+    :func:`shard_experts`; collective: an all-gather over ``group``, every rank of it calls this)."""
     parts = collectives.all_gather_tensors(piece.detach(), group)
     if layout == "rows":
         return torch.cat(parts, dim=0)
@@ -188,7 +190,7 @@ def gathered(cut: list, ep):
     slices = [p.data for p, _, _ in cut]
     try:
         for (p, layout, total), piece in zip(cut, slices):
-            p.data = _whole(piece, layout, total, ep.group)
+            p.data = whole_tensor(piece, layout, total, ep.group)
         yield
     finally:
         for (p, _, _), piece in zip(cut, slices):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from sft.distributed import expert_parallel
-from sft.model.expert_parallel import _whole, experts_modules, shard_experts
+from sft.model.expert_parallel import experts_modules, shard_experts, whole_tensor
 from sft.model.loading import apply_lora
 from sft.model.spec import LoraSpec
 from tests.helpers.families import tiny_model
@@ -58,7 +58,7 @@ def compare(family, rank, ep):
         worst = 0.0
         for p, layout, total in cut:
             if p.requires_grad and grads_w[names[id(p)]].grad is not None:
-                mine_g = _whole(p.grad if p.grad is not None else torch.zeros_like(p), layout, total, ep.group)
+                mine_g = whole_tensor(p.grad if p.grad is not None else torch.zeros_like(p), layout, total, ep.group)
                 worst = max(worst, float((mine_g - grads_w[names[id(p)]].grad).abs().max()))
         report[case] = {"out": float((out_p - out_w[mine]).abs().max()),
                         "x_grad": float((xs.grad - x.grad[mine]).abs().max()), "expert_grad": worst}
