@@ -11,6 +11,7 @@ from sft.config.arguments import parse_args
 from sft.data.eval_split import empty_side_error, in_eval, record_key
 from sft.data.records import RecordCheck, iter_conversations, template_problem
 from sft.data.samples import encode_samples, lazy_refusal
+from sft.distributed.expert_parallel import check_expert_parallel_size
 from sft.distributed.process_group import check_sequence_parallel_size
 from sft.errors import ConfigError
 from sft.model.loading import load_tokenizer
@@ -100,8 +101,9 @@ WORLD_SIZES_ENV = "SFT_WORLD_SIZES"  # set by finetune/launch.sh for its check: 
 
 def launch_shape(model_args, training_args, world_sizes: Sequence[int]) -> None:
     """What every training process would refuse about the job's shape, refused by the launcher's check before torchrun
-    starts, with the ranks' own rules: ``--sequence_parallel_size`` must divide every world size the job may run at
-    (``world_sizes``; an elastic job's at each node count;
+    starts, with the ranks' own rules: ``--expert_parallel_size`` and ``--sequence_parallel_size`` must divide every
+    world size the job may run at (``world_sizes``; an elastic job's at each node count;
+    :func:`sft.distributed.expert_parallel.check_expert_parallel_size`,
     :func:`sft.distributed.process_group.check_sequence_parallel_size`), and ``--sequence_parallel_mode ulysses``
     needs heads it can split (:func:`sft.model.sequence_parallel.choose_mode`, on the model's config). Nothing is
     checked without world sizes (a lone ``sft-check``: the world is unknown).
@@ -109,6 +111,8 @@ def launch_shape(model_args, training_args, world_sizes: Sequence[int]) -> None:
     Raises:
         ConfigError: one line, naming the flag, the value and the fix.
     """
+    for world in world_sizes:  # the rest of --expert_parallel_size's rules: validate() (sft.app.expert_parallel)
+        check_expert_parallel_size(training_args.expert_parallel_size, world)
     size = training_args.sequence_parallel_size
     if size <= 1 or not world_sizes:
         return

@@ -25,6 +25,7 @@ from sft.config.arguments import parse_args
 from sft.config.settings import RunSettings
 from sft.data.cache_key import preparation_code_fingerprint
 from sft.data.packing import PaddingFreeCollator, SequenceParallelSplit
+from sft.distributed import expert_parallel
 from sft.distributed.failures import raise_if_peer_lost
 from sft.distributed.fingerprints import check_same_inputs
 from sft.distributed.process_group import Runtime, elastic_start_line, start_runtime
@@ -32,12 +33,8 @@ from sft.distributed.rendezvous import preflight_enabled
 from sft.distributed.watchdog import RECORD
 from sft.errors import ConfigError
 from sft.logs import setup_logging
-from sft.model.attention import (
-    PACKED_ATTENTION,
-    attention_implementation,
-    check_packing_support,
-    use_packed_attention,
-)
+from sft.model.attention import PACKED_ATTENTION, attention_implementation, check_packing_support, use_packed_attention
+from sft.model.expert_parallel import spread_experts
 from sft.model.experts import mark_zero3_leaf_blocks
 from sft.model.loading import apply_lora, generation_config_for, load_model
 from sft.model.loss import use_supervised_head
@@ -211,7 +208,8 @@ def prepare_model(model_args, data_args, training_args, lora_args, runtime: Runt
     """The model on this process's device (LoRA applied with ``--use_lora``), seeded first, and the collator its
     attention allows (padding-free rows by default); under ``--sequence_parallel_size`` N > 1 the attention over the
     whole row (:func:`sft.model.sequence_parallel.use_sequence_parallel_attention`) and this rank's slice of every
-    row (:class:`sft.data.packing.SequenceParallelSplit`). Returns ``(model, collator)``.
+    row (:class:`sft.data.packing.SequenceParallelSplit`); under ``--expert_parallel_size`` N > 1 this rank's E/N
+    experts (:func:`sft.model.expert_parallel.spread_experts`). Returns ``(model, collator)``.
 
     Raises:
         ConfigError: ``--optim`` / ``--lr_scheduler_type`` cannot be built (:func:`check_optimizer_and_scheduler`), or
@@ -227,6 +225,8 @@ def prepare_model(model_args, data_args, training_args, lora_args, runtime: Runt
     if training_args.use_lora:
         model = apply_lora(model, data.tok, grew, lora_spec(model_args, lora_args),
                            activation_checkpointing=bool(training_args.activation_checkpointing))
+    if expert_parallel.current().enabled:  # E/N routed experts per rank, their LoRA too (validation checked E)
+        spread_experts(model, expert_parallel.current())
     collator = data.collator
     if data_args.packing:
         impl = check_packing_support(model)
@@ -265,7 +265,7 @@ def plan_memory(model, train_ds, data_args, training_args, lora_args, settings: 
                              fsdp=bool(t.fsdp), sequence_parallel=settings.sequence_parallel)
     fixes = [] if t.use_lora else ["--use_lora True (adapters only: no gradients or optimizer state for the base "
                                    "weights)"]
-    if parallel.world_size > 1 and not t.deepspeed and not t.fsdp:
+    if parallel.world_size > 1 and not t.deepspeed and not t.fsdp and t.expert_parallel_size == 1:  # EP: DDP only
         fixes.append(f"--deepspeed finetune/ds_config_zero2.json (optimizer state and gradients sharded over the "
                      f"{parallel.world_size} processes)")
     held = held_and_available(torch.device(t.device), parallel.local_world_size, model)  # before the probe: the step

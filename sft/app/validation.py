@@ -9,6 +9,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Optional
 
+from sft.app.expert_parallel import expert_parallel_problems
 from sft.config.deepspeed import EXAMPLE, mismatch_problems
 from sft.data.sources import folder_problem
 from sft.distributed.process_group import NCCL_TRACE_DIR, check_sequence_parallel_size
@@ -309,11 +310,9 @@ def _check_output(t) -> list[str]:
     p += resume_problems
     p += fsdp_checkpoint_layout(t, resolve_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir))
     if t.deepspeed and "WORLD_SIZE" in os.environ:  # a training process (torchrun, Ray); a lone check cannot know
-
         p += check_zero_world_size(out, t.resume_from_checkpoint, t.overwrite_output_dir, int(os.environ["WORLD_SIZE"]),
                                    t.parsed.zero_stage)
     if "WORLD_SIZE" in os.environ and not resume_problems:  # the global batch kept at another world size
-
         try:
             plan_world_size_change(resolve_resume(out, t.resume_from_checkpoint, t.overwrite_output_dir),
                                    int(os.environ["WORLD_SIZE"]), t.per_device_train_batch_size,
@@ -406,6 +405,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, training_args
          + _check_data(data_args, training_args)
          + _check_training(training_args) + _check_lora(model_args, training_args, lora_args)
          + _check_fsdp(training_args, lora_args) + _check_output(training_args)
+         + expert_parallel_problems(model_args, training_args, lora_args)
          + sequence_parallel_problem(training_args.sequence_parallel_size, model_folder(model_args.model_name_or_path)))
     m, out = model_args.model_name_or_path, training_args.output_dir
     if m and out and os.path.isdir(m) and os.path.realpath(m) == os.path.realpath(out):

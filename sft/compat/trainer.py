@@ -16,6 +16,10 @@
   called as :meth:`TrainerHooks.write_model_files`;
 * ``Trainer._save_optimizer_and_scheduler(output_dir)`` -> :meth:`TrainerHooks.save_optimizer_and_scheduler` (given the
   Trainer's own as a callable: optimizer state by the engine's rules, the scheduler by the saving process).
+* ``Trainer._clip_grad_norm(model)`` (after the last micro batch's backward, only with ``max_grad_norm`` > 0) ->
+  :meth:`TrainerHooks.clip_gradients` (given the Trainer's own as a callable; returns the norm before clipping);
+* ``Trainer._get_grad_norm(model, grad_norm=None)`` (the logged norm: the clip's, or computed when it is None) ->
+  :meth:`TrainerHooks.gradient_norm` (given the Trainer's own as a callable of the norm).
 """
 from __future__ import annotations
 
@@ -61,6 +65,23 @@ class TrainerHooks(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir):
         self.save_optimizer_and_scheduler(
             output_dir, lambda: super(TrainerHooks, self)._save_optimizer_and_scheduler(output_dir))
+
+    def clip_gradients(self, model, default: Callable):
+        """Clip the gradients to ``args.max_grad_norm``; return their norm before clipping. ``default()``: the
+        Trainer's own."""
+        return default()
+
+    def _clip_grad_norm(self, model):
+        return self.clip_gradients(model, lambda: super(TrainerHooks, self)._clip_grad_norm(model))
+
+    def gradient_norm(self, model, grad_norm, default: Callable):
+        """The gradient norm to log: ``default(grad_norm)`` (the Trainer's own computes it where ``grad_norm`` is
+        None)."""
+        return default(grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self.gradient_norm(model, grad_norm,
+                                  lambda g: super(TrainerHooks, self)._get_grad_norm(model, grad_norm=g))
 
     def _get_eval_sampler(self, eval_dataset):
         return self.eval_sampler(eval_dataset, lambda: super(TrainerHooks, self)._get_eval_sampler(eval_dataset))

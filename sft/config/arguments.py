@@ -272,6 +272,9 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
         "help": "How attention sees the whole row under --sequence_parallel_size > 1: ulysses (DeepSpeed's "
         "all-to-all over heads; heads and KV heads divisible by N), all_gather (each rank's queries against the "
         "row's gathered keys and values; any head count), auto: ulysses where the heads allow, else all_gather."})
+    expert_parallel_size: int = field(default=1, metadata={"help": "Expert parallelism: each of N consecutive ranks "
+        "keeps E/N of every layer's routed experts and tokens travel to their experts by all-to-all "
+        "(sft/model/expert_parallel.py, docs/moe.md). Must divide the experts and the world size; 1: off."})
     moe_aux_loss_coef: Optional[float] = field(default=None, metadata={"help": "Mixture-of-experts load-balancing "
         "loss weight, the aux loss weighted like the cross entropy over the global batch (docs/moe.md). Unset: "
         "the model's own (config router_aux_loss_coef) when the router is trained, 0 with a frozen router (LoRA)."})

@@ -135,3 +135,84 @@ def all_ranks(flag: bool, device=None) -> bool:
     """True on every rank when ``flag`` is true on all of them (an all-reduce MIN of one int32 on ``device``, as
     :func:`any_rank`); ``bool(flag)`` for one process or without a group."""
     return _reduce_flag(flag, "MIN", device)
+
+
+# Tensor collectives of a subgroup (expert parallelism, sft.model.expert_parallel): ``group`` is a process group made
+# by torch.distributed.new_group (every member calls them in the same order); None: a group of one, nothing runs.
+
+def _exchange(x, send: tuple, recv: tuple, group):
+    import torch.distributed as dist
+
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    with RECORD.wait("collective all_to_all_single (experts)"):
+        dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=group)
+    return out
+
+
+_FUNCTIONS: dict = {}
+
+
+def _rows_function():
+    if "rows" not in _FUNCTIONS:
+        import torch
+
+        class AllToAllRows(torch.autograd.Function):
+            """Rows out by ``send`` counts, in by ``recv`` counts; the backward sends the gradient back the same way
+            reversed (an all-to-all is its own adjoint with the counts swapped)."""
+
+            @staticmethod
+            def forward(ctx, x, send, recv, group):
+                ctx.send, ctx.recv, ctx.group = send, recv, group
+                return _exchange(x, send, recv, group)
+
+            @staticmethod
+            def backward(ctx, grad):
+                return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+        _FUNCTIONS["rows"] = AllToAllRows
+    return _FUNCTIONS["rows"]
+
+
+def all_to_all_rows(x, send_counts, recv_counts, group):
+    """Exchange rows of ``x`` [S, ...] in a group of n ranks: the first ``send_counts[0]`` rows go to the group's
+    rank 0, the next ``send_counts[1]`` to rank 1, ...; returns [sum(recv_counts), ...], the rows received from
+    rank 0 first (``recv_counts[j]`` of them from rank j, as :func:`all_to_all_counts` gives). Autograd-aware: the
+    gradient of the result returns to the rows' senders. Counts are int sequences of length n; ``group`` None:
+    ``x`` itself (a group of one)."""
+    if group is None:
+        return x
+    send, recv = tuple(int(c) for c in send_counts), tuple(int(c) for c in recv_counts)
+    if not x.requires_grad:
+        return _exchange(x, send, recv, group)
+    return _rows_function().apply(x, send, recv, group)
+
+
+def all_to_all_counts(counts, group):
+    """``counts`` [n] int64 (rows this rank sends to each rank of the group) -> [n] (rows each rank sends to this
+    one); ``counts`` itself for ``group`` None."""
+    if group is None:
+        return counts
+    return _exchange(counts, (1,) * counts.numel(), (1,) * counts.numel(), group)
+
+
+def all_reduce_sum(t, group):
+    """Sum ``t`` (a tensor, in place) over ``group``'s ranks; returns ``t``. Nothing runs for ``group`` None."""
+    if group is not None:
+        import torch.distributed as dist
+
+        with RECORD.wait("collective all_reduce (experts)"):
+            dist.all_reduce(t, group=group)
+    return t
+
+
+def all_gather_tensors(t, group) -> list:
+    """``t`` of every rank of ``group`` in group-rank order (``all_gather``: the same shape and dtype on every rank);
+    ``[t]`` for ``group`` None."""
+    if group is None:
+        return [t]
+    import torch.distributed as dist
+
+    out = [t.new_empty(t.shape) for _ in range(dist.get_world_size(group))]
+    with RECORD.wait("collective all_gather (experts)"):
+        dist.all_gather(out, t.contiguous(), group=group)
+    return out

@@ -26,7 +26,8 @@ from typing import Mapping, Optional
 
 from sft.compat.accelerate import enable_fsdp_on_cpu
 from sft.compat.deepspeed import skip_shm_comm_op_build
-from sft.distributed import collectives, sequence_parallel, watchdog
+from sft.distributed import collectives, expert_parallel, sequence_parallel, watchdog
+from sft.distributed.expert_parallel import check_expert_parallel_size
 from sft.distributed.sequence_parallel import SequenceParallel
 from sft.errors import ConfigError
 from sft.logs import release_import_notices
@@ -221,7 +222,8 @@ def start_runtime(training_args) -> Runtime:
     every thread's Python stack), the hang watcher (before the group where the agent's
     store allows, after it otherwise), the process group under torchrun with ``--ddp_timeout``
     (:func:`init_process_group`), then transformers' device setup on it (accelerate's ``PartialState`` reuses the
-    group) and the sequence-parallel groups of ``--sequence_parallel_size`` (:func:`sft.distributed.sequence_parallel.
+    group), the sequence-parallel groups of ``--sequence_parallel_size`` (:func:`sft.distributed.sequence_parallel.
+    start`) and the expert-parallel groups of ``--expert_parallel_size`` (:func:`sft.distributed.expert_parallel.
     start`). Every call sets up ``training_args``' device on that runtime and, under ``--deepspeed`` or sequence
     parallelism (whose Ulysses attention exchanges through it), DeepSpeed's communication (:func:`init_deepspeed_comm`);
     later calls return the same :class:`Runtime`.
@@ -261,6 +263,8 @@ def start_runtime(training_args) -> Runtime:
                           local_rank=int(os.environ.get("LOCAL_RANK", "0")) if grouped else 0, device=str(device),
                           backend=dist.get_backend() if grouped else None,
                           sequence_parallel=sequence_parallel.start(training_args.sequence_parallel_size))
+        check_expert_parallel_size(training_args.expert_parallel_size, world)
+        expert_parallel.start(training_args.expert_parallel_size)  # groups of E/N experts per rank, and replicas
         _STARTED["runtime"] = runtime
         start_progress_watcher(training_args)
     init_deepspeed_comm(training_args)

@@ -60,7 +60,8 @@ class ParamWrapper(PeftParamWrapper):
     :func:`lora_experts_forward` for every wrapped parameter at once (the outermost wrapper of the nest does it;
     inner ones are not called), with ``config.lora_dropout`` on the adapter's input. Built by peft through
     :func:`sft.compat.peft.register_custom_lora_layer`. Multiple active adapters, merged weights, disabled adapters and
-    expert parallelism fall back to peft's own forward.
+    transformers' own expert parallelism fall back to peft's own forward; under ``--expert_parallel_size``
+    (:mod:`sft.model.expert_parallel`) the experts' rows are exchanged and this rank's experts run with their LoRA.
 
     Named ``ParamWrapper``: peft 0.21.2 nests the wrappers of two parameters of one module only when the outer one's
     class is called so (``peft.tuners.tuners_utils.BaseTuner._inject_parameters`` compares class names)."""
@@ -96,8 +97,14 @@ class ParamWrapper(PeftParamWrapper):
         plain = (self.disable_adapters or self.merged or len(adapters) != 1 or kwargs.get("adapter_names")
                  or experts_are_parallel(base) or not hasattr(base, "is_transposed")
                  or any(not isinstance(w, ParamWrapper) or param_ndim(w) != 3 for w in chain))
+        spread = getattr(base, "sft_expert_parallel_forward", None)  # sft.model.expert_parallel: E/N experts here
+        if spread is not None and not (self.disable_adapters or self.merged):
+            if len(adapters) != 1 or kwargs.get("adapter_names"):
+                raise RuntimeError("expert parallelism runs one active adapter (peft's mixed-batch adapters: no)")
+            return spread(x, *args, loras={w.parameter_name: w for w in chain if adapters[0] in w.lora_A},
+                          adapter=adapters[0], **kwargs)
         if plain:
-            return super().forward(x, *args, **kwargs)
+            return spread(x, *args, **kwargs) if spread is not None else super().forward(x, *args, **kwargs)
         loras = {w.parameter_name: w for w in chain if adapters[0] in w.lora_A}
         return lora_experts_forward(base, x, *args, loras=loras, adapter=adapters[0], **kwargs)
 
@@ -126,9 +133,26 @@ def lora_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torc
     ids_sorted, perm = torch.sort(top_k_index.reshape(-1))
     x_g = hidden_states[perm // k]
     weights_g = weights_flat[perm]
-    hist_in = ids_sorted.float() if x_g.device.type in ("cpu", "mps") else ids_sorted.int()
-    counts = torch.histc(hist_in, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    out = expert_rows(experts, x_g, ids_sorted, group_offsets(ids_sorted, experts.num_experts), loras, adapter)
+    out = out * weights_g.unsqueeze(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.size(0), device=perm.device)
+    return out[inv].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def group_offsets(ids_sorted: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int32 cumulative row counts of ``ids_sorted`` (expert ids in 0..E-1, ascending): the ``offsets`` of
+    :func:`grouped_mm`."""
+    hist_in = ids_sorted.float() if ids_sorted.device.type in ("cpu", "mps") else ids_sorted.int()
+    counts = torch.histc(hist_in, bins=num_experts, min=0, max=num_experts - 1)
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def expert_rows(experts, x_g: torch.Tensor, ids_sorted: torch.Tensor, offsets: torch.Tensor, loras: dict,
+                adapter: Optional[str]) -> torch.Tensor:
+    """Each row of ``x_g`` [S, hidden] (sorted by expert: ``ids_sorted`` [S], ids of ``experts``' own parameters)
+    through its expert -- up (gate) projection, activation, down projection, each with its LoRA of ``loras`` --
+    before the routing weight; [S, hidden] in the experts' dtype. ``offsets``: :func:`group_offsets`."""
 
     def project(name: str, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         y = grouped_linear(x, getattr(experts, name), offsets, bias=bias, is_transposed=experts.is_transposed)
@@ -147,10 +171,7 @@ def lora_experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torc
     out = project("down_proj", h, bias)
     if getattr(experts, "has_post_expert_norm", False):
         out = experts.post_expert_norm(out)
-    out = out * weights_g.unsqueeze(-1)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.size(0), device=perm.device)
-    return out[inv].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    return out
 
 
 _LAYER_STATE = ("parameter_name", "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",

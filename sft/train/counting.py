@@ -184,11 +184,12 @@ def census(model: torch.nn.Module) -> Census:
             experts = found.get(id(module))
             wrapped = None if experts else _base_experts(module, found)
             if experts or wrapped is not None:
-                e = experts or found[id(wrapped)]
-                k = min(e, _top_k(chain, config) or e)
-                scale = k / e
+                e = experts or found[id(wrapped)]  # this rank's experts (E/N under expert parallelism)
+                total = getattr(module if experts else wrapped, "sft_expert_slice", (0, e, e))[2]  # E of the model
+                k = min(total, _top_k(chain, config) or total)
+                scale = k / e  # a token runs k of the model's E experts: k x one expert's FLOPs, wherever they are
             if experts:
-                out.experts.append((path, e, k))
+                out.experts.append((path, total, k))
                 for name, shape, t, storage in own:
                     if name.endswith(".absmax"):
                         out.expert_bytes += t.numel() * t.element_size()

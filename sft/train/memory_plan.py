@@ -7,7 +7,9 @@ The planned peak (bytes) is the sum of
   resident set (``VmRSS``, so it also counts the libraries and the tokenizer);
 * ``gradients``: one per trainable parameter in its dtype (sharded by the world size under ZeRO-2/3 and FSDP; twice
   under DDP, whose reducer copies them into its communication buckets: ``gradient_as_bucket_view`` is off in
-  accelerate's ``DistributedDataParallelKwargs``, the Trainer's);
+  accelerate's ``DistributedDataParallelKwargs``, the Trainer's; but once for experts cut by ``--expert_parallel_size
+  N``, which DDP leaves alone). The model is planned as this rank holds it: under expert parallelism E/N experts per
+  layer (:mod:`sft.model.expert_parallel`), so their weights, gradients and optimizer state count 1/N;
 * ``optimizer``: the optimizer's state per trainable parameter (:func:`optimizer_bytes`; under DeepSpeed an
   fp32 master copy and fp32 Adam moments, sharded by the world size from ZeRO-1 on), created at the first optimizer
   step, so step 2 is the first that holds it next to activations;
@@ -260,7 +262,8 @@ def plan(model, *, tokens: int, checkpointing: bool, optim: str, parallel: Paral
     rank_tokens = math.ceil(int(tokens) / sp)  # this rank's share of the micro batch's tokens
     gradients = trainable_bytes // w if (fsdp or zero_stage >= 2) else trainable_bytes
     if w > 1 and not deepspeed and not fsdp:  # DDP's reducer holds them again in its buckets (module docstring)
-        gradients *= 2
+        cut = {id(p) for p, _, _ in getattr(model, "sft_expert_shards", None) or ()}  # E/N experts here, not DDP's
+        gradients += trainable_bytes - sum(numel(p) * p.element_size() for p in trainable if id(p) in cut)
     if deepspeed:  # fp32 master weights and fp32 moments (ZeRO's mixed precision), partitioned from stage 1
         optimizer = 4 * n_trainable + optimizer_bytes(optim, 4 * n_trainable, n_trainable)[0]
         optimizer = optimizer // w if zero_stage >= 1 else optimizer

@@ -1,10 +1,10 @@
 """Training samplers whose order is a function of (seed, epoch), so that a resumed run sees the same batches.
 
-transformers' ``RandomSampler`` is replaced by accelerate's ``SeedableRandomSampler`` (seed + epoch) by
-default, but ``--group_by_length``'s ``LengthGroupedSampler`` shuffles with the global torch RNG at the
-start of each epoch. A run resumed in the middle of epoch e >= 1 draws that shuffle from a different
-RNG state than the uninterrupted run did (the Trainer restores the checkpoint's RNG only after
-skipping the consumed batches), so it would train on other batches.
+transformers' ``RandomSampler`` is replaced by accelerate's ``SeedableRandomSampler`` (seed + epoch) by default, but
+``--group_by_length``'s ``LengthGroupedSampler`` shuffles with the global torch RNG at the start of each epoch. A run
+resumed in the middle of epoch e >= 1 draws that shuffle from a different RNG state than the uninterrupted run did
+(the Trainer restores the checkpoint's RNG only after skipping the consumed batches), so it would train on other
+batches.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from sft.distributed import sequence_parallel
 from sft.distributed.process_group import enable_fsdp
 from sft.model.loss import compute_supervised_loss, shifted_labels
 from sft.model.routing import disable_model_aux, weighted_aux
+from sft.train.expert_parallel import ExpertParallelSteps
 
 
 class EpochSeededLengthGroupedSampler(LengthGroupedSampler):
@@ -196,10 +197,11 @@ def checkpoint_tensors(model) -> dict:
     return {k: v for k, v in state.items() if "lora_" in k or "modules_to_save" in k or k in trainable}
 
 
-class Trainer(TrainerHooks):
+class Trainer(ExpertParallelSteps, TrainerHooks):
     """``transformers.Trainer`` with an epoch-seeded length-grouped sampler (see the module docstring), FSDP2 on
-    CPU process groups (:func:`sft.distributed.process_group.enable_fsdp`), and, in training with
-    ``supervised_head`` on, the LM head and loss at supervised positions only (:mod:`sft.model.loss`).
+    CPU process groups (:func:`sft.distributed.process_group.enable_fsdp`), in training with ``supervised_head`` on,
+    the LM head and loss at supervised positions only (:mod:`sft.model.loss`), and expert parallelism's steps
+    (:class:`sft.train.expert_parallel.ExpertParallelSteps`).
 
     Args:
         background_saves: a :class:`sft.train.async_save.BackgroundSaves` (``--save_async True``): a checkpoint's
@@ -391,10 +393,8 @@ class Trainer(TrainerHooks):
         np.random.set_state(state["numpy"])
         torch.random.set_rng_state(state["cpu"])
         if torch.cuda.is_available() and "cuda" in state:  # saved by a distributed run: every device's state
-            cuda = state["cuda"]
-            set_state = torch.cuda.random.set_rng_state_all if isinstance(cuda, (list, tuple)) else \
-                torch.cuda.random.set_rng_state
-            set_state(cuda)
+            cuda, rng = state["cuda"], torch.cuda.random
+            (rng.set_rng_state_all if isinstance(cuda, (list, tuple)) else rng.set_rng_state)(cuda)
         return True
 
     def before_epoch(self, epoch: int) -> None:
@@ -409,8 +409,7 @@ class Trainer(TrainerHooks):
         return sampler if sampler is not None else default()
 
     def train_sampler(self, train_dataset, default):
-        # The Trainer's own is a LengthGroupedSampler(batch_size, lengths=...) for
-        # train_sampling_strategy='group_by_length'.
+        # The Trainer's own is a LengthGroupedSampler(batch_size, lengths=...) for group_by_length
         if self.train_batch_sampler is not None:  # built on the training set (the Trainer passes its column subset)
             return self.train_batch_sampler
         sampler = default()

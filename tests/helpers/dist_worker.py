@@ -63,6 +63,7 @@ def main():
                    "checkpointed_layers": sum(getattr(m, "gradient_checkpointing", False) is True
                                               for m in model.modules()),
                    "losses": [x["loss"] for x in log if "loss" in x],
+                   "grad_norms": [x.get("grad_norm") for x in log if "loss" in x],
                    # mixture of experts (sft/train/routing_health.py): this rank's experts with no token per step
                    "moe_idle_experts": [x.get("moe_idle_experts") for x in log if "loss" in x],
                    "zero3_leaf_blocks": sum(bool(getattr(m, "_z3_leaf", False)) for m in model.modules()),

@@ -1,14 +1,17 @@
-"""Mixture of experts under every engine (issue 52 item 5), 2 CPU processes (gloo): a tiny DeepSeek-V3
+"""Mixture of experts under every engine (issue 52 items 5 and 6), 2 CPU processes (gloo): a tiny DeepSeek-V3
 (tests/helpers/families.py), 3 steps, against one process with the same global batch (gradient accumulation 2).
 The default LoRA (attention, dense and shared MLPs, every routed expert through sft.model.expert_lora, router
-frozen; dropout 0 so that every run draws the same) under DDP (gradient checkpointing on), ZeRO-3 and FSDP2: the
-same losses and the same adapter. Full fine-tuning (experts and router trained) under ZeRO-2, ZeRO-3 (gradient
-checkpointing on) and FSDP2: the same losses and the same logits of the trained model. Cells folded for time (each
-process start costs ~10-20 s here): LoRA under ZeRO-2 and full fine-tuning under DDP are not parametrized (both
-passed when run once, docs/moe.md). Each micro batch is one short conversation, so rank 0's tokens reach no token of
-some expert in every step (read from its routing health, sft/train/routing_health.py), and every run finishes.
-Under ZeRO-3 the MoE block is a leaf module, found by structure (sft.model.experts.mark_zero3_leaf_blocks;
-DeepSeek-V3's block is not a DeepSpeed default). Trained through tests/helpers/dist_worker.py, as the support
+frozen; dropout 0 so that every run draws the same) under DDP (gradient checkpointing on), ZeRO-3, FSDP2 and
+``--expert_parallel_size 2``: the same losses and the same adapter. Full fine-tuning (experts and router trained)
+under ZeRO-2, ZeRO-3 (gradient checkpointing on) and FSDP2: the same losses and the same logits of the trained model.
+Cells folded for time (each process start costs ~10-20 s here): LoRA under ZeRO-2 and full fine-tuning under DDP are
+not parametrized (both passed when run once, docs/moe.md). Each micro batch is one short conversation, so rank 0's
+tokens reach no token of some expert in every step (read from its routing health, sft/train/routing_health.py), and
+every run finishes. Under ZeRO-3 the MoE block is a leaf module, found by structure
+(sft.model.experts.mark_zero3_leaf_blocks; DeepSeek-V3's block is not a DeepSpeed default). Under
+``--expert_parallel_size 2`` each rank keeps 4 of the 8 routed experts and the tokens travel by all-to-all
+(sft.model.expert_parallel); the clip norm (the default --max_grad_norm 1, below every step's norm: it clips) and the
+adapter saved (gathered whole) equal one process's too. Trained through tests/helpers/dist_worker.py, as the support
 matrix (test_deepspeed.py) trains its cells."""
 import json
 import os
@@ -41,7 +44,8 @@ FSDP2 = ["--fsdp", "--fsdp_config", os.path.join(FT, "fsdp_config_full_shard.jso
 ENGINES = {"one": (1, LORA + ["--gradient_accumulation_steps", "2"]),
            "ddp": (2, LORA + GC), "zero3": (2, LORA + ZERO3), "fsdp2": (2, LORA + FSDP2),
            "one-full": (1, ["--gradient_accumulation_steps", "2"]),
-           "zero2-full": (2, ZERO2), "zero3-full": (2, ZERO3 + GC), "fsdp2-full": (2, FSDP2)}
+           "zero2-full": (2, ZERO2), "zero3-full": (2, ZERO3 + GC), "fsdp2-full": (2, FSDP2),
+           "ep2": (2, LORA + ["--expert_parallel_size", "2"])}
 # fp32; the ranks' gradients reduced vs two micro batches accumulated in one process: another order of additions
 RTOL = 1e-4
 # the adapters after 3 AdamW steps (lr 1e-2, values up to ~3e-2): AdamW divides each gradient element by its own
@@ -126,3 +130,41 @@ def test_moe_full_fine_tuning_same_losses_and_model_as_one_process(runs, engine)
     torch.testing.assert_close(logits, one_logits, rtol=RTOL, atol=LOGITS_ATOL)
     if engine == "zero3-full":
         assert ranks[0]["zero3_leaf_blocks"] == 1
+
+
+def test_expert_parallel_lora_equals_one_process(runs):
+    (one,), _, one_adapter = runs("one")
+    ranks, log, adapter = runs("ep2")
+    norms = [r["grad_norms"] for r in ranks]
+    print(json.dumps({"one": [one["losses"], one["grad_norms"]], "ep2": [ranks[0]["losses"], norms[0]]}))
+    assert "expert parallelism: 2 ranks per group" in log and "4 of 8 routed experts per layer" in log
+    assert len(ranks[0]["losses"]) == STEPS
+    assert ranks[0]["losses"] == pytest.approx(one["losses"], rel=RTOL), (ranks[0]["losses"], one["losses"])
+    # the norm clipped by is the whole model's (every expert once), on both ranks, and above the limit (1): it clips
+    assert norms[0] == pytest.approx(one["grad_norms"], rel=RTOL) and norms[1] == pytest.approx(norms[0], rel=RTOL)
+    assert min(one["grad_norms"]) > 1, one["grad_norms"]
+    # the adapter saved is the whole one: every expert's LoRA factors, in peft's shapes, equal to one process's
+    assert sorted(adapter) == sorted(one_adapter) and all(adapter[k].shape == v.shape for k, v in one_adapter.items())
+    diff = {k: float((adapter[k] - v).abs().max()) for k, v in one_adapter.items()}
+    print(json.dumps({"worst": max(diff.items(), key=lambda kv: kv[1])}))
+    for k, v in one_adapter.items():
+        torch.testing.assert_close(adapter[k], v, rtol=RTOL, atol=ADAPTER_ATOL, msg=f"{k}: {diff[k]:.3g}")
+
+
+def test_expert_parallel_exchange_equals_the_whole_module(tmp_path):
+    """One experts module cut over 2 ranks (tests/helpers/ep_worker.py): outputs and gradients equal the whole
+    module's, gpt-oss's expert biases included; routing every token to rank 0's experts leaves rank 1 without a row,
+    and both ranks finish."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), os.path.join(ROOT, "tests", "helpers", "ep_worker.py"), "qwen3_moe",
+           "gpt_oss"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env=pythonpath_env({**os.environ, "OMP_NUM_THREADS": "1", "SFT_TEST_REPORT_DIR": str(tmp_path)}))
+    assert r.returncode == 0, r.stderr[-4000:]
+    ranks = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    print(json.dumps(ranks))
+    for report in ranks:
+        assert sorted(report) == ["gpt_oss", "qwen3_moe"]
+        for family, cases in report.items():
+            for case, d in cases.items():
+                assert max(d.values()) < 1e-5, (family, case, d)

@@ -12,7 +12,7 @@ from tests.helpers.families import tiny_config
 
 def args(size: int, mode: str = "auto", model: str = "unused"):
     return (types.SimpleNamespace(model_name_or_path=model, trust_remote_code=False),
-            types.SimpleNamespace(sequence_parallel_size=size, sequence_parallel_mode=mode))
+            types.SimpleNamespace(sequence_parallel_size=size, sequence_parallel_mode=mode, expert_parallel_size=1))
 
 
 @pytest.mark.parametrize("size,worlds,refused_at", [(2, [3], 3), (4, [4, 6, 8], 6), (2, [2, 4], None),

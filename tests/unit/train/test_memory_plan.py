@@ -327,3 +327,35 @@ def test_checkpointed_activations_are_every_layer_input_and_a_few_layers(llama):
     assert on.head == int(HEAD_BYTES_PER_LOGIT * c.vocab_size) * 10
     big = plan(llama, tokens=10 ** 7, checkpointing=False, optim="sgd", held_available=(0, GIB, "test"))
     assert big.head == int(HEAD_BYTES_PER_LOGIT * MAX_LOGIT_ELEMENTS)
+
+
+def test_expert_parallel_ranks_plan_their_share_of_the_experts():
+    """--expert_parallel_size 2: this rank's plan counts half the experts' weights (the plan's parameter figures),
+    gradients (once: DDP leaves them alone) and AdamW state; the rest as under DDP."""
+    from sft.distributed.expert_parallel import ExpertParallel
+    from sft.model.expert_parallel import shard_experts
+    from sft.model.loading import apply_lora
+    from sft.model.spec import LoraSpec
+    from sft.train.counting import model_flops_per_token
+    from tests.helpers.families import tiny_model
+
+    def planned(size):
+        model = apply_lora(tiny_model("qwen3_moe", vocab_size=128), None, False, LoraSpec(train_embeddings="false"))
+        cut = shard_experts(model, ExpertParallel(size=size, rank=1, world_size=max(2, size)))
+        model.sft_expert_shards = cut
+        trainable = {n: q.numel() for n, q in model.named_parameters() if q.requires_grad}
+        experts = sum(v for n, v in trainable.items() if ".experts." in n)  # this rank's expert LoRA
+        p = plan(model, tokens=100, checkpointing=False, optim="adamw_torch", parallel=ParallelShape(world_size=2),
+                 held_available=(GIB, 8 * GIB, "test"))
+        p.flops = model_flops_per_token(model)
+        return p, experts, sum(trainable.values()) - experts
+
+    one, experts_one, dense = planned(1)
+    two, experts_two, dense_two = planned(2)
+    assert dense_two == dense and experts_two * 2 == experts_one > 0
+    assert one.gradients == 2 * 4 * (dense + experts_one)  # DDP: every gradient twice (its buckets)
+    assert two.gradients == 2 * 4 * dense + 4 * experts_one // 2  # expert gradients: half of them, once
+    assert (one.optimizer, two.optimizer) == (8 * (dense + experts_one), 8 * (dense + experts_one // 2))
+    assert two.parameters["experts"] * 2 == one.parameters["experts"] > 0  # the routed experts' weights
+    # FLOPs per token (MFU): a token still runs top-2 experts, also where a rank keeps fewer than 2 (E/N = 1 of 8)
+    assert one.flops == two.flops == planned(8)[0].flops > 0
