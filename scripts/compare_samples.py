@@ -121,16 +121,24 @@ def jsonable(x):
 def refusal(e: Exception, conv=None) -> dict:
     from sft.data.records import template_problem
 
-    out = {"error": type(e).__name__, "text": str(e),
-           **{a: jsonable(getattr(e, a)) for a in ("turn", "what", "fix", "kind") if hasattr(e, a)}}
-    if conv is not None:
-        out["problem"] = str(template_problem("case", conv, e))
+    # the class as the user meets it: the first of sft.errors' (its exit code) or Python's
+    kind = next(c for c in type(e).__mro__ if c.__module__ in ("sft.errors", "builtins"))
+    out = {"error": kind.__name__, "text": str(e),
+           **{a: jsonable(getattr(e, a)) for a in ("turn", "what", "fix") if hasattr(e, a)}}
+    if conv is not None:  # the record problem it becomes (its text, turn and kind)
+        problem = template_problem("case", conv, e)
+        out["problem"], out["problem_fields"] = str(problem), jsonable(problem.__dict__)
     return out
 
 
 def prepared(tok, conv, eot: int, spec) -> dict:
     """One conversation's samples (or refusal) and the truncation report under ``spec``."""
-    from sft.data.samples import TruncationReport, encode_samples
+    from sft.data.samples import encode_samples
+
+    try:
+        from sft.data.report import TruncationReport
+    except ImportError:  # before the report had a module of its own (bd8f322)
+        from sft.data.samples import TruncationReport
 
     try:
         got = encode_samples(tok, [conv.messages], eot, spec, [conv.tools])[0]

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
+from sft.data.messages import message_text
 from sft.errors import TemplateError
 
-_PROBE_REASONING = "\ue010probe reasoning\ue011"
+PROBE_REASONING = "\ue010probe reasoning\ue011"
 
 
 def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool = False) -> str:
@@ -18,12 +19,12 @@ def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_pro
     converting its inputs: the identity on plain dicts, plus its copy of ``reasoning_content`` to ``thinking``, done
     here too); the template's own refusals (jinja2's ``raise_exception``, a template bug) as :class:`TemplateError`.
     """
-    from sft.data.chat import _Renderer
+    from sft.data.chat import Renderer
     from sft.data.chat_template import render_failure
 
     shown = [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
     try:
-        return _Renderer.of(tokenizer).render(shown, tools, generation_prompt)
+        return Renderer.of(tokenizer).render(shown, tools, generation_prompt)
     except Exception as e:
         raise TemplateError(f"the chat template cannot render this conversation: {render_failure(e)}") from None
 
@@ -31,32 +32,36 @@ def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_pro
 def reasoning_form(tokenizer) -> str:
     """``"field"`` (the template writes ``reasoning_content``), ``"inline"`` (it writes ``<think>...</think>`` from the
     content) or ``"none"`` (neither: reasoning would be dropped); probed once per template and cached."""
-    cache = _cache(tokenizer)
+    cache = template_cache(tokenizer)
     if "reasoning" not in cache:
         form = "none"
         for candidate in ("field", "inline"):
-            msg = _with_reasoning({"role": "assistant", "content": "Hello"}, _PROBE_REASONING, candidate)
+            msg = with_reasoning({"role": "assistant", "content": "Hello"}, PROBE_REASONING, candidate)
             try:
                 text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, msg], None)
             except TemplateError:
                 continue
-            if _PROBE_REASONING in text:
+            if PROBE_REASONING in text:
                 form = candidate
                 break
         cache["reasoning"] = form
     return cache["reasoning"]
 
 
-def _cache(tokenizer) -> dict:
-    from sft.data.chat import _Renderer
+def template_cache(tokenizer) -> dict:
+    """The per-template dict where the probes of this module and of :mod:`sft.data.turns` keep their answers (in the
+    tokenizer's :class:`sft.data.chat.Renderer` memo: a new chat template gets a new one)."""
+    from sft.data.chat import Renderer
 
-    memo = _Renderer.of(tokenizer).memo
+    memo = Renderer.of(tokenizer).memo
     return memo.setdefault("turns", {})
 
 
-def _with_reasoning(msg: dict, reasoning: str, form: str) -> dict:
+def with_reasoning(msg: dict, reasoning: str, form: str) -> dict:
+    """``msg`` (a message dict) with ``reasoning`` in the template's ``form`` (:func:`reasoning_form`): inside the
+    content as ``<think>\\n...\\n</think>\\n\\n`` (``"inline"``), else as ``reasoning_content``; a new dict."""
     if form == "inline":
-        return {**msg, "content": f"<think>\n{reasoning}\n</think>\n\n{msg['content']}"}
+        return {**msg, "content": f"<think>\n{reasoning}\n</think>\n\n{message_text(msg)}"}
     return {**msg, "reasoning_content": reasoning}
 
 
@@ -65,35 +70,35 @@ def arguments_form(tokenizer) -> str:
     templates do with ``tojson``) or ``"string"`` (it needs them as their JSON string, OpenAI's wire format:
     functionary-v3.2 writes ``"\n" + arguments``); probed once per template (a call with an object, then with its
     string, the first whose probe value the rendering holds) and cached; ``"object"`` where neither renders."""
-    cache = _cache(tokenizer)
+    cache = template_cache(tokenizer)
     if "arguments" not in cache:
         cache["arguments"] = "object"
-        args = {"probe_argument": _PROBE_VALUE}
+        args = {"probe_argument": PROBE_VALUE}
         for form, value in (("object", args), ("string", json.dumps(args, ensure_ascii=False))):
             call = probe_call(value)
             try:
-                text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, call], [_PROBE_TOOL])
+                text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, call], [PROBE_TOOL])
             except TemplateError:
                 continue
-            if _PROBE_VALUE in text:
+            if PROBE_VALUE in text:
                 cache["arguments"] = form
                 break
     return cache["arguments"]
 
 
-_PROBE_CONTENT = "\ue014probe content\ue015"
-_PROBE_VALUE = "\ue012probe value\ue013"
+PROBE_CONTENT = "\ue014probe content\ue015"
+PROBE_VALUE = "\ue012probe value\ue013"
 
 
 def writes_tool_calls(tokenizer) -> bool:
     """Whether the chat template writes a reply's ``tool_calls`` at all (a probe call's name in its rendering after
     the user turn); probed once per template and cached."""
-    cache = _cache(tokenizer)
+    cache = template_cache(tokenizer)
     if "writes_calls" not in cache:
         call = probe_call({})
         try:
             text = render_with_tools(tokenizer, template_messages(tokenizer, [{"role": "user", "content": "Hi"},
-                                                                              call]), [_PROBE_TOOL])
+                                                                              call]), [PROBE_TOOL])
         except TemplateError:
             text = ""
         cache["writes_calls"] = "probe_tool" in text[text.find("Hi"):]
@@ -101,7 +106,7 @@ def writes_tool_calls(tokenizer) -> bool:
 
 
 def probe_call(arguments) -> dict:
-    """An assistant turn holding one call of :data:`_PROBE_TOOL` with these ``arguments``."""
+    """An assistant turn holding one call of :data:`PROBE_TOOL` with these ``arguments``."""
     return {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "id": "123456789", "function": {"name": "probe_tool", "arguments": arguments}}]}
 
@@ -122,7 +127,7 @@ def template_messages(tokenizer, messages: Sequence[dict]) -> list[dict]:
         m = {k: v for k, v in m.items() if k != "train"}
         if "reasoning_content" in m:
             form = form or reasoning_form(tokenizer)
-            m = _with_reasoning({k: v for k, v in m.items() if k != "reasoning_content"}, m["reasoning_content"],
+            m = with_reasoning({k: v for k, v in m.items() if k != "reasoning_content"}, m["reasoning_content"],
                                 form)
         if m.get("tool_calls") and arguments_form(tokenizer) == "string":
             m = _with_string_arguments(m)
@@ -130,5 +135,5 @@ def template_messages(tokenizer, messages: Sequence[dict]) -> list[dict]:
     return out
 
 
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.",
+PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.",
                                                   "parameters": {"type": "object", "properties": {}}}}

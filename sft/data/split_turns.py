@@ -12,8 +12,8 @@ where the head is the system turn; when the piece's first unit starts with tool 
 (the last user turn before it) and the assistant turn whose calls they answer come first, as context: a reply is
 never trained without the query it works on, nor a tool result shown without its call (templates such as Qwen3's
 also need a user turn). Target units are taken greedily, context units added nearest first, with the cut rules of
-:mod:`sft.data.long_conversations` (``_plan``: the first piece's targets may fill it, a later piece's targets take at
-most half of the room after the head). Each piece is then encoded by the definition with only its target units'
+:mod:`sft.data.long_conversations` (``plan_pieces``: the first piece's targets may fill it, a later piece's targets
+take at most half of the room after the head). Each piece is then encoded by the definition with only its target units'
 replies trained (:func:`sft.data.turns.plan`; a piece may itself be several samples where the template rewrites
 history), so its labels are those of inference for that context. Unit lengths for the plan are read off the whole
 conversation's rendering; a piece encoded longer than planned is planned again with a smaller budget, and a piece of
@@ -25,6 +25,7 @@ import json
 from bisect import bisect_right
 from typing import Optional, Sequence
 
+from sft.data.messages import message_text
 from sft.data.shared_prefix import tokenize_shared
 from sft.data.turns import TurnPlan, ends_at_next_role, plan, render_with_tools
 
@@ -58,7 +59,7 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
         TemplateError: as :func:`sft.data.turns.plan`, for a piece.
     """
     from sft.data.chat import labels_from_spans
-    from sft.data.long_conversations import _plan
+    from sft.data.long_conversations import plan_pieces
 
     messages, trained = list(messages), set(trained)
     head, units = units_of(messages)
@@ -138,7 +139,7 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
     useful = [any(k in trained for k in range(a, b)) for a, b in units]
     budget = max_len
     while True:
-        cuts = [(c, i, j) for c, i, j in _plan(lengths, costs, head_len, max_len, budget) if any(useful[i:j])]
+        cuts = [(c, i, j) for c, i, j in plan_pieces(lengths, costs, head_len, max_len, budget) if any(useful[i:j])]
         pieces = encode_all(cuts)
         over = [max(len(ids) for ids, _ in p) - max_len for (c, i, j), p in zip(cuts, pieces)
                 if j - i > 1 or c < i]
@@ -175,7 +176,7 @@ def _estimate(tokenizer, messages, tools, head: int, units, rendering: Optional[
     marks, pos = [], 0
     for a, _b in units:
         m = shown[a]
-        needle = (m.get("content") or "").strip()[:200] or next(
+        needle = message_text(m).strip()[:200] or next(
             (c["function"]["name"] for c in m.get("tool_calls", ())), "")
         at = full.find(needle, pos) if needle else -1
         if at < 0:
@@ -194,6 +195,6 @@ def _estimate(tokenizer, messages, tools, head: int, units, rendering: Optional[
         u = next((k for k in range(a, head - 1, -1) if messages[k]["role"] == "user"), None)
         lead = [shown[u]] if u is not None else []
         lead += [shown[a - 1]] if a > 0 and shown[a]["role"] == "tool" else []
-        chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls", ""))) for m in lead)
+        chars = sum(len(message_text(m)) + len(json.dumps(m.get("tool_calls", ""))) for m in lead)
         user_len.append(round(chars * per_char) + 8 * len(lead))
     return costs, marks[0], user_len
