@@ -21,6 +21,7 @@ Only entry points that exist on both sides are used (``sft.data.records.normaliz
 
 Usage (from the repository root, with .venv/bin/python):
   python scripts/compare_samples.py --base bd8f322           # base in a temporary git worktree vs this tree
+  python scripts/compare_samples.py --base bd8f322 --head HEAD   # ... vs a commit (its own temporary worktree)
   python scripts/compare_samples.py --dump DIR               # this tree's (PYTHONPATH's) cases into DIR
   python scripts/compare_samples.py --compare DIR_A DIR_B    # two dump folders
 Exit 0 when every case is identical, 1 otherwise, 2 on bad use. The assets (template corpus, Qwen tokenizer,
@@ -311,6 +312,7 @@ def main() -> int:
     g.add_argument("--base", help="a commit: its samples against this tree's")
     g.add_argument("--dump", metavar="DIR", help="write this tree's cases into DIR")
     g.add_argument("--compare", nargs=2, metavar=("DIR_A", "DIR_B"), help="compare two dump folders")
+    p.add_argument("--head", help="with --base: a commit to compare with it (default: this working tree, as it is)")
     p.add_argument("--out", help="with --base: keep the two dumps here (default: a temporary folder)")
     p.add_argument("--example_records", type=int, default=EXAMPLE_RECORDS, help="chitchat conversations used")
     args = p.parse_args()
@@ -320,15 +322,18 @@ def main() -> int:
     if args.compare:
         return compare(*args.compare)
     out = args.out or tempfile.mkdtemp(prefix="compare-samples-")
-    base_tree = tempfile.mkdtemp(prefix="compare-base-")
-    os.rmdir(base_tree)
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", base_tree, args.base], check=True)
+    trees = []
     try:
-        run_tree(base_tree, os.path.join(out, "base"), args.example_records)
-        run_tree(ROOT, os.path.join(out, "head"), args.example_records)
+        for commit in [args.base] + ([args.head] if args.head else []):
+            trees.append(tempfile.mkdtemp(prefix="compare-tree-"))
+            os.rmdir(trees[-1])
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", trees[-1], commit], check=True)
+        run_tree(trees[0], os.path.join(out, "base"), args.example_records)
+        run_tree(trees[1] if args.head else ROOT, os.path.join(out, "head"), args.example_records)
     finally:
-        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_tree], check=True)
-    print(f"base {args.base} vs {ROOT} (dumps in {out}):")
+        for tree in trees:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=True)
+    print(f"base {args.base} vs {args.head or ROOT} (dumps in {out}):")
     return compare(os.path.join(out, "base"), os.path.join(out, "head"))
 
 

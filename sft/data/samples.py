@@ -42,9 +42,9 @@ def dropped_fix(tokenizer, dropped) -> str:
     after the template's own switch where it drops reasoning and reads ``enable_thinking`` not set on by
     ``--chat_template_kwargs`` (Reka-Edge writes reasoning only with it true), or a word on tool calls where it
     drops them and writes no call at all (LFM2, Granite 3.3: their models write calls inside the reply's content, in
-    their own syntax; :func:`sft.data.turns.writes_tool_calls`)."""
+    their own syntax; :attr:`sft.data.profile.TemplateProfile.writes_tool_calls`)."""
     from sft.data.chat_template import with_template_kwargs
-    from sft.data.forms import writes_tool_calls
+    from sft.data.profile import template_profile
 
     template = tokenizer.chat_template or ""
     fix = ("use a template that renders it (--chat_template FILE), remove it, or pass --allow_dropped_content True to "
@@ -54,7 +54,7 @@ def dropped_fix(tokenizer, dropped) -> str:
     if "enable_thinking" in template and "reasoning" in whats and on not in template:
         switch = "--chat_template_kwargs '{\"enable_thinking\": true}'"
         fix = f"if the template's reasoning is off, switch it on ({switch}: it reads enable_thinking), {fix}"
-    if any(w.startswith("tool call ") for w in whats) and not writes_tool_calls(tokenizer):
+    if any(w.startswith("tool call ") for w in whats) and not template_profile(tokenizer).writes_tool_calls:
         fix += " (a template that writes no tool_calls wants the call inside the reply's content, in its model's " \
                "syntax)"
     return fix

@@ -26,8 +26,9 @@ from bisect import bisect_right
 from typing import Optional, Sequence
 
 from sft.data.messages import message_text
+from sft.data.profile import template_profile
 from sft.data.shared_prefix import tokenize_shared
-from sft.data.turns import TurnPlan, ends_at_next_role, plan, render_with_tools
+from sft.data.turns import TurnPlan, plan, render_with_tools
 
 
 def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
@@ -73,8 +74,9 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
     # what plan found per reply, kept across pieces: (first context unit, the reply's index in the piece, whether the
     # piece has the message after it) -> plan's result. Pieces with the same first unit hold the same messages up to
     # each reply (the trained flags aside, which the template does not see), so a reply renders alike in all of them;
-    # where its end is read off the next message (sft.data.turns.ends_at_next_role) only if that message is there too
-    next_role = ends_at_next_role(tokenizer)
+    # where its end is read off the next message (TemplateProfile.ends_at_next_role, sft.data.profile) only if that
+    # message is there too
+    next_role = template_profile(tokenizer).ends_at_next_role
     replies: dict = {}
     if whole is not None and messages[units[0][0]]["role"] != "tool":  # a piece from unit 0: the conversation's start
         replies.update(((0, k, next_role and k + 1 < len(messages)), r) for k, r in whole.replies.items())

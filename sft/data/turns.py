@@ -24,7 +24,7 @@ the record's tools missing from a sample.
 How reasoning is handed over: as ``reasoning_content`` (Qwen3, GLM, DeepSeek-V3.1, ... read it; transformers also
 copies it to ``thinking``, gpt-oss's name) when the template writes that field, else inside the content as
 ``<think>\\n...\\n</think>\\n\\n`` when the template writes that, else as ``reasoning_content`` (and then counted as
-dropped). Decided once per template by rendering a probe (:func:`reasoning_form`).
+dropped). Decided once per template by rendering a probe (:attr:`sft.data.profile.TemplateProfile.reasoning_form`).
 """
 from __future__ import annotations
 
@@ -40,13 +40,12 @@ from sft.data.forms import (
     PROBE_REASONING,
     PROBE_TOOL,
     probe_call,
-    reasoning_form,
     render_with_tools,
     template_cache,
-    template_messages,
     with_reasoning,
 )
 from sft.data.messages import message_text
+from sft.data.profile import template_messages, template_profile
 from sft.data.refusal import Refusal
 from sft.data.thinking import Diverges, continuation
 from sft.errors import TemplateError
@@ -132,7 +131,7 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
         last = message_text(shown[k - 1]).strip() if k else ""
 
         def reasoned():  # the reply with a probe reasoning, in the template's form
-            form = reasoning_form(tokenizer)
+            form = template_profile(tokenizer).reasoning_form
             probe = with_reasoning(shown[k], PROBE_REASONING, "field" if form == "none" else form)
             return render_with_tools(tokenizer, shown[:k] + [probe], tools), PROBE_REASONING
 
@@ -166,7 +165,8 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
     if renders is not None and k + 1 == len(messages):
         renders[k + 1] = rendered
     ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]  # after the block's close
-    if not ends and ends_at_next_role(tokenizer) and not full[len(prompt) + own:].endswith(tuple(stops)):
+    next_role = template_profile(tokenizer).ends_at_next_role
+    if not ends and next_role and not full[len(prompt) + own:].endswith(tuple(stops)):
         full += _next_role(tokenizer, shown, k, tools, rendered, stops)
         ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]
     if not ends:
@@ -257,30 +257,14 @@ def one_sample_of_contents(tokenizer, roles: tuple, stops: Sequence[str]) -> boo
     return cache[key]
 
 
-def ends_at_next_role(tokenizer) -> bool:
-    """Whether the chat template writes nothing after the last reply, so that a reply ends at the token that opens
-    the next turn (GLM-4.6's ``<|user|>``, one of its model's end tokens: :func:`sft.data.end_tokens.
-    end_of_turn_id`); probed once per template and cached."""
-    cache = template_cache(tokenizer)
-    if "next_role" not in cache:
-        from sft.data.chat import PROBE
-
-        try:
-            text = render_with_tools(tokenizer, PROBE, None)
-        except TemplateError:
-            text = ""
-        cache["next_role"] = bool(text) and text.rstrip().endswith(message_text(PROBE[-1]))
-    return cache["next_role"]
-
-
 def stop_tokens(tokenizer, eot_id: int) -> list[str]:
     """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.end_tokens.
     end_of_turn_id`), and the token that closes a reply holding a tool call when the template closes those with
     another one (gpt-oss's ``<|call|>``, Llama 3.1's ``<|eom_id|>``, gemma-4's ``<|tool_response>``): the last special
     token of such a reply rendered alone (only whitespace after it; the reply: the rendering after the text it shares
     with the generation prompt), or, where a reply ends at the next role's token
-    (:func:`ends_at_next_role`), the first special token after it when a tool result follows. Probed once per
-    template and cached."""
+    (:attr:`sft.data.profile.TemplateProfile.ends_at_next_role`), the first special token after it when a tool result
+    follows. Probed once per template and cached."""
     cache = template_cache(tokenizer)
     key = ("stops", eot_id)
     if key not in cache:
@@ -292,7 +276,8 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
             full = render_with_tools(tokenizer, user + [call], [PROBE_TOOL])
         except TemplateError:
             full = prompt = ""
-        if full.startswith(prompt) and "probe_tool" in full[len(prompt):] and ends_at_next_role(tokenizer):
+        next_role = template_profile(tokenizer).ends_at_next_role
+        if full.startswith(prompt) and "probe_tool" in full[len(prompt):] and next_role:
             result = {"role": "tool", "tool_call_id": "123456789", "name": "probe_tool", "content": "ok"}
             try:  # the reply holding the call ends at the token that opens the tool result (GLM's <|observation|>)
                 after = render_with_tools(tokenizer, user + [call, result], [PROBE_TOOL])
