@@ -74,21 +74,26 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     possibly into several samples.
 
     Args:
+        tokenizer: a fast tokenizer with its chat template.
+        conversations: per conversation, its validated messages (:mod:`sft.data.messages`).
+        eot_id: the end-of-turn token id (:func:`sft.data.end_tokens.end_of_turn_id`).
+        spec: of its fields, ``max_len``, ``system_message``, ``last_reply_only`` (train only each conversation's last
+            reply), ``allow_dropped_content`` (train a conversation even when the template drops some of its text,
+            counted in the ``dropped`` of its first sample; default: refuse it) and ``long_conversations``
+            (``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries: plain conversations on the
+            fast path by :func:`sft.data.long_conversations.split_conversation`, only a reply too long by itself is
+            then truncated; every other by :func:`sft.data.split_turns.split_turns`, only a reply with its tool
+            results too long by themselves is truncated; ``"truncate"`` keeps the first ``max_len`` tokens of each
+            sample; ``"refuse"`` splits, and refuses a conversation with a turn splitting would cut).
         tools: per conversation, the record's tool schemas or None (default: none).
-        last_reply_only: train only each conversation's last reply (``--mask_history``).
-        allow_dropped_content: train a conversation even when the template drops some of its text (counted in the
-            ``dropped`` of its first sample); default: refuse it.
-        long_conversations: ``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries (plain
-            conversations on the fast path: :func:`sft.data.long_conversations.split_conversation`, only a reply too
-            long by itself is then truncated; every other: :func:`sft.data.split_turns.split_turns`, only a reply with
-            its tool results too long by themselves is truncated); ``"truncate"`` keeps the first ``max_len`` tokens of
-            each sample.
 
     Returns:
         Per conversation, in order: its list of samples (:func:`truncate` dicts; the first also has ``user_cut``, the
         user turns cut from the start, ``extra_samples`` and ``extra_tokens``, what several samples cost, and
         ``dropped``, the characters the template dropped), or the :class:`~sft.errors.TemplateError` that refuses it
-        (its message names the turn). This is the one place where a conversation becomes samples.
+        (a :class:`sft.data.refusal.Refusal` names the turn as the record numbers it: its ``turn`` is renumbered
+        where ``system_message`` added a turn; its message keeps the number it was made with). This is the one place
+        where a conversation becomes samples.
     """
     max_len, system_message, long_conversations = spec.max_len, spec.system_message, spec.long_conversations
     splitting = long_conversations in ("split", "refuse")  # refuse: split, and refuse what split must cut in a turn
