@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 
 from sft import __version__
+from sft.compat import jinja
 from sft.fsio import file_sha256
 
 CACHE_FORMAT = 5  # bump when the cached columns or their meaning change (4: the ``record`` column; 5: labels by the
 # definition of sft.data.turns, the lazy records as JSON)
+RENDERING_ADAPTERS = (jinja,)  # modules outside sft/data that decide the rendered text (the compiled chat template)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -25,14 +28,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 @functools.lru_cache(maxsize=4)
 def preparation_code_fingerprint(folder: str = os.path.dirname(os.path.abspath(__file__))) -> str:
-    """sha256 of the source of every module of ``sft.data`` (``folder``: what turns records into samples and the
-    report): a cache written by other preparation code is never read, whether or not someone bumped
+    """sha256 of the source of every module of ``sft.data`` (``folder`` and its sub-folders, by path relative to it)
+    and of the adapters it renders through (:data:`RENDERING_ADAPTERS`): what turns records into samples and the
+    report. A cache written by other preparation code is never read, whether or not someone bumped
     :data:`CACHE_FORMAT` (a report cached before a field existed printed "(the first 0)")."""
     h = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read() + b"\0")
+    files = []
+    for at, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        files += [os.path.join(at, n) for n in sorted(names) if n.endswith(".py")]
+    for path in files + [inspect.getsourcefile(m) for m in RENDERING_ADAPTERS]:
+        with open(path, "rb") as f:
+            h.update(os.path.relpath(path, folder).encode() + b"\0" + f.read() + b"\0")
     return h.hexdigest()
 
 

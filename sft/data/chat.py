@@ -19,7 +19,10 @@ import logging
 import weakref
 from typing import Optional, Sequence
 
-from sft.data.chat_template import CHATML_TEMPLATE, compile_template, content_is_opaque  # noqa: F401 (re-exported)
+from sft.compat.jinja import compile_template
+from sft.data.chat_template import CHATML_TEMPLATE, content_is_opaque  # noqa: F401 (re-exported)
+from sft.data.messages import message_text
+from sft.data.refusal import Refusal
 from sft.data.vocab import has_token
 from sft.errors import TemplateError
 
@@ -28,7 +31,8 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
-_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]  # a conversation the
+# template probes of sft.data render (never changed in place)
 
 
 def ensure_chat_template(tokenizer) -> bool:
@@ -50,14 +54,14 @@ def ensure_chat_template(tokenizer) -> bool:
 
 def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
     """Render ``messages`` to text with the tokenizer's chat template (``apply_chat_template``'s text; an empty tool
-    list for a template that cannot render without one, :meth:`_Renderer.render`); its own refusal or failure
+    list for a template that cannot render without one, :meth:`Renderer.render`); its own refusal or failure
     (jinja2's ``raise_exception``, a template that needs a variable it is not given) as :class:`TemplateError`."""
     try:
         try:
             return tokenizer.apply_chat_template(list(messages), tokenize=False,
                                                  add_generation_prompt=add_generation_prompt)
         except Exception:
-            if not tokenizer.chat_template or not _Renderer.of(tokenizer).needs_tools():
+            if not tokenizer.chat_template or not Renderer.of(tokenizer).needs_tools():
                 raise
         return tokenizer.apply_chat_template(list(messages), tools=[], tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
@@ -69,7 +73,7 @@ def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = Fa
 
 def chat_token_ids(tokenizer) -> list[int]:
     """Ids of the special tokens the chat template emits (e.g. ``<|im_start|>``, ``<|im_end|>``)."""
-    text = render(tokenizer, [{"role": "system", "content": "S"}, *_PROBE])
+    text = render(tokenizer, [{"role": "system", "content": "S"}, *PROBE])
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     added = tokenizer.get_added_vocab()
     return sorted({i for i in ids if tokenizer.convert_ids_to_tokens(i) in added})
@@ -118,9 +122,9 @@ def render_with_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tu
             break
         pieces.append(s_text[pos:at])
         out_len += at - pos
-        spans.append((out_len, out_len + len(m["content"])))
-        pieces.append(m["content"])
-        out_len += len(m["content"])
+        spans.append((out_len, out_len + len(message_text(m))))
+        pieces.append(message_text(m))
+        out_len += len(message_text(m))
         pos = at + len(mark)
     pieces.append(s_text[pos:])
     if "".join(pieces) == text and len(spans) == sum(m["role"] == "assistant" for m in messages):
@@ -130,14 +134,12 @@ def render_with_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tu
         if m["role"] != "assistant":
             continue
         prefix = render(tokenizer, messages[:k], add_generation_prompt=True)
-        start, end = len(prefix), len(prefix) + len(m["content"])
-        if not text.startswith(prefix) or text[start:end] != m["content"]:
+        start, end = len(prefix), len(prefix) + len(message_text(m))
+        if not text.startswith(prefix) or text[start:end] != message_text(m):
             what = ("the chat template renders earlier turns differently once later turns are added, so this "
                     "reply's span in the conversation's rendering cannot be located")
             fix = "use a template without such rewriting, or --long_conversations truncate"
-            e = TemplateError(f"turn {k}: {what}; {fix}")
-            e.turn, e.what, e.fix = k, what, fix  # as sft.data.turns.refusal: a record problem names the turn
-            raise e
+            raise Refusal(k, what, fix)
         spans.append((start, end))
     return text, spans
 
@@ -235,7 +237,7 @@ def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot
     Raises:
         TemplateError: see :func:`render_with_spans` and :func:`labels_from_spans`.
     """
-    rendered = _Renderer.of(tokenizer).render_all(conversations)
+    rendered = Renderer.of(tokenizer).render_all(conversations)
     skip = context_replies if context_replies is not None else [0] * len(rendered)
     enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True, verbose=False,
                     return_attention_mask=False)  # not used: building its lists costs time
@@ -254,11 +256,11 @@ class Encoded(tuple):
         return self
 
 
-_RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> _Renderer (not on the tokenizer:
+_RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> Renderer (not on the tokenizer:
 # it stays picklable)
 
 
-class _Renderer:
+class Renderer:
     """One render per conversation, spans found in the same render (what :func:`render_with_spans` finds with two
     renders and more).
 
@@ -285,7 +287,7 @@ class _Renderer:
         self.memo: dict = {}  # small per-tokenizer results (e.g. sft.data.long_conversations' head lengths), capped
 
     @classmethod
-    def of(cls, tokenizer) -> "_Renderer":
+    def of(cls, tokenizer) -> "Renderer":
         r = _RENDERERS.get(tokenizer)
         if r is None or r.template != tokenizer.chat_template or r.variables != dict(tokenizer.special_tokens_map):
             r = _RENDERERS[tokenizer] = cls(tokenizer)
@@ -336,7 +338,7 @@ class _Renderer:
         """Whether the template fails on a plain conversation without ``tools`` and renders it with ``tools=[]``;
         probed once."""
         if "needs_tools" not in self.memo:
-            probe = dict(messages=list(_PROBE), documents=None, add_generation_prompt=False, **self.variables)
+            probe = dict(messages=list(PROBE), documents=None, add_generation_prompt=False, **self.variables)
             try:
                 self.compiled.render(tools=None, **probe)
                 self.memo["needs_tools"] = False
@@ -360,7 +362,7 @@ class _Renderer:
             return None
         parts, spans, pos = [pieces[0]], [], len(pieces[0])
         for m, lit in zip(messages, pieces[1:]):
-            c = m["content"]
+            c = message_text(m)
             if m["role"] == "assistant":
                 spans.append((pos, pos + len(c)))
             parts += (c, lit)

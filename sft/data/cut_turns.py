@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from sft.errors import TemplateError
+from sft.data.messages import message_text
+from sft.data.refusal import Refusal
 
 
 def where_cut(ex: dict, sample_id: str, record=None) -> str:
@@ -61,7 +62,7 @@ def turn_texts(text: str, messages: Sequence[dict]) -> list[tuple[int, int, int]
     conversation's rendering, found in order; a turn whose text is not found is left out."""
     found, cursor = [], 0
     for k, m in enumerate(messages):
-        part = next((t.strip() for t in (m.get("content"), m.get("reasoning_content"))
+        part = next((t.strip() for t in (message_text(m), m.get("reasoning_content"))
                      if isinstance(t, str) and t.strip()), "")
         at = text.find(part, cursor) if part else -1
         if at != -1:
@@ -89,20 +90,16 @@ def name_cuts(samples: list, shift: int, locate) -> None:
             ex["cut_turn"] = turn - shift if turn is not None else None
 
 
-def too_long(turn: Optional[int], tokens: Optional[int], max_len: int, what: str) -> TemplateError:
+def too_long(turn: Optional[int], tokens: Optional[int], max_len: int, what: str) -> Refusal:
     """``--long_conversations refuse``'s refusal of a conversation with a turn (``turn``, in the record's numbering;
     ``tokens``, its own text's size) too long for ``max_len`` with the context it needs; a record problem (exit 2
     under ``--on_bad_record error``)."""
-    from sft.data.turns import refusal
-
     size = f" ({tokens} tokens)" if tokens is not None else ""
     name = "this turn" if turn is not None else what
-    e = refusal(turn, f"{name}{size} does not fit in --model_max_length {max_len} with the context it needs (the "
+    return Refusal(turn, f"{name}{size} does not fit in --model_max_length {max_len} with the context it needs (the "
                 "system prompt, its user turn or reply), so it would be cut (--long_conversations refuse)",
                 "shorten or remove the turn, raise --model_max_length, or pass --long_conversations split to train "
-                "its first tokens")
-    e.kind = "turn longer than --model_max_length"
-    return e
+                   "its first tokens", kind="turn longer than --model_max_length")
 
 
 def longest_pair(text: str, offsets: list, messages: Sequence[dict]) -> tuple[Optional[int], Optional[int]]:

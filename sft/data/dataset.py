@@ -32,8 +32,9 @@ from sft.data.cache_key import cache_key
 from sft.data.chat import IGNORE_INDEX
 from sft.data.eval_split import empty_side_error, in_eval, record_key
 from sft.data.records import RecordCheck, iter_conversations, log_duplicate_ids, template_problem
+from sft.data.refusal import refusal_of
+from sft.data.report import TruncationReport
 from sft.data.samples import (  # noqa: F401
-    TruncationReport,
     encode_samples,
     encode_truncated,
     lazy_refusal,
@@ -373,9 +374,10 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
                                        self.system_message, conv.get("tools"), self.spec.last_reply_only,
                                        self.spec.allow_dropped_content)
         except TemplateError as e:  # named as every record problem is: file, record, id, turn, fix
-            turn = f", turn {e.turn}" if getattr(e, "turn", None) is not None else ""
+            r = refusal_of(e)
+            turn = f", turn {r.turn}" if r.turn is not None else ""
             raise DataError(f"{self.data_path}, record {rec.get('record', '?')}, id={rec['id']!r}{turn}: "
-                            f"{getattr(e, 'what', str(e))}; {getattr(e, 'fix', 'use another chat template')}") from None
+                            f"{r.what}; {r.fix}") from None
         if len(samples) > 1:
             raise DataError(f"{self.data_path}: record id={rec['id']}: {lazy_refusal(len(samples))}")
         return samples[0]

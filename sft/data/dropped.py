@@ -7,6 +7,8 @@ import json
 from bisect import bisect_left, insort
 from functools import lru_cache
 
+from sft.data.messages import message_text
+
 
 def _found(text: str, part: str) -> bool:
     part = part.strip()
@@ -65,7 +67,7 @@ def dropped(messages, tools, info, samples) -> list:
     for k, (full, start, end, _close) in info.items():
         reply, m = full[start:end], messages[k]
         claimed: list = []
-        parts = [("content", m["content"]), ("reasoning", m.get("reasoning_content") or "")]
+        parts = [("content", message_text(m)), ("reasoning", m.get("reasoning_content") or "")]
         for what, part in sorted(parts, key=lambda p: -len(p[1].strip())):  # the longer claims its text first
             if not _claim(reply, part, claimed):
                 out.append((k, what, len(part)))
@@ -85,7 +87,7 @@ def dropped(messages, tools, info, samples) -> list:
     seen = set()
     # the longer claims its text first; sorted once (a stable sort: each sample's messages in the same order), each
     # text stripped once (what _claim would do per sample)
-    order = sorted(((j, m["role"], m["content"].strip(), len(m["content"])) for j, m in enumerate(messages)),
+    order = sorted(((j, m["role"], message_text(m).strip(), len(message_text(m))) for j, m in enumerate(messages)),
                    key=lambda x: -len(x[2]))
     for text, _spans, last in samples:
         claimed = []

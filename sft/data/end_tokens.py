@@ -7,7 +7,7 @@ import json
 import os
 from typing import Sequence
 
-from sft.data.chat import _PROBE, render_with_spans
+from sft.data.chat import PROBE, render_with_spans
 from sft.errors import TemplateError
 
 
@@ -41,7 +41,7 @@ def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
             and no end token of the model follows a reply either.
     """
     ends = set(model_end) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    text, spans = render_with_spans(tokenizer, _PROBE)
+    text, spans = render_with_spans(tokenizer, PROBE)
     run = special_run(tokenizer, text, spans[0][1])
     inside = _opening_tokens(tokenizer, text, spans[0][0])
     if run and run[0] in inside:  # Kimi-K3: <|close|>response<|sep|>...<|end_of_msg|>; <|close|> opens the reply too
@@ -56,7 +56,7 @@ def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
     end = spans[0][1]
     if not text[end:].strip() and ends:
         try:
-            longer, at = render_with_spans(tokenizer, [*_PROBE, {"role": "user", "content": "Thanks"}])
+            longer, at = render_with_spans(tokenizer, [*PROBE, {"role": "user", "content": "Thanks"}])
         except TemplateError:
             at = []
         run = special_run(tokenizer, longer, at[0][1]) if at else []
@@ -81,7 +81,7 @@ def _opening_tokens(tokenizer, text: str, start: int) -> set:
     from sft.data.chat import render
 
     try:
-        prompt = render(tokenizer, _PROBE[:1], add_generation_prompt=True)
+        prompt = render(tokenizer, PROBE[:1], add_generation_prompt=True)
     except TemplateError:
         return set()
     if not text.startswith(prompt) or start < len(prompt):

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-from sft.data.chat import _PROBE, IGNORE_INDEX, Encoded, _Renderer, encode_conversations, labels_from_spans
+from sft.data.chat import IGNORE_INDEX, PROBE, Encoded, Renderer, encode_conversations, labels_from_spans
+from sft.data.messages import message_text
 from sft.errors import TemplateError
 
 Sample = tuple[list[int], list[int]]
@@ -79,7 +80,7 @@ def split_conversation(tokenizer, messages: Sequence[dict], eot_id: int, max_len
     lengths, costs, head_len = _estimate(tokenizer, head, full, eot_id, len(pairs))
     budget = max_len
     while True:
-        plan = _plan(lengths, costs, head_len, max_len, budget)
+        plan = plan_pieces(lengths, costs, head_len, max_len, budget)
         todo = [k for k, (_c, i, _j) in enumerate(plan) if lengths[i] <= max_len]
         encoded = _encode_pieces(tokenizer, head, pairs, [plan[k] for k in todo], full, head_len, eot_id)
         over = {k: len(ids) - max_len for k, (ids, _) in zip(todo, encoded) if len(ids) > max_len}
@@ -114,9 +115,9 @@ def _estimate(tokenizer, head: list[dict], full: Sample, eot_id: int, n_pairs: i
     """
     ids, labels = full[0], full[1]
     ends = _reply_ends(ids, labels, eot_id)
-    memo, key = _Renderer.of(tokenizer).memo, ("head_len", eot_id, tuple((m["role"], m["content"]) for m in head))
+    memo, key = Renderer.of(tokenizer).memo, ("head_len", eot_id, tuple((m["role"], message_text(m)) for m in head))
     if key not in memo:  # the same for every conversation with this system prompt
-        one, two = encode_conversations(tokenizer, [head + _PROBE, head + _PROBE + _PROBE], eot_id)
+        one, two = encode_conversations(tokenizer, [head + PROBE, head + PROBE + PROBE], eot_id)
         if len(memo) >= 4096:
             memo.clear()
         memo[key] = max(0, 2 * len(one[0]) - len(two[0]))
@@ -148,7 +149,7 @@ def _encode_pieces(tokenizer, head: list[dict], pairs: list[list[dict]], plan: l
         ends = _reply_ends(ids, full[1], eot_id)
         tail = len(ids) - ends[-1] - 1 if ends else 0
         starts = [head_len] + [e + 1 + tail for e in ends]  # token index where pair k starts (and the end)
-        renderer = _Renderer.of(tokenizer)
+        renderer = Renderer.of(tokenizer)
         if len(starts) == len(pairs) + 1 and starts[-1] == len(ids) and 0 < head_len < len(ids):
             h = starts[0]
             msgs = [head + [m for p in pairs[c:j] for m in p] for c, _i, j in plan]
@@ -194,7 +195,7 @@ def cut_tokens(tokenizer) -> frozenset:
     tokenizer finds them in the raw text before normalizing or pre-tokenizing (``normalized=False``), they eat no
     neighbouring whitespace (no ``lstrip``/``rstrip``), match anywhere (no ``single_word``), and none is part of a
     longer added token (which could match across a cut)."""
-    memo = _Renderer.of(tokenizer).memo
+    memo = Renderer.of(tokenizer).memo
     if "cut_tokens" not in memo:
         added = dict(getattr(tokenizer, "added_tokens_decoder", {}) or {})
         contents = [t.content for t in added.values()]
@@ -212,7 +213,7 @@ def _fit_pair(tokenizer, head: list[dict], user: dict, reply: dict, eot_id: int,
     a binary search finds it: where the token count is not monotone in the characters kept (rare: a cut that
     changes how the text around it tokenizes) a fitting tail a token short of the longest may be returned.
     Returns ``(sample, whether the user turn was cut)``."""
-    text = user["content"]
+    text = message_text(user)
     memo: dict = {}  # keep -> sample: the search's last probe is usually the answer
 
     def encode(keep: int) -> Sample:
@@ -286,7 +287,8 @@ def _bracket(ok, lo: int, hi: int, guess: int, step: int = 24) -> tuple[int, int
     return lo, hi
 
 
-def _plan(lengths: list[int], costs: list[int], head_len: int, max_len: int, budget: int) -> list[tuple[int, int, int]]:
+def plan_pieces(lengths: list[int], costs: list[int], head_len: int, max_len: int,
+                budget: int) -> list[tuple[int, int, int]]:
     """Greedy cut plan: one ``(context_start, target_start, target_end)`` range of pair indices per sample.
 
     The first sample's replies fill the whole ``budget`` (there is nothing before them); a later sample's replies

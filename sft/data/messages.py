@@ -43,6 +43,13 @@ class TurnProblem(Exception):
         self.what, self.fix, self.kind = what, fix, kind
 
 
+def message_text(message: dict) -> str:
+    """The text of one message (a validated message dict, a probe, or a message in the template's form): its
+    ``content``, ``""`` where it has none. The one reader of a message's text in ``sft.data``, so that a content may
+    later hold parts (text beside an image placeholder) without every reader changing."""
+    return message.get("content") or ""
+
+
 def text_of(value: Any, key: str) -> str:
     """A content value as text: a string as it is, a list of text parts joined with ``"\\n"``.
 
@@ -193,7 +200,7 @@ def normalize_turn(role: str, value: Any, turn: dict, text_key: str) -> dict:
     flag = _train_flag(turn, norm)
     if flag is False:
         msg["train"] = False
-    said = msg["content"].strip() or msg.get("reasoning_content") or msg.get("tool_calls")
+    said = message_text(msg).strip() or msg.get("reasoning_content") or msg.get("tool_calls")
     if not said:
         raise TurnProblem(f"empty '{text_key}' for role {norm}", "give the turn some text or remove it", "empty value")
     return msg

@@ -33,11 +33,13 @@ from sft.data.messages import (
     ROLE_ALIASES,
     ROLES_HELP,
     TurnProblem,
+    message_text,
     normalize_tools,
     normalize_turn,
     results_in_call_order,
     structure_problem,
 )
+from sft.data.refusal import refusal_of
 from sft.data.sources import Problem, iter_raw  # noqa: F401  (Problem re-exported: a record's problem)
 from sft.errors import DataError
 
@@ -142,7 +144,7 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
 def _texts(msg: dict) -> list[str]:
     """Every text of a message a template may write: content, reasoning, tool call ids, names and arguments (as JSON),
     a tool result's ``tool_call_id`` and ``name``."""
-    out = [msg["content"]] + [msg[k] for k in ("reasoning_content", "tool_call_id", "name") if k in msg]
+    out = [message_text(msg)] + [msg[k] for k in ("reasoning_content", "tool_call_id", "name") if k in msg]
     for c in msg.get("tool_calls", ()):
         out += [c.get("id", ""), c["function"]["name"], json.dumps(c["function"]["arguments"], ensure_ascii=False)]
     return out
@@ -197,9 +199,8 @@ def _control_problem(path: str, conv: Conversation, control_tokens: Sequence[str
 
 def template_problem(path: str, conv: Conversation, err: Exception) -> Problem:
     """The chat template's refusal of one conversation (:func:`sft.data.samples.encode_samples`) as its problem."""
-    what, fix = getattr(err, "what", str(err)), getattr(err, "fix", "use another chat template")
-    return Problem(path, conv.index, conv.id, what, fix, getattr(err, "turn", None),
-                   kind=getattr(err, "kind", "refused by the template"))
+    r = refusal_of(err)
+    return Problem(path, conv.index, conv.id, r.what, r.fix, r.turn, kind=r.kind)
 
 
 @dataclass

@@ -1,127 +1,22 @@
-"""One conversation -> its training samples (ids and labels, split or truncated to ``model_max_length``) and the
-report of what that cost. Pure: no files, no ranks (:mod:`sft.data.dataset` writes the samples into shards)."""
+"""One conversation -> its training samples (ids and labels, split or truncated to ``model_max_length``), with what
+that cost in the first sample (:class:`sft.data.report.TruncationReport` counts it). Pure: no files, no ranks
+(:mod:`sft.data.dataset` writes the samples into shards)."""
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from sft.data.chat import IGNORE_INDEX, with_system
-from sft.data.cut_turns import cut_turn, longest_pair, name_cuts, too_long, where_cut
+from sft.data.cut_turns import cut_turn, longest_pair, name_cuts, too_long
 from sft.data.long_conversations import split_conversation
+from sft.data.messages import message_text
+from sft.data.refusal import Refusal
 from sft.data.shared_prefix import tokenize_shared
 from sft.data.spec import PreparationSpec
 from sft.errors import TemplateError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TruncationReport:
-    """What truncation to ``model_max_length`` cost: counts are samples, lost tokens are supervised tokens."""
-
-    samples: int = 0
-    truncated: int = 0
-    supervised_tokens: int = 0
-    supervised_tokens_lost: int = 0
-    dropped_ids: list = field(default_factory=list)  # the first 50
-    n_dropped: int = 0
-    conversations: int = 0
-    split: int = 0
-    user_turns_cut: int = 0
-    mode: str = "truncate"
-    rewritten: int = 0  # conversations the chat template made several samples of (sft.data.turns)
-    extra_samples: int = 0
-    extra_tokens: int = 0
-    dropped_chars: int = 0  # characters the template dropped (--allow_dropped_content True)
-    dropped_conversations: int = 0
-    cut_ids: list = field(default_factory=list)  # the first 10 records whose user turn was cut from the start
-    cut_turns: list = field(default_factory=list)  # the first 10 truncated samples: record, id, turn, its tokens
-
-    @property
-    def kept(self) -> int:
-        return self.samples - self.n_dropped
-
-    def count(self, ex: dict, sample_id: str, record=None) -> None:
-        """Add one encoded sample (a :func:`truncate` dict) of record number ``record`` to the counts."""
-        self.samples += 1
-        self.truncated += int(ex["truncated"])
-        if ex["truncated"] and len(self.cut_turns) < 10:
-            self.cut_turns.append(where_cut(ex, sample_id, record))
-        self.supervised_tokens += ex["n_supervised"]
-        self.supervised_tokens_lost += ex["n_lost"]
-        if ex["n_supervised"] == 0:
-            self.n_dropped += 1
-            if len(self.dropped_ids) < 50:
-                self.dropped_ids.append(sample_id)
-
-    def count_conversation(self, samples: Sequence[dict], sample_id: str, record=None) -> None:
-        """Add the samples of one conversation (:func:`encode_samples`; record number ``record``) to the counts."""
-        self.conversations += 1
-        extra = samples[0].get("extra_samples", 0)
-        self.split += int(len(samples) - extra > 1)
-        self.user_turns_cut += samples[0].get("user_cut", 0)
-        if samples[0].get("user_cut", 0) and len(self.cut_ids) < 10:
-            self.cut_ids.append(sample_id)
-        self.rewritten += int(extra > 0)
-        self.extra_samples += extra
-        self.extra_tokens += samples[0].get("extra_tokens", 0)
-        self.dropped_chars += samples[0].get("dropped", 0)
-        self.dropped_conversations += int(samples[0].get("dropped", 0) > 0)
-        for ex in samples:
-            self.count(ex, sample_id, record)
-
-    @classmethod
-    def merge(cls, parts: Sequence[dict]) -> "TruncationReport":
-        out = cls()
-        for d in parts:
-            for k in ("samples", "truncated", "supervised_tokens", "supervised_tokens_lost", "n_dropped",
-                      "conversations", "split", "user_turns_cut", "rewritten", "extra_samples", "extra_tokens",
-                      "dropped_chars", "dropped_conversations"):
-                setattr(out, k, getattr(out, k) + d[k])
-            out.mode = d["mode"]
-            out.dropped_ids += d["dropped_ids"][:50 - len(out.dropped_ids)]
-            out.cut_ids += d.get("cut_ids", [])[:10 - len(out.cut_ids)]
-            out.cut_turns += d.get("cut_turns", [])[:10 - len(out.cut_turns)]
-        return out
-
-    def lines(self, name: str, max_len: int) -> list[str]:
-        source = f" from {self.conversations} conversations" if self.conversations else ""
-        out = [f"{name}: {self.kept} of {self.samples} samples kept{source}, "
-               f"{self.supervised_tokens} supervised tokens"]
-        if self.rewritten:
-            out.append(f"{name}: the chat template renders earlier turns differently once later turns exist: "
-                       f"{self.rewritten} conversations became {self.rewritten + self.extra_samples} samples (each "
-                       f"reply trained once, in the context it has at inference), {self.extra_tokens} extra tokens")
-        if self.dropped_chars:
-            out.append(f"{name}: the chat template dropped {self.dropped_chars} characters of "
-                       f"{self.dropped_conversations} conversations (--allow_dropped_content True)")
-        if self.split:
-            pieces = self.samples - self.extra_samples - (self.conversations - self.split)
-            out.append(f"{name}: {self.split} of {self.conversations} conversations longer than --model_max_length "
-                       f"{max_len} were split at turn boundaries into {pieces} samples (earlier turns as unsupervised "
-                       "context)")
-        if self.user_turns_cut:
-            ids = ", ".join(map(str, self.cut_ids)) + (" ..." if self.user_turns_cut > len(self.cut_ids) else "")
-            out.append(f"{name}: {self.user_turns_cut} user turns too long to fit with their reply within "
-                       f"--model_max_length {max_len} were cut from the start (their last words kept): {ids}")
-        more = self.truncated > len(self.cut_turns)
-        where = (": " + "; ".join(self.cut_turns) + (f" ... (the first {len(self.cut_turns)})" if more else "")
-                 if self.cut_turns else "")
-        if self.truncated and self.mode == "split":
-            out.append(f"{name}: {self.truncated} replies are too long for --model_max_length {max_len} by themselves "
-                       f"(with the system prompt): their first tokens are trained, {self.supervised_tokens_lost} "
-                       f"supervised tokens lost{where}")
-        elif self.truncated:
-            out.append(f"{name}: {self.truncated} of {self.samples} samples longer than --model_max_length "
-                       f"{max_len} were truncated; {self.supervised_tokens_lost} supervised tokens lost "
-                       f"(--long_conversations split keeps them){where}")
-        if self.n_dropped:
-            ids = ", ".join(map(str, self.dropped_ids)) + (" ..." if self.n_dropped > len(self.dropped_ids) else "")
-            out.append(f"{name}: dropped {self.n_dropped} sample(s) left with no supervised token after "
-                       f"truncation: {ids} (raise --model_max_length to keep them)")
-        return out
 
 
 def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
@@ -147,9 +42,9 @@ def dropped_fix(tokenizer, dropped) -> str:
     after the template's own switch where it drops reasoning and reads ``enable_thinking`` not set on by
     ``--chat_template_kwargs`` (Reka-Edge writes reasoning only with it true), or a word on tool calls where it
     drops them and writes no call at all (LFM2, Granite 3.3: their models write calls inside the reply's content, in
-    their own syntax; :func:`sft.data.turns.writes_tool_calls`)."""
+    their own syntax; :attr:`sft.data.profile.TemplateProfile.writes_tool_calls`)."""
     from sft.data.chat_template import with_template_kwargs
-    from sft.data.forms import writes_tool_calls
+    from sft.data.profile import template_profile
 
     template = tokenizer.chat_template or ""
     fix = ("use a template that renders it (--chat_template FILE), remove it, or pass --allow_dropped_content True to "
@@ -159,7 +54,7 @@ def dropped_fix(tokenizer, dropped) -> str:
     if "enable_thinking" in template and "reasoning" in whats and on not in template:
         switch = "--chat_template_kwargs '{\"enable_thinking\": true}'"
         fix = f"if the template's reasoning is off, switch it on ({switch}: it reads enable_thinking), {fix}"
-    if any(w.startswith("tool call ") for w in whats) and not writes_tool_calls(tokenizer):
+    if any(w.startswith("tool call ") for w in whats) and not template_profile(tokenizer).writes_tool_calls:
         fix += " (a template that writes no tool_calls wants the call inside the reply's content, in its model's " \
                "syntax)"
     return fix
@@ -179,32 +74,36 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     possibly into several samples.
 
     Args:
+        tokenizer: a fast tokenizer with its chat template.
+        conversations: per conversation, its validated messages (:mod:`sft.data.messages`).
+        eot_id: the end-of-turn token id (:func:`sft.data.end_tokens.end_of_turn_id`).
+        spec: of its fields, ``max_len``, ``system_message``, ``last_reply_only`` (train only each conversation's last
+            reply), ``allow_dropped_content`` (train a conversation even when the template drops some of its text,
+            counted in the ``dropped`` of its first sample; default: refuse it) and ``long_conversations``
+            (``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries: plain conversations on the
+            fast path by :func:`sft.data.long_conversations.split_conversation`, only a reply too long by itself is
+            then truncated; every other by :func:`sft.data.split_turns.split_turns`, only a reply with its tool
+            results too long by themselves is truncated; ``"truncate"`` keeps the first ``max_len`` tokens of each
+            sample; ``"refuse"`` splits, and refuses a conversation with a turn splitting would cut).
         tools: per conversation, the record's tool schemas or None (default: none).
-        last_reply_only: train only each conversation's last reply (``--mask_history``).
-        allow_dropped_content: train a conversation even when the template drops some of its text (counted in the
-            ``dropped`` of its first sample); default: refuse it.
-        long_conversations: ``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries (plain
-            conversations on the fast path: :func:`sft.data.long_conversations.split_conversation`, only a reply too
-            long by itself is then truncated; every other: :func:`sft.data.split_turns.split_turns`, only a reply with
-            its tool results too long by themselves is truncated); ``"truncate"`` keeps the first ``max_len`` tokens of
-            each sample.
 
     Returns:
         Per conversation, in order: its list of samples (:func:`truncate` dicts; the first also has ``user_cut``, the
         user turns cut from the start, ``extra_samples`` and ``extra_tokens``, what several samples cost, and
         ``dropped``, the characters the template dropped), or the :class:`~sft.errors.TemplateError` that refuses it
-        (its message names the turn). This is the one place where a conversation becomes samples.
+        (a :class:`sft.data.refusal.Refusal` names the turn as the record numbers it: its ``turn`` is renumbered
+        where ``system_message`` added a turn; its message keeps the number it was made with). This is the one place
+        where a conversation becomes samples.
     """
     max_len, system_message, long_conversations = spec.max_len, spec.system_message, spec.long_conversations
     splitting = long_conversations in ("split", "refuse")  # refuse: split, and refuse what split must cut in a turn
     last_reply_only, allow_dropped_content = spec.last_reply_only, spec.allow_dropped_content
-    from sft.data.chat import Encoded, _Renderer, labels_from_spans
+    from sft.data.chat import Encoded, Renderer, labels_from_spans
     from sft.data.split_turns import split_turns
     from sft.data.turns import (
         describe_dropped,
         one_sample_of_contents,
         plan,
-        refusal,
         stop_tokens,
         template_messages,
         trained_turns,
@@ -213,7 +112,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     given = conversations
     conversations = [with_system(m, system_message) for m in conversations]
     tools = list(tools) if tools is not None else [None] * len(conversations)
-    renderer, stops = _Renderer.of(tokenizer), stop_tokens(tokenizer, eot_id)
+    renderer, stops = Renderer.of(tokenizer), stop_tokens(tokenizer, eot_id)
     closing = frozenset(tokenizer.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot_id
     out: list = [None] * len(conversations)
     general = set()  # conversations planned reply by reply (split for length by sft.data.split_turns)
@@ -226,7 +125,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         keep = trained_turns(messages, last_reply_only)
         if not keep:  # --mask_history with the last reply marked "train": false
-            out[i] = refusal(replies[-1] if replies else None, "no reply left to train: --mask_history trains only the "
+            out[i] = Refusal(replies[-1] if replies else None, "no reply left to train: --mask_history trains only the "
                              "last reply, and it is marked \"train\": false / \"weight\": 0", "remove the mark, or "
                              "drop --mask_history")
             continue
@@ -246,16 +145,16 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             out[i] = e
             continue
         if p.dropped and not allow_dropped_content:
-            out[i] = refusal(None, f"the chat template drops {describe_dropped(p.dropped)}, so the model would never "
+            out[i] = Refusal(None, f"the chat template drops {describe_dropped(p.dropped)}, so the model would never "
                              "see it", dropped_fix(tokenizer, p.dropped))
             continue
         if not p.samples:  # every reply to train was dropped by the template
-            out[i] = refusal(None, "no reply left to train: the chat template writes none of the replies to train "
+            out[i] = Refusal(None, "no reply left to train: the chat template writes none of the replies to train "
                              f"({describe_dropped(p.dropped)})", "use a template that renders them (--chat_template "
                              "FILE)")
             continue
         whole = plain and len(keep) == len(replies) and len(p.samples) == 1 and [
-            p.samples[0][0][a:b] for a, b in p.samples[0][1]] == [shown[k]["content"] for k in replies]
+            p.samples[0][0][a:b] for a, b in p.samples[0][1]] == [message_text(shown[k]) for k in replies]
         if whole:
             conversations[i] = shown
         else:
@@ -319,8 +218,8 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         if first:
             out[i][0]["dropped"] = dropped
     for i, e in enumerate(out):  # name turns as the record numbers them (not counting a default system prompt)
-        if isinstance(e, TemplateError) and getattr(e, "turn", None) is not None:
-            e.turn -= len(conversations[i]) - len(given[i])
+        if isinstance(e, Refusal):
+            e.renumber(len(conversations[i]) - len(given[i]))
     for i, n in lengths.items():
         if isinstance(out[i], list):  # what the template's rewriting cost: samples and tokens beyond the last one
             out[i][0]["extra_samples"], out[i][0]["extra_tokens"] = len(n) - 1, sum(n) - n[-1]
@@ -356,13 +255,11 @@ def _closes_at_cut_tokens(tokenizer, closing) -> bool:
     return (closing if isinstance(closing, frozenset) else {closing}) <= cut_tokens(tokenizer)
 
 
-def lazy_refusal(n_samples: int) -> TemplateError:
+def lazy_refusal(n_samples: int) -> Refusal:
     """Why ``--lazy_preprocess True`` cannot take a conversation that the chat template makes ``n_samples`` samples
     of (it keeps one sample per record): said by ``sft-check`` and by :class:`sft.data.dataset.LazySupervisedDataset`
     when it reads the record."""
-    from sft.data.turns import refusal
-
-    return refusal(None, f"the chat template renders earlier turns differently once later turns exist, so it is "
+    return Refusal(None, f"the chat template renders earlier turns differently once later turns exist, so it is "
                    f"{n_samples} samples; --lazy_preprocess keeps one sample per record", "drop --lazy_preprocess")
 
 

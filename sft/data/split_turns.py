@@ -12,8 +12,8 @@ where the head is the system turn; when the piece's first unit starts with tool 
 (the last user turn before it) and the assistant turn whose calls they answer come first, as context: a reply is
 never trained without the query it works on, nor a tool result shown without its call (templates such as Qwen3's
 also need a user turn). Target units are taken greedily, context units added nearest first, with the cut rules of
-:mod:`sft.data.long_conversations` (``_plan``: the first piece's targets may fill it, a later piece's targets take at
-most half of the room after the head). Each piece is then encoded by the definition with only its target units'
+:mod:`sft.data.long_conversations` (``plan_pieces``: the first piece's targets may fill it, a later piece's targets
+take at most half of the room after the head). Each piece is then encoded by the definition with only its target units'
 replies trained (:func:`sft.data.turns.plan`; a piece may itself be several samples where the template rewrites
 history), so its labels are those of inference for that context. Unit lengths for the plan are read off the whole
 conversation's rendering; a piece encoded longer than planned is planned again with a smaller budget, and a piece of
@@ -25,8 +25,10 @@ import json
 from bisect import bisect_right
 from typing import Optional, Sequence
 
+from sft.data.messages import message_text
+from sft.data.profile import template_profile
 from sft.data.shared_prefix import tokenize_shared
-from sft.data.turns import TurnPlan, ends_at_next_role, plan, render_with_tools
+from sft.data.turns import TurnPlan, plan, render_with_tools
 
 
 def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
@@ -58,7 +60,7 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
         TemplateError: as :func:`sft.data.turns.plan`, for a piece.
     """
     from sft.data.chat import labels_from_spans
-    from sft.data.long_conversations import _plan
+    from sft.data.long_conversations import plan_pieces
 
     messages, trained = list(messages), set(trained)
     head, units = units_of(messages)
@@ -72,8 +74,9 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
     # what plan found per reply, kept across pieces: (first context unit, the reply's index in the piece, whether the
     # piece has the message after it) -> plan's result. Pieces with the same first unit hold the same messages up to
     # each reply (the trained flags aside, which the template does not see), so a reply renders alike in all of them;
-    # where its end is read off the next message (sft.data.turns.ends_at_next_role) only if that message is there too
-    next_role = ends_at_next_role(tokenizer)
+    # where its end is read off the next message (TemplateProfile.ends_at_next_role, sft.data.profile) only if that
+    # message is there too
+    next_role = template_profile(tokenizer).ends_at_next_role
     replies: dict = {}
     if whole is not None and messages[units[0][0]]["role"] != "tool":  # a piece from unit 0: the conversation's start
         replies.update(((0, k, next_role and k + 1 < len(messages)), r) for k, r in whole.replies.items())
@@ -138,7 +141,7 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
     useful = [any(k in trained for k in range(a, b)) for a, b in units]
     budget = max_len
     while True:
-        cuts = [(c, i, j) for c, i, j in _plan(lengths, costs, head_len, max_len, budget) if any(useful[i:j])]
+        cuts = [(c, i, j) for c, i, j in plan_pieces(lengths, costs, head_len, max_len, budget) if any(useful[i:j])]
         pieces = encode_all(cuts)
         over = [max(len(ids) for ids, _ in p) - max_len for (c, i, j), p in zip(cuts, pieces)
                 if j - i > 1 or c < i]
@@ -175,7 +178,7 @@ def _estimate(tokenizer, messages, tools, head: int, units, rendering: Optional[
     marks, pos = [], 0
     for a, _b in units:
         m = shown[a]
-        needle = (m.get("content") or "").strip()[:200] or next(
+        needle = message_text(m).strip()[:200] or next(
             (c["function"]["name"] for c in m.get("tool_calls", ())), "")
         at = full.find(needle, pos) if needle else -1
         if at < 0:
@@ -194,6 +197,6 @@ def _estimate(tokenizer, messages, tools, head: int, units, rendering: Optional[
         u = next((k for k in range(a, head - 1, -1) if messages[k]["role"] == "user"), None)
         lead = [shown[u]] if u is not None else []
         lead += [shown[a - 1]] if a > 0 and shown[a]["role"] == "tool" else []
-        chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls", ""))) for m in lead)
+        chars = sum(len(message_text(m)) + len(json.dumps(m.get("tool_calls", ""))) for m in lead)
         user_len.append(round(chars * per_char) + 8 * len(lead))
     return costs, marks[0], user_len

@@ -24,7 +24,7 @@ the record's tools missing from a sample.
 How reasoning is handed over: as ``reasoning_content`` (Qwen3, GLM, DeepSeek-V3.1, ... read it; transformers also
 copies it to ``thinking``, gpt-oss's name) when the template writes that field, else inside the content as
 ``<think>\\n...\\n</think>\\n\\n`` when the template writes that, else as ``reasoning_content`` (and then counted as
-dropped). Decided once per template by rendering a probe (:func:`reasoning_form`).
+dropped). Decided once per template by rendering a probe (:attr:`sft.data.profile.TemplateProfile.reasoning_form`).
 """
 from __future__ import annotations
 
@@ -36,16 +36,17 @@ from typing import Optional, Sequence
 
 from sft.data.dropped import dropped as _dropped
 from sft.data.forms import (
-    _PROBE_CONTENT,
-    _PROBE_REASONING,
-    _PROBE_TOOL,
-    _cache,
-    _with_reasoning,
+    PROBE_CONTENT,
+    PROBE_REASONING,
+    PROBE_TOOL,
     probe_call,
-    reasoning_form,
     render_with_tools,
-    template_messages,
+    template_cache,
+    with_reasoning,
 )
+from sft.data.messages import message_text
+from sft.data.profile import template_messages, template_profile
+from sft.data.refusal import Refusal
 from sft.data.thinking import Diverges, continuation
 from sft.errors import TemplateError
 
@@ -127,24 +128,24 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
         full = render_with_tools(tokenizer, shown[:k + 1], tools)
         bare = ((lambda: render_with_tools(tokenizer, shown[:k] + [_without_reasoning(messages[k])], tools))
                 if reasoning else (lambda: full))
-        last = (shown[k - 1].get("content") or "").strip() if k else ""
+        last = message_text(shown[k - 1]).strip() if k else ""
 
         def reasoned():  # the reply with a probe reasoning, in the template's form
-            form = reasoning_form(tokenizer)
-            probe = _with_reasoning(shown[k], _PROBE_REASONING, "field" if form == "none" else form)
-            return render_with_tools(tokenizer, shown[:k] + [probe], tools), _PROBE_REASONING
+            form = template_profile(tokenizer).reasoning_form
+            probe = with_reasoning(shown[k], PROBE_REASONING, "field" if form == "none" else form)
+            return render_with_tools(tokenizer, shown[:k] + [probe], tools), PROBE_REASONING
 
         def unopened(text):  # the reply's rendering (a probe content first) right after text's special tail
             at = _special_tail(tokenizer, text)
             if at == len(text) or not full.startswith(text[:at]):
                 return None
             probe = {x: v for x, v in shown[k].items() if x not in ("reasoning_content", "thinking")}
-            marked = render_with_tools(tokenizer, shown[:k] + [{**probe, "content": _PROBE_CONTENT}], tools)
-            return at if marked.startswith(text[:at]) and marked[at:].lstrip().startswith(_PROBE_CONTENT) else None
+            marked = render_with_tools(tokenizer, shown[:k] + [{**probe, "content": PROBE_CONTENT}], tools)
+            return at if marked.startswith(text[:at]) and marked[at:].lstrip().startswith(PROBE_CONTENT) else None
 
         prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last, reasoned, unopened)
     except TemplateError as e:
-        raise refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
+        raise Refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
                       "another template") from None
     except Diverges as e:
         c = e.at
@@ -152,11 +153,11 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
         if reasoning and off:  # Laguna-XS: <assistant>\n</think> by default, <think> with enable_thinking
             switch = (" (--chat_template_kwargs '{\"enable_thinking\": true}': this template reads it)"
                       if "enable_thinking" in source else "")
-            raise refusal(k, f"the chat template's generation prompt for this reply ends with {off[0].strip()!r} "
+            raise Refusal(k, f"the chat template's generation prompt for this reply ends with {off[0].strip()!r} "
                           "alone: reasoning switched off, so the model generates no reasoning after it, and this "
                           "reply has some", f"switch the template's reasoning on{switch}, or remove the reply's "
                           "reasoning_content") from None
-        raise refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
+        raise Refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
                       f"its rendering of the reply has {full[c:c + 40]!r} there, so what the model generates "
                       "after the prompt is not defined", "use a template whose replies continue its generation "
                       "prompt") from None
@@ -164,23 +165,24 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
     if renders is not None and k + 1 == len(messages):
         renders[k + 1] = rendered
     ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]  # after the block's close
-    if not ends and ends_at_next_role(tokenizer) and not full[len(prompt) + own:].endswith(tuple(stops)):
+    next_role = template_profile(tokenizer).ends_at_next_role
+    if not ends and next_role and not full[len(prompt) + own:].endswith(tuple(stops)):
         full += _next_role(tokenizer, shown, k, tools, rendered, stops)
         ends = [(at, t) for t in stops if (at := full.find(t, len(prompt) + own)) >= 0]
     if not ends:
-        raise refusal(k, f"the chat template does not close this reply with its end-of-turn token "
+        raise Refusal(k, f"the chat template does not close this reply with its end-of-turn token "
                       f"({' or '.join(stops)})", "use a template whose replies end with one")
     end, stop = min(ends)
     late = [c["function"]["name"] for c in messages[k].get("tool_calls", ())
             if c["function"]["name"] not in full[len(prompt) + own:end] and c["function"]["name"] in full[end:]]
     if late:  # GigaChat3 writes a call as a message of its own role after the reply's end token
-        raise refusal(k, f"the chat template writes tool call {late[0]} after this reply's end token ({stop}), "
+        raise Refusal(k, f"the chat template writes tool call {late[0]} after this reply's end token ({stop}), "
                       "where a model that stops at that token never generates it", "use a template that writes "
                       "calls inside the reply (GigaChat3.1's does), or train this reply without its calls")
     if not reasoning and not full[len(prompt) + own:end].strip():  # the template writes nothing of this reply:
         m = messages[k]  # dropped, not trained
         return "empty", (k, " and ".join(f"tool call {c['function']['name']}" for c in m.get("tool_calls", ()))
-                         or "content", len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))))
+                         or "content", len(message_text(m)) + len(json.dumps(m.get("tool_calls", ""))))
     return "info", (full, len(prompt), end, end + len(stop))
 
 
@@ -224,15 +226,6 @@ def _without_reasoning(msg: dict) -> dict:
     return {k: v for k, v in msg.items() if k not in ("train", "reasoning_content")}
 
 
-def refusal(turn: Optional[int], what: str, fix: str) -> TemplateError:
-    """A :class:`TemplateError` about one conversation: ``what`` happened at message ``turn`` (None: the whole
-    conversation) and the ``fix``; these three are attributes too (a record problem, :func:`sft.data.records.
-    template_problem`)."""
-    e = TemplateError(f"turn {turn}: {what}; {fix}" if turn is not None else f"{what}; {fix}")
-    e.turn, e.what, e.fix = turn, what, fix
-    return e
-
-
 def describe_dropped(dropped: Sequence[tuple]) -> str:
     """One phrase for :attr:`TurnPlan.dropped`: ``"the reasoning of turn 3 (120 characters), ..."``."""
     parts = [f"{what} of turn {t} ({n} characters)" if t >= 0 else f"{what} ({n} characters)"
@@ -242,11 +235,11 @@ def describe_dropped(dropped: Sequence[tuple]) -> str:
 
 def one_sample_of_contents(tokenizer, roles: tuple, stops: Sequence[str]) -> bool:
     """Whether, for conversations with these roles and plain contents, the definition's trained text of every reply is
-    exactly its content, all in one sample: then the content spans of :class:`sft.data.chat._Renderer` (one rendering
+    exactly its content, all in one sample: then the content spans of :class:`sft.data.chat.Renderer` (one rendering
     per conversation, or none for an opaque template) are the definition's labels. Decided once per sequence of roles
     on a rendering with sentinel contents (for an opaque template that is a proof, since it writes any content as it
     writes the sentinel; for any other the conversation's own rendering is also compared with its filled skeleton)."""
-    cache = _cache(tokenizer)
+    cache = template_cache(tokenizer)
     key = ("contents", roles, tuple(stops))
     if key not in cache:
         msgs = [{"role": r, "content": f"\ue000{k}\ue001"} for k, r in enumerate(roles)]
@@ -258,26 +251,10 @@ def one_sample_of_contents(tokenizer, roles: tuple, stops: Sequence[str]) -> boo
             ok = len(p.samples) == 1 and not p.dropped
             if ok:
                 text, spans, _last = p.samples[0]
-                ok = [text[a:b] for a, b in spans] == [m["content"] for m in msgs if m["role"] == "assistant"] \
+                ok = [text[a:b] for a, b in spans] == [message_text(m) for m in msgs if m["role"] == "assistant"] \
                     and text == render_with_tools(tokenizer, msgs, None)  # not a prompt's whitespace or block
             cache[key] = ok
     return cache[key]
-
-
-def ends_at_next_role(tokenizer) -> bool:
-    """Whether the chat template writes nothing after the last reply, so that a reply ends at the token that opens
-    the next turn (GLM-4.6's ``<|user|>``, one of its model's end tokens: :func:`sft.data.end_tokens.
-    end_of_turn_id`); probed once per template and cached."""
-    cache = _cache(tokenizer)
-    if "next_role" not in cache:
-        from sft.data.chat import _PROBE
-
-        try:
-            text = render_with_tools(tokenizer, _PROBE, None)
-        except TemplateError:
-            text = ""
-        cache["next_role"] = bool(text) and text.rstrip().endswith(_PROBE[-1]["content"])
-    return cache["next_role"]
 
 
 def stop_tokens(tokenizer, eot_id: int) -> list[str]:
@@ -286,23 +263,24 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
     another one (gpt-oss's ``<|call|>``, Llama 3.1's ``<|eom_id|>``, gemma-4's ``<|tool_response>``): the last special
     token of such a reply rendered alone (only whitespace after it; the reply: the rendering after the text it shares
     with the generation prompt), or, where a reply ends at the next role's token
-    (:func:`ends_at_next_role`), the first special token after it when a tool result follows. Probed once per
-    template and cached."""
-    cache = _cache(tokenizer)
+    (:attr:`sft.data.profile.TemplateProfile.ends_at_next_role`), the first special token after it when a tool result
+    follows. Probed once per template and cached."""
+    cache = template_cache(tokenizer)
     key = ("stops", eot_id)
     if key not in cache:
         stops = [tokenizer.convert_ids_to_tokens(eot_id)]
         call = probe_call({})
         try:
             user = [{"role": "user", "content": "Hi"}]
-            prompt = render_with_tools(tokenizer, user, [_PROBE_TOOL], True)
-            full = render_with_tools(tokenizer, user + [call], [_PROBE_TOOL])
+            prompt = render_with_tools(tokenizer, user, [PROBE_TOOL], True)
+            full = render_with_tools(tokenizer, user + [call], [PROBE_TOOL])
         except TemplateError:
             full = prompt = ""
-        if full.startswith(prompt) and "probe_tool" in full[len(prompt):] and ends_at_next_role(tokenizer):
+        next_role = template_profile(tokenizer).ends_at_next_role
+        if full.startswith(prompt) and "probe_tool" in full[len(prompt):] and next_role:
             result = {"role": "tool", "tool_call_id": "123456789", "name": "probe_tool", "content": "ok"}
             try:  # the reply holding the call ends at the token that opens the tool result (GLM's <|observation|>)
-                after = render_with_tools(tokenizer, user + [call, result], [_PROBE_TOOL])
+                after = render_with_tools(tokenizer, user + [call, result], [PROBE_TOOL])
             except TemplateError:
                 after = ""
             if after.startswith(full):

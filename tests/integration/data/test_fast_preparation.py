@@ -22,7 +22,7 @@ def chitchat_messages():
 
 def _general_path(monkeypatch):
     """Turn the fast path off: every conversation rendered as render_with_spans does, no sample cut from another."""
-    monkeypatch.setattr(chat._Renderer, "render_all",
+    monkeypatch.setattr(chat.Renderer, "render_all",
                         lambda self, convs: [render_with_spans(self.tokenizer, m) for m in convs])
     monkeypatch.setattr(long_conversations, "cut_tokens", lambda tokenizer: frozenset())
     monkeypatch.setattr(chat, "_labels_by_reply", lambda *args: None)  # labels token by token (the definition)
@@ -127,16 +127,16 @@ def test_tokenizer_threads_leave_the_users_choice(monkeypatch):
 
 
 def test_memoized_sandbox_renders_and_refuses_as_transformers(smol_tok, qwen_tok, chitchat_messages):
-    """The chat template compiled with the memoized attribute check (sft.data.chat_template.compile_template) renders
+    """The chat template compiled with the memoized attribute check (sft.compat.jinja.compile_template) renders
     what apply_chat_template renders, and still refuses what the sandbox refuses, also when the answer comes from the
     memo (the second time)."""
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    from sft.data.chat_template import compile_template
+    from sft.compat.jinja import compile_template
 
     for tok, _eot in (smol_tok, qwen_tok):
-        renderer = chat._Renderer.of(tok)
+        renderer = chat.Renderer.of(tok)
         assert renderer.compiled is not _compile_jinja_template(tok.chat_template)  # the memoized one is in use
         for m in chitchat_messages[:20]:
             assert renderer.render(m) == tok.apply_chat_template(m, tokenize=False)
@@ -211,7 +211,7 @@ def test_rendering_without_the_template_equals_apply_chat_template(template, opa
     tok = copy.deepcopy(smol_tok[0])
     if template is not None:
         tok.chat_template = template
-    renderer = chat._Renderer.of(tok)
+    renderer = chat.Renderer.of(tok)
     assert renderer.opaque == opaque
     odd = [{"role": "user", "content": " \ue000 0 \ue001 {{ x }} <think>\n"},
            {"role": "assistant", "content": "\ue0011\ue000 {% raw %}  "}]

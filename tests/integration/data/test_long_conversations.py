@@ -146,13 +146,13 @@ def test_a_plan_that_overflows_when_encoded_is_made_again(qwen_tok, monkeypatch)
     import sft.data.long_conversations as lc
 
     tok, eot = qwen_tok
-    budgets, plan = [], lc._plan
+    budgets, plan = [], lc.plan_pieces
 
     def optimistic_first(lengths, costs, head_len, max_len, budget):
         budgets.append(budget)
         return plan(lengths, [c - 10 for c in costs] if len(budgets) == 1 else costs, head_len, max_len, budget)
 
-    monkeypatch.setattr(lc, "_plan", optimistic_first)
+    monkeypatch.setattr(lc, "plan_pieces", optimistic_first)
     msgs = long_chat(20, sizes=[2] * 20)
     samples = split_conversation(tok, msgs, eot, 200).samples
     assert len(budgets) > 1 and budgets[-1] < 200  # the first plan did not fit as encoded

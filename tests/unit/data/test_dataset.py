@@ -72,7 +72,8 @@ def test_collator_pads_dynamically_by_position(qwen_tok):
 
 
 def test_the_cache_key_changes_with_the_preparation_code(tmp_path, qwen_tok, monkeypatch):
-    """A cache prepared by other code (another commit's sft/data) is never read: its key differs."""
+    """A cache prepared by other code (another commit's sft/data, a module of a sub-folder included) is never read:
+    its key differs."""
     import shutil
 
     from sft.data import cache_key as ck
@@ -81,7 +82,11 @@ def test_the_cache_key_changes_with_the_preparation_code(tmp_path, qwen_tok, mon
     shutil.copytree(os.path.dirname(ck.__file__), code, ignore=shutil.ignore_patterns("__pycache__"))
     before = ck.preparation_code_fingerprint(str(code))
     (code / "samples.py").write_text((code / "samples.py").read_text() + "\n# another commit\n")
-    assert ck.preparation_code_fingerprint.__wrapped__(str(code)) != before
+    changed = ck.preparation_code_fingerprint.__wrapped__(str(code))
+    assert changed != before
+    (code / "stage").mkdir()
+    (code / "stage" / "step.py").write_text("# a module of a sub-folder\n")
+    assert ck.preparation_code_fingerprint.__wrapped__(str(code)) != changed
     data = write_jsonl(tmp_path / "d.jsonl", TOY)
     keys = set()
     for fingerprint in ("a", "b"):

@@ -7,13 +7,14 @@ template's own fault. Small stand-ins on the tiny Qwen vocabulary, checked again
 apply_chat_template (tests/helpers/template_corpus.py); the real templates: tests/integration/data/
 test_template_corpus.py."""
 import copy
+import dataclasses
 
 import pytest
 
 from sft.data.chat import render
 from sft.data.chat_template import with_template_kwargs
 from sft.data.end_tokens import end_of_turn_id
-from sft.data.forms import arguments_form
+from sft.data.profile import template_profile
 from sft.errors import TemplateError
 from tests.unit.data.test_template_families import APRIEL, RECORD, TOKENS, trained
 
@@ -86,11 +87,14 @@ def test_a_token_that_also_opens_the_reply_is_not_where_it_ends(shape_tok):
 
 def test_tool_call_arguments_go_as_a_string_to_a_template_that_needs_one(shape_tok):
     shape_tok.chat_template = STRING_ARGUMENTS
-    assert arguments_form(shape_tok) == "string"
+    profile = template_profile(shape_tok)
+    assert profile.arguments_form == "string" and template_profile(shape_tok) is profile  # probed once per template
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        profile.arguments_form = "object"
     assert spans(trained(shape_tok, STRING_ARGUMENTS, CALL)) == ['>>>get_weather\n{"city": "Paris"}<|im_end|>',
                                                                  "Yes.<|im_end|>"]
     shape_tok.chat_template = STRING_ARGUMENTS.replace("c.function.arguments", "c.function.arguments | tojson")
-    assert arguments_form(shape_tok) == "object"
+    assert template_profile(shape_tok).arguments_form == "object"
 
 
 def test_a_reply_after_tool_results_continues_a_turn_the_prompt_opens_again(shape_tok):

@@ -2,7 +2,8 @@
 and that turn's size in tokens, on the fast path (ChatML) and on the per-turn path (Qwen3), split or truncate."""
 import pytest
 
-from sft.data.samples import TruncationReport, encode_samples
+from sft.data.report import TruncationReport
+from sft.data.samples import encode_samples
 from sft.data.spec import PreparationSpec
 from tests.helpers import assets
 

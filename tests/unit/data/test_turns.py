@@ -6,7 +6,8 @@ import pytest
 
 from sft.data.chat import IGNORE_INDEX
 from sft.data.records import normalize_record
-from sft.data.samples import TruncationReport, encode_samples
+from sft.data.report import TruncationReport
+from sft.data.samples import encode_samples
 from sft.data.spec import PreparationSpec
 from sft.errors import TemplateError
 from tests.helpers import assets

@@ -1,0 +1,136 @@
+"""What a chat template is, probed once: :class:`TemplateProfile`, one frozen value per tokenizer and template
+(:func:`template_profile`), which the rest of the wing reads instead of probing the template itself; and
+:func:`template_messages`, messages in the forms the profile says the template takes.
+
+Each fact is decided by rendering probe conversations through the template (:func:`sft.data.forms.render_with_tools`,
+a rendering that fails counts as "no"), once: the profile lives in the tokenizer's :class:`sft.data.chat.Renderer`,
+which a new chat template replaces. Facts that depend on more than the template stay with their users: the tokens
+that close a reply (per end-of-turn id, :func:`sft.data.turns.stop_tokens`), whether a sequence of roles takes the
+fast path (:func:`sft.data.turns.one_sample_of_contents`), the tokens a text may be cut at (the vocabulary's,
+:func:`sft.data.long_conversations.cut_tokens`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+from sft.data.chat import PROBE, Renderer
+from sft.data.forms import (
+    PROBE_REASONING,
+    PROBE_TOOL,
+    PROBE_VALUE,
+    probe_call,
+    render_with_tools,
+    with_reasoning,
+    with_string_arguments,
+)
+from sft.data.messages import message_text
+from sft.errors import TemplateError
+
+
+@dataclass(frozen=True)
+class TemplateProfile:
+    """What one chat template does with a conversation (all probed by rendering, once).
+
+    Attributes:
+        reasoning_form: ``"field"`` (it writes ``reasoning_content``), ``"inline"`` (it writes ``<think>...</think>``
+            from the content) or ``"none"`` (neither: reasoning would be dropped).
+        arguments_form: ``"object"`` (it writes a tool call's ``arguments`` given as a JSON object, as most Hugging
+            Face templates do with ``tojson``) or ``"string"`` (it needs their JSON string, OpenAI's wire format:
+            functionary-v3.2 writes ``"\\n" + arguments``); ``"object"`` where neither renders.
+        writes_tool_calls: it writes a reply's ``tool_calls`` at all (a probe call's name after the user turn).
+        ends_at_next_role: it writes nothing after the last reply, so a reply ends at the token that opens the next
+            turn (GLM-4.6's ``<|user|>``, one of its model's end tokens: :func:`sft.data.end_tokens.end_of_turn_id`).
+        needs_tools: it fails on a plain conversation without ``tools`` and renders it with ``tools=[]`` (Hermes' and
+            Command-R's tool_use templates; :meth:`sft.data.chat.Renderer.needs_tools`).
+        opaque: it writes each content verbatim and reads nothing else of it (:func:`sft.data.chat_template.
+            content_is_opaque`: a filled per-roles skeleton is its rendering).
+    """
+
+    reasoning_form: str
+    arguments_form: str
+    writes_tool_calls: bool
+    ends_at_next_role: bool
+    needs_tools: bool
+    opaque: bool
+
+
+def template_profile(tokenizer) -> TemplateProfile:
+    """The :class:`TemplateProfile` of ``tokenizer``'s chat template, probed on the first call for a template and
+    kept with its :class:`sft.data.chat.Renderer`."""
+    renderer = Renderer.of(tokenizer)
+    found = renderer.memo.get("profile")
+    if found is None:
+        reasoning, arguments = _reasoning_form(tokenizer), _arguments_form(tokenizer)
+        found = renderer.memo["profile"] = TemplateProfile(
+            reasoning_form=reasoning, arguments_form=arguments,
+            writes_tool_calls=_writes_tool_calls(tokenizer, reasoning, arguments),
+            ends_at_next_role=_ends_at_next_role(tokenizer), needs_tools=renderer.needs_tools(),
+            opaque=renderer.opaque)
+    return found
+
+
+def template_messages(tokenizer, messages: Sequence[dict]) -> list[dict]:
+    """``messages`` as the template takes them: the private ``train`` flag removed, reasoning and tool call
+    arguments in the template's forms (:attr:`TemplateProfile.reasoning_form`, :attr:`TemplateProfile.
+    arguments_form`); new dicts, ``messages`` unchanged."""
+    reasoning = arguments = None
+    if any("reasoning_content" in m or m.get("tool_calls") for m in messages):
+        p = template_profile(tokenizer)
+        reasoning, arguments = p.reasoning_form, p.arguments_form
+    return _in_forms(messages, reasoning, arguments)
+
+
+def _in_forms(messages: Sequence[dict], reasoning, arguments) -> list[dict]:
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if k != "train"}
+        if "reasoning_content" in m:
+            m = with_reasoning({k: v for k, v in m.items() if k != "reasoning_content"}, m["reasoning_content"],
+                               reasoning)
+        if m.get("tool_calls") and arguments == "string":
+            m = with_string_arguments(m)
+        out.append(m)
+    return out
+
+
+def _reasoning_form(tokenizer) -> str:
+    for candidate in ("field", "inline"):
+        msg = with_reasoning({"role": "assistant", "content": "Hello"}, PROBE_REASONING, candidate)
+        try:
+            text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, msg], None)
+        except TemplateError:
+            continue
+        if PROBE_REASONING in text:
+            return candidate
+    return "none"
+
+
+def _arguments_form(tokenizer) -> str:
+    args = {"probe_argument": PROBE_VALUE}
+    for form, value in (("object", args), ("string", json.dumps(args, ensure_ascii=False))):
+        try:
+            text = render_with_tools(tokenizer, [{"role": "user", "content": "Hi"}, probe_call(value)], [PROBE_TOOL])
+        except TemplateError:
+            continue
+        if PROBE_VALUE in text:
+            return form
+    return "object"
+
+
+def _writes_tool_calls(tokenizer, reasoning: str, arguments: str) -> bool:
+    try:
+        text = render_with_tools(tokenizer, _in_forms([{"role": "user", "content": "Hi"}, probe_call({})], reasoning,
+                                                      arguments), [PROBE_TOOL])
+    except TemplateError:
+        text = ""
+    return "probe_tool" in text[text.find("Hi"):]
+
+
+def _ends_at_next_role(tokenizer) -> bool:
+    try:
+        text = render_with_tools(tokenizer, PROBE, None)
+    except TemplateError:
+        text = ""
+    return bool(text) and text.rstrip().endswith(message_text(PROBE[-1]))
