@@ -81,21 +81,6 @@ def test_daemons_are_real_and_each_on_its_host(cluster):
     assert all("10.213.0.3" in ln for ln in lines), r.stdout
 
 
-def test_sbatch_equals_one_host(cluster, make_hosts, tmp_path, tmp_path_factory, tiny_model_dir, data):  # noqa: F811
-    ref = mn.reference(3, make_hosts, tmp_path_factory, tiny_model_dir, data)
-    out = tmp_path / "out"
-    jid, log = submit(cluster, tmp_path, train_flags(tiny_model_dir, data), out)
-    info = cluster.wait_job(jid, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), JOB_LIMIT_S)
-    text = read(log)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
-    port = 10000 + jid % 20000
-    assert f"slurm: job {jid}, 3 node(s) (node[0-2]), master node0:{port}" in text, text
-    for i in range(3):  # each node's launcher ran on its own host, with its own address
-        assert re.search(rf"launch: node rank {i} of 3 nodes, 1 process\(es\) per node, world size 3, "
-                         rf"master node0:{port}, interface eth0 10\.213\.0\.{i + 1}\b", text), text
-    mn.assert_same_training(out, ref)
-
-
 _PREEMPT_STEPS = 16  # long enough that the signal, sent after the first logged loss, lands before the end (~1 s a step)
 
 
@@ -123,8 +108,16 @@ def preempted(cluster, tmp_path_factory, tiny_model_dir, data):
 
 
 def test_preempted_job_is_requeued_and_resumes_to_the_uninterrupted_result(preempted, uninterrupted):
+    """sbatch over 3 nodes, stopped by SIGUSR1, requeued, resumed: each node's launcher ran on its own host (its own
+    address) and every step's loss and the adapter equal one host with the same world size (the uninterrupted
+    run), so this is also the test that an sbatch job equals one host."""
     jid, text, out, hold = preempted
     first, rerun = text.split(f"slurm: preempted (exit 75): requeueing job {jid}")
+    port = 10000 + jid % 20000
+    assert f"slurm: job {jid}, 3 node(s) (node[0-2]), master node0:{port}" in first, first[-3000:]
+    for i in range(3):  # each node's launcher ran on its own host, with its own address
+        assert re.search(rf"launch: node rank {i} of 3 nodes, 1 process\(es\) per node, world size 3, "
+                         rf"master node0:{port}, interface eth0 10\.213\.0\.{i + 1}\b", first), first[-3000:]
     assert "slurm: SIGUSR1: asking every node to save a checkpoint and stop" in first, first[-3000:]
     assert first.count("launch: preempted; the checkpoint is in --output_dir") == 3, first[-3000:]
     saved = re.search(r"preemption: saving a checkpoint at step (\d+) and stopping", first)
@@ -213,6 +206,11 @@ def stray_processes(cluster) -> dict[str, list[str]]:
 
 def test_pbs_over_real_sshd_equals_one_host(cluster, make_hosts, tmp_path, tmp_path_factory, tiny_model_dir,  # noqa: F811
                                             data):
+    """scripts/pbs_train.sh starts each node's launcher over ssh with the env contract (NNODES, NODE_RANK,
+    MASTER_ADDR), the way a user starts nodes by hand: 3 hosts, one process each, the ZeRO-2 LoRA preset; the
+    same per-step losses and adapter as one host running 3 processes. (Also the test of a 3-node launch by hand
+    against one host: tests/cluster/test_multinode.py's by-hand runs are the FSDP2 presets, sequence parallelism
+    and the faults.)"""
     ref = mn.reference(3, make_hosts, tmp_path_factory, tiny_model_dir, data)
     job = mn.Job(tmp_path)
     try:  # the job script runs on the first host of the node file, as PBS starts it
@@ -225,7 +223,11 @@ def test_pbs_over_real_sshd_equals_one_host(cluster, make_hosts, tmp_path, tmp_p
     assert "pbs: job 777.pbs-server, 3 node(s) (node0 node1 node2), master node0:10777" in text, text
     for i in range(3):  # each launcher ran on its own host (its own address): started there by sshd
         assert re.search(rf"launch: node rank {i} of 3 nodes, 1 process\(es\) per node, world size 3, "
-                         rf"master node0:10777, interface eth0 10\.213\.0\.{i + 1}\b", text), text
+                         rf"master node0:10777, interface eth0 10\.213\.0\.{i + 1}\b[^\n]*backend gloo", text), text
+    # the rendezvous of the env contract (NNODES, NODE_RANK, MASTER_ADDR per node, as by hand): node rank 0 saw
+    # the other two join, each from its own host and address
+    assert all(f"rendezvous: node rank {i} (node{i}, 10.213.0.{i + 1}) joined" in text for i in (1, 2)), text
+    assert "joined; 3 of 3 nodes" in text, text
     mn.assert_same_training(tmp_path / "out", ref)  # --output_dir out: relative to PBS_O_WORKDIR
 
 
