@@ -107,8 +107,9 @@ def job(tmp_path):
 def without_check(folder) -> str:
     """A ``PYTHON`` for the launcher that answers ``python -m sft check`` with success at once and runs everything
     else with this interpreter: for the tests whose property comes after the check (the rendezvous preflight's
-    faults, the shared data cache), so that each node does not load the tokenizer and encode the data once more
-    (8-9 s of CPU a node on the toy data, more on long records). Every other launch of the tier runs the check."""
+    faults, the shared data cache, training across hosts by hand, the one-host references, hangs, elastic rounds),
+    so that each node does not load the tokenizer and encode the data once more (8-9 s of CPU a node on the toy
+    data, more on long records). The SLURM and PBS jobs (tests/cluster/test_slurm.py) run the check on every node."""
     path = os.path.join(folder, "python-without-check")
     with open(path, "w") as f:
         f.write(f'#!/usr/bin/env bash\nif [[ "$1 $2 $3" == "-m sft check" ]]; then exit 0; fi\n'
@@ -181,7 +182,8 @@ def reference(n, make_hosts, tmp_path_factory, tiny_model_dir, data, preset=PRES
                 try:
                     j.start(hosts.cmd(0, ["bash", preset, "-m", tiny_model_dir, "-d", data, "--output_dir", str(out),
                                           *TRAIN]),
-                            node_env(NPROC_PER_NODE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001), "ref")
+                            node_env(NPROC_PER_NODE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001,
+                                     PYTHON=without_check(j.tmp)), "ref")
                     assert j.wait() == [0], j.tails()
                     assert f"world size {n}" in j.text(0)
                 finally:
@@ -214,7 +216,7 @@ def test_fsdp2_by_hand_on_two_hosts_equals_one_host(preset_name, saved, make_hos
     report.mkdir()
     worker = {"SFT_PROGRAM": os.path.join(ROOT, "tests", "helpers", "dist_worker.py"),
               "SFT_TEST_REPORT_DIR": str(report), "PYTHONPATH": ROOT}
-    start_by_hand(job, hosts, 2, tiny_model_dir, data, out, preset=preset, envs={0: worker, 1: worker})
+    start_by_hand(job, hosts, 2, tiny_model_dir, data, out, preset=preset, envs={0: worker, 1: worker}, check=False)
     assert job.wait() == [0, 0], job.tails()
     for i in range(2):  # by hand: MASTER_ADDR node rank 0's address, each node on its own host and address
         first = job.text(i).splitlines()[0]
@@ -240,13 +242,14 @@ def test_sequence_parallel_inside_hosts_and_data_parallel_across(make_hosts, job
     try:
         ref_job.start(hosts.cmd(0, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, "--output_dir",
                                     str(tmp_path / "ref"), *TRAIN, *extra]),
-                      node_env(NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001), "ref")
+                      node_env(NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=6001,
+                               PYTHON=without_check(tmp_path / "ref-logs")), "ref")
         assert ref_job.wait() == [0], ref_job.tails()
     finally:
         ref_job.close()
     out = tmp_path / "out"
     start_by_hand(job, hosts, 2, tiny_model_dir, data, out, extra=[*extra, "--sequence_parallel_size", "2"],
-                  envs={0: {"NPROC_PER_NODE": 2}, 1: {"NPROC_PER_NODE": 2}})
+                  envs={0: {"NPROC_PER_NODE": 2}, 1: {"NPROC_PER_NODE": 2}}, check=False)
     assert job.wait() == [0, 0], job.tails()
     log = job.text(0)
     assert "world size 4" in log.splitlines()[0] and "data-parallel size 2 (world size 4 / sequence-parallel size 2)" \
