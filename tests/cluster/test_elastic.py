@@ -110,7 +110,7 @@ def test_lost_nodes_a_spare_is_admitted_and_the_survivors_finish(make_hosts, job
 
     def start(i):
         # a last call of 10 s: round 0 waits for the third node however the three start-ups spread under load
-        # PYTHON: without the launcher's sft check (the rounds come after it; every other launch runs it)
+        # PYTHON: without the launcher's sft check (the rounds come after it; the SLURM and PBS jobs run it)
         env = node_env(NNODES="2:3", MASTER_ADDR=hosts.addrs[0], MASTER_PORT=6001, MAX_RESTARTS=2, PYTHON=python,
                        RDZV_ID="elastic-test", RDZV_TIMEOUT=120, RDZV_LAST_CALL_TIMEOUT=10)
         return job.start(hosts.cmd(i, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, *_flags(out)]), env,
