@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.cluster.test_multinode import RUN_LIMIT_S, TRAIN, job, make_hosts, node_env, results  # noqa: F401
+from tests.cluster.test_multinode import RUN_LIMIT_S, TRAIN, job, make_hosts, node_env, results, without_check  # noqa: F401
 from tests.helpers import netns
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
@@ -106,11 +106,12 @@ def test_lost_nodes_a_spare_is_admitted_and_the_survivors_finish(make_hosts, job
     (every process stopped) after a later checkpoint: the others name it within --hang_timeout, and round 2 has the
     two left (world size 2, MIN), which finish."""
     hosts = make_hosts(4)
-    out = tmp_path / "out"
+    out, python = tmp_path / "out", without_check(tmp_path)
 
     def start(i):
         # a last call of 10 s: round 0 waits for the third node however the three start-ups spread under load
-        env = node_env(NNODES="2:3", MASTER_ADDR=hosts.addrs[0], MASTER_PORT=6001, MAX_RESTARTS=2,
+        # PYTHON: without the launcher's sft check (the rounds come after it; the SLURM and PBS jobs run it)
+        env = node_env(NNODES="2:3", MASTER_ADDR=hosts.addrs[0], MASTER_PORT=6001, MAX_RESTARTS=2, PYTHON=python,
                        RDZV_ID="elastic-test", RDZV_TIMEOUT=120, RDZV_LAST_CALL_TIMEOUT=10)
         return job.start(hosts.cmd(i, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, *_flags(out)]), env,
                          f"node{i}")
@@ -167,7 +168,7 @@ def test_lost_nodes_a_spare_is_admitted_and_the_survivors_finish(make_hosts, job
     # nothing lost: the same as one uninterrupted run at world size 2 with the same global batch
     ref_out = tmp_path / "ref"
     ref = job.start(hosts.cmd(0, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, *_flags(ref_out, grad_accum=3)]),
-                    node_env(NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=6002), "reference")
+                    node_env(NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=6002, PYTHON=python), "reference")
     assert ref.wait(timeout=RUN_LIMIT_S) == 0, job.tails()
     (losses, weights), (ref_losses, ref_weights) = results(out), results(ref_out)
     assert len(losses) == len(ref_losses) == MAX_STEPS

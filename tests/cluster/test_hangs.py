@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.cluster.test_multinode import RUN_LIMIT_S, job, make_hosts, node_env  # noqa: F401
+from tests.cluster.test_multinode import RUN_LIMIT_S, job, make_hosts, node_env, without_check  # noqa: F401
 from tests.helpers import netns
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
@@ -102,7 +102,8 @@ def test_a_slowed_rank_is_named_then_frozen_it_ends_the_job(make_hosts, job, tmp
     hosts = make_hosts(2)
     out = tmp_path / "out"
     for i in range(2):
-        env = node_env(NNODES=2, NODE_RANK=i, MASTER_ADDR=hosts.addrs[0], MASTER_PORT=6001)
+        env = node_env(NNODES=2, NODE_RANK=i, MASTER_ADDR=hosts.addrs[0], MASTER_PORT=6001,
+                       PYTHON=without_check(tmp_path))  # what is named comes after the launcher's check
         job.start(hosts.cmd(i, ["bash", PRESET, "-m", tiny_model_dir, "-d", data, "--output_dir", str(out), *FLAGS]),
                   env, f"node{i}")
     # an even stretch: two full straggler windows and more, and no rank named
@@ -144,7 +145,7 @@ def test_a_slowed_rank_is_named_then_frozen_it_ends_the_job(make_hosts, job, tmp
 
 def test_a_frozen_rank_0_is_named_by_rank_1(job, tmp_path, tiny_model_dir, data):
     out = tmp_path / "out"
-    env = node_env(NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=6003)
+    env = node_env(NPROC_PER_NODE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=6003, PYTHON=without_check(tmp_path))
     launcher = job.start(["bash", PRESET, "-m", tiny_model_dir, "-d", data, "--output_dir", str(out), *FLAGS,
                           "--per_device_train_batch_size", "1", "--straggler_factor", "0"], env, "node0")
     wait_for(lambda: "step 4/5000" in job.text(0), job, "step 4")
