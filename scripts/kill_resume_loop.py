@@ -65,7 +65,8 @@ def command(a, out: str, launcher: bool | None = None) -> list[str]:
 
 
 def start(cmd, log):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHON": sys.executable,
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHON": os.environ.get("_KRL_PYTHON", sys.executable),  # --python
            "NPROC_PER_NODE": os.environ.get("_KRL_NPROC", "1"), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     env.pop("GPUS_PER_NODE", None)
@@ -210,6 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--signal", choices=["KILL", "TERM", "INT"], default="KILL",
                     help="KILL: the process group (a crash); TERM/INT: the top process only (preemption, "
                     "expects exit 75)")
+    ap.add_argument("--python", default=sys.executable, help="the PYTHON finetune/launch.sh runs with --launcher "
+                    "(default: this interpreter)")
     ap.add_argument("--mode", choices=["lora", "full"], default="lora")
     ap.add_argument("--model", help="model folder (default: the tiny test model)")
     ap.add_argument("--data", help="data file (default: 8 toy conversations)")
@@ -225,6 +228,7 @@ def main(argv=None) -> int:
     if a.iterations < 1 or a.steps < 2 or a.save_steps < 1 or a.nproc < 1:
         ap.error("--iterations >= 1, --steps >= 2, --save_steps >= 1, --nproc >= 1")
     os.environ["_KRL_NPROC"] = str(a.nproc)
+    os.environ["_KRL_PYTHON"] = a.python
     sig = getattr(signal, f"SIG{a.signal}")
     work = a.workdir or tempfile.mkdtemp(prefix="kill-resume-")
     os.makedirs(work, exist_ok=True)

@@ -15,13 +15,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.helpers import netns
 from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.launchers import without_check  # noqa: F401  (test_hangs.py and test_elastic.py import it here)
 from tests.helpers.paths import ROOT
 
 _WHY = netns.unavailable()
@@ -102,20 +102,6 @@ def job(tmp_path):
     j = Job(tmp_path)
     yield j
     j.close()
-
-
-def without_check(folder) -> str:
-    """A ``PYTHON`` for the launcher that answers ``python -m sft check`` with success at once and runs everything
-    else with this interpreter: for the tests whose property comes after the check (the rendezvous preflight's
-    faults, the shared data cache, training across hosts by hand, the one-host references, hangs, elastic rounds),
-    so that each node does not load the tokenizer and encode the data once more (8-9 s of CPU a node on the toy
-    data, more on long records). The SLURM and PBS jobs (tests/cluster/test_slurm.py) run the check on every node."""
-    path = os.path.join(folder, "python-without-check")
-    with open(path, "w") as f:
-        f.write(f'#!/usr/bin/env bash\nif [[ "$1 $2 $3" == "-m sft check" ]]; then exit 0; fi\n'
-                f'exec {sys.executable} "$@"\n')
-    os.chmod(path, 0o755)
-    return path
 
 
 def start_by_hand(job, hosts, n, model, data, out, extra=(), ranks=None, master=None, envs=None, skip=(),

@@ -12,6 +12,7 @@ import pytest
 from sft.distributed import allocator
 from sft.distributed.allocator import QUIET_THRESHOLD, choose_allocator, find_tcmalloc
 from sft.errors import ContractError
+from tests.helpers.launchers import without_check
 from tests.helpers.paths import ROOT
 
 LAUNCH = os.path.join(ROOT, "finetune", "launch.sh")
@@ -149,15 +150,15 @@ REAL = find_tcmalloc(os.environ)
 @pytest.mark.skipif(REAL is None, reason="no tcmalloc on this machine (scripts/setup_env.sh installs it as root)")
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_launch_preloads_tcmalloc_into_every_training_process(tmp_path, nproc, tiny_model_dir, toy_data):
-    """The real launcher (its flag and data check included), with a program that reports the libraries mapped
-    into each training process."""
+    """The real launcher (without its flag and data check: the training processes come after it,
+    tests/helpers/launchers.py), with a program that reports the libraries mapped into each training process."""
     program = tmp_path / "maps.py"
     program.write_text("import os\nrank = os.environ.get('RANK', '0')\n"
                        "libs = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'malloc' in l})\n"
                        f"open(os.path.join({str(tmp_path)!r}, 'rank' + rank), 'w').write(' '.join(libs))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "SFT_ALLOCATOR")}
     # MASTER_PORT: the worker's (tests/conftest.py)
-    env.update(SFT_PROGRAM=str(program), NPROC_PER_NODE=nproc, SFT_PREFLIGHT="0")
+    env.update(SFT_PROGRAM=str(program), NPROC_PER_NODE=nproc, SFT_PREFLIGHT="0", PYTHON=without_check(tmp_path))
     argv = ["bash", LAUNCH, "-m", str(tiny_model_dir), "-d", str(toy_data), "--output_dir", str(tmp_path / "out")]
     r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr

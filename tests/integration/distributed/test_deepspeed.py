@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.data import TOY, write_jsonl
+from tests.helpers.launchers import without_check
 from tests.helpers.paths import ROOT, pythonpath_env
 from tests.helpers.ports import free_port
 
@@ -58,6 +59,9 @@ CELLS = {
     "full-fsdp2": ("finetune_fsdp.sh", 2, FULL),
     "lora-fsdp2": ("finetune_lora_fsdp.sh", 2, LORA),
 }
+# the one cell launched with the launcher's sft check (flags and every record checked in one process before torchrun;
+# the training processes validate the same flags again): the others start without it (tests/helpers/launchers.py)
+CHECKED = "lora-zero2"
 # the linear module class each kind of 4-bit base trains on (gptqmodel's torch kernel for GPTQ on CPU)
 QUANT_LINEAR = {"qlora": "Linear4bit", "bnb4": "Linear4bit", "gptq": "TorchLinear"}
 
@@ -99,7 +103,8 @@ def runs(data, tmp_path_factory):
             report, out = tmp / "report", tmp / "out"
             report.mkdir()
             env = pythonpath_env({**os.environ, "NPROC_PER_NODE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-                                  "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+                                  "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+                                  "PYTHON": sys.executable if cell == CHECKED else without_check(tmp),
                                   "SFT_PROGRAM": os.path.join(ROOT, "tests", "helpers", "dist_worker.py"),
                                   "SFT_TEST_REPORT_DIR": str(report)})
             env.pop("GPUS_PER_NODE", None)
@@ -143,6 +148,7 @@ def test_cell_trains_follows_cosine_saves_and_reloads_equal(cell, runs, qwen_tok
     res = runs(cell)
     r0 = res["ranks"][0]
     _, nproc, flags = CELLS[cell]
+    assert ("check: configuration and data OK" in res["stderr"]) == (cell == CHECKED)  # the check ran end to end
     assert r0["world_size"] == nproc
     expect_stage = 2 if "zero2" in cell else 3 if "zero3" in cell else 0
     assert r0["deepspeed"] == (expect_stage > 0) and r0["zero_stage"] == expect_stage
