@@ -96,7 +96,7 @@ class _Setup:
     tokenizer: object
     eot_id: int
     spec: PreparationSpec
-    stops: tuple
+    stops: Sequence[str]
     closing: object  # the id, or frozenset of ids, that closes a reply
     renderer: object
 
@@ -162,12 +162,16 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         c.out[0]["extra_samples"], c.out[0]["extra_tokens"] = len(c.lengths) - 1, sum(c.lengths) - c.lengths[-1]
         if c.general and setup.splitting and max(c.lengths) > spec.max_len:
             _split_turns(setup, c)
-    if spec.long_conversations == "refuse":  # a turn that split had to cut: the conversation is refused, naming it
-        for c in convs:
-            cut = next((ex for ex in c.out if ex["truncated"]), None) if isinstance(c.out, list) else None
-            if cut is not None:
-                c.out = too_long(cut.get("cut_turn"), cut.get("turn_tokens"), spec.max_len, "a turn")
-    return [c.out for c in convs]
+    return [_refuse_cut(c.out, spec) for c in convs]
+
+
+def _refuse_cut(out, spec: PreparationSpec):
+    """``out`` (a conversation's samples or refusal), or under ``--long_conversations refuse`` the refusal naming the
+    turn that split had to cut."""
+    cut = next((ex for ex in out if ex["truncated"]), None) if isinstance(out, list) else None
+    if spec.long_conversations == "refuse" and cut is not None:
+        return too_long(cut.get("cut_turn"), cut.get("turn_tokens"), spec.max_len, "a turn")
+    return out
 
 
 def _texts(setup: _Setup, c: _Conversation, i: int) -> list[tuple[str, _Text]]:
@@ -291,14 +295,14 @@ def _encode(setup: _Setup, convs: list, texts: list, made: dict) -> None:
 def _split_turns(setup: _Setup, c: _Conversation) -> None:
     """Replace the samples of a conversation planned reply by reply, one too long, with the pieces
     :func:`sft.data.split_turns.split_turns` cuts it into (or its refusal)."""
-    from sft.data.split_turns import split_turns
+    from sft.data.split_turns import Known, SplitOptions, split_turns
     from sft.data.turns import trained_turns
 
     tokenizer, max_len = setup.tokenizer, setup.spec.max_len
     try:
-        pieces = split_turns(tokenizer, c.messages, c.tools, setup.stops, setup.closing, max_len,
-                             trained_turns(c.messages, setup.spec.last_reply_only), c.plan,
-                             (c.probed[0], c.probed[2]) if c.probed else None)
+        pieces = split_turns(tokenizer, c.messages, c.tools, trained_turns(c.messages, setup.spec.last_reply_only),
+                             SplitOptions(max_len, setup.stops, setup.closing),
+                             Known(c.plan, (c.probed[0], c.probed[2]) if c.probed else None))
     except TemplateError as e:
         c.out = e
         return
