@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence
 
 from sft.data.chat import IGNORE_INDEX, with_system
@@ -352,16 +352,16 @@ def _tokenized(tokenizer, texts: list, owners: list, made: Optional[dict] = None
         start = end
 
 
-def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str],
-                     tools: Optional[list] = None, last_reply_only: bool = False,
-                     allow_dropped_content: bool = False) -> list[dict]:
-    """The samples of one conversation, each truncated to ``max_len`` (see :func:`encode_samples`).
+def encode_truncated(tokenizer, conv_messages, eot_id: int, spec: PreparationSpec,
+                     tools: Optional[list] = None) -> list[dict]:
+    """The samples of one conversation, each truncated to ``spec.max_len`` whatever ``spec.long_conversations`` says
+    (see :func:`encode_samples`; ``spec``'s ``system_message``, ``last_reply_only`` and ``allow_dropped_content``
+    apply).
 
     Raises:
         TemplateError: the chat template refuses the conversation.
     """
-    spec = PreparationSpec(max_len=max_len, system_message=system_message, long_conversations="truncate",
-                           last_reply_only=last_reply_only, allow_dropped_content=allow_dropped_content)
+    spec = replace(spec, long_conversations="truncate")
     out = encode_samples(tokenizer, [conv_messages], eot_id, spec, [tools])[0]
     if isinstance(out, Exception):
         raise out
