@@ -163,6 +163,9 @@ def continuation(template: str, texts: ReplyTexts, given: Mapping) -> Union[Cont
       opens a turn the rendering writes the reply into without opening: Apertus continues a reply after tool results
       inside the same assistant turn): the prompt as it is, then the reply as rendered.
 
+    Longer than 60 lines with its docstring, which lists the rules in their order; the code is 25 lines (the rules
+    after a reasoning block in :func:`_after_block`).
+
     Returns:
         The :class:`Continuation`; a :class:`Need` (call again with it in ``given``); or :class:`Parted` where none of
         the rules applies (the caller's refusal names where the texts part).

@@ -87,6 +87,9 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
             those replies are not rendered again.
         count_dropped: False: leave :attr:`TurnPlan.dropped` empty (a caller that does not read it).
 
+    Seven parameters, one over the house's six: the last three are options with defaults, passed by keyword by the
+    one caller that sets them (:mod:`sft.data.split_turns`); a value type for them would serve that caller alone.
+
     Raises:
         TemplateError: the template cannot render the conversation (its own message), renders a reply's context
             differently from its generation prompt, or does not close a reply with one of ``stops``; the message
@@ -120,7 +123,9 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
            renders: Optional[dict] = None) -> tuple:
     """Reply ``k`` of :func:`plan`: ``("info", (text, prompt_end, end, close_end))``, its sample text up to its end
     (``text[prompt_end:end]`` trained, ``text[end:close_end]`` the stop token), or ``("empty", (k, what, chars))``
-    where the template writes nothing of it; ``renders[k + 1]`` = ``render(turns[:k+1])``. Raises as :func:`plan`."""
+    where the template writes nothing of it; ``renders[k + 1]`` = ``render(turns[:k+1])``. Raises as :func:`plan`.
+    Seven parameters: the conversation in the record's form (``messages``: reasoning, calls, flags) and in the
+    template's (``shown``) are both read, and ``renders`` is :func:`plan`'s memo across its replies."""
     source = tokenizer.chat_template or ""
     reasoning = messages[k].get("reasoning_content") or ""
     try:
