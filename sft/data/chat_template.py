@@ -4,6 +4,8 @@ per-roles skeleton instead of rendering every conversation (the template compile
 :func:`sft.compat.jinja.compile_template`: private names of transformers and jinja2)."""
 from __future__ import annotations
 
+from typing import Optional
+
 # ChatML, as Qwen renders it (Qwen2 tokenizer_config.json, without tools), used when a tokenizer
 # has no chat template of its own.
 CHATML_TEMPLATE = (
@@ -34,7 +36,7 @@ def content_is_opaque(template: str, env=None) -> bool:
     depends only on the roles, the number of messages and the fixed variables, which the caller's skeleton (one
     rendering per sequence of roles) covers. ChatML (Qwen) and SmolLM2's templates qualify; a template that
     trims, inspects or rewrites content (e.g. removing earlier turns' reasoning) does not."""
-    from jinja2 import Environment, nodes
+    from jinja2 import Environment
 
     env = env or Environment()
     if getattr(env, "autoescape", False) is not False or getattr(env, "finalize", None) is not None:
@@ -43,6 +45,16 @@ def content_is_opaque(template: str, env=None) -> bool:
         tree = env.parse(template)
     except Exception:
         return False
+    parents = _parents(tree)
+    loops = _message_loops(tree) if parents is not None else None
+    return loops is not None and _names_read_messages(tree, parents, loops) and _content_only_written(tree, parents)
+
+
+def _parents(tree) -> Optional[dict]:
+    """Per node of ``tree`` (by ``id``), its parent; None where the tree holds a node :func:`content_is_opaque`
+    refuses (an assignment, macro, import, include, block, scope, ...)."""
+    from jinja2 import nodes
+
     banned = (nodes.Assign, nodes.AssignBlock, nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.With,
               nodes.Import, nodes.FromImport, nodes.Include, nodes.Extends, nodes.Block, nodes.Scope,
               nodes.OverlayScope, nodes.ScopedEvalContextModifier)
@@ -51,38 +63,61 @@ def content_is_opaque(template: str, env=None) -> bool:
     while stack:
         node = stack.pop()
         if isinstance(node, banned):
-            return False
+            return None
         for child in node.iter_child_nodes():
             parents[id(child)] = node
             stack.append(child)
+    return parents
+
+
+def _message_loops(tree) -> Optional[set]:
+    """The names of the loop variables over ``messages``; None where a loop's target is not a name or such a name is
+    reused by another loop."""
+    from jinja2 import nodes
+
     loops = set()
     for f in tree.find_all(nodes.For):
         if not isinstance(f.target, nodes.Name):
-            return False
+            return None
         if isinstance(f.iter, nodes.Name) and f.iter.name == "messages" and not f.recursive and f.test is None:
             loops.add(f.target.name)
     if any(isinstance(f.target, nodes.Name) and f.target.name in loops and not
            (isinstance(f.iter, nodes.Name) and f.iter.name == "messages") for f in tree.find_all(nodes.For)):
-        return False  # a loop variable's name reused for something else
+        return None  # a loop variable's name reused for something else
+    return loops
 
-    def key_of(node):
-        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
-            return node.arg.value
-        if isinstance(node, nodes.Getattr):
-            return node.attr
-        return None
 
-    def message_item(node) -> bool:  # node is ``message`` or ``messages[i]``: its parent must read role/content
-        parent = parents.get(id(node))
-        return (isinstance(parent, (nodes.Getitem, nodes.Getattr)) and parent.node is node
-                and key_of(parent) in _ROLE_OR_CONTENT)
+def _key_of(node):
+    """The constant key a ``Getitem`` reads, the attribute a ``Getattr`` reads, else None."""
+    from jinja2 import nodes
+
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+        return node.arg.value
+    if isinstance(node, nodes.Getattr):
+        return node.attr
+    return None
+
+
+def _message_item(node, parents: dict) -> bool:
+    """Whether ``node`` (``message`` or ``messages[i]``) is read only for its role or content."""
+    from jinja2 import nodes
+
+    parent = parents.get(id(node))
+    return (isinstance(parent, (nodes.Getitem, nodes.Getattr)) and parent.node is node
+            and _key_of(parent) in _ROLE_OR_CONTENT)
+
+
+def _names_read_messages(tree, parents: dict, loops: set) -> bool:
+    """Whether the loop variables (``loops``) and ``messages`` are read only as :func:`content_is_opaque` allows,
+    and ``loop.previtem`` / ``loop.nextitem`` never."""
+    from jinja2 import nodes
 
     for name in tree.find_all(nodes.Name):
         if name.ctx != "load":
             continue
         parent = parents.get(id(name))
         if name.name in loops:
-            if not message_item(name):
+            if not _message_item(name, parents):
                 return False
         elif name.name == "messages":
             if isinstance(parent, nodes.For) and parent.iter is name:
@@ -90,12 +125,20 @@ def content_is_opaque(template: str, env=None) -> bool:
             if isinstance(parent, nodes.Filter) and parent.name == "length" and parent.node is name:
                 continue
             if not (isinstance(parent, nodes.Getitem) and parent.node is name and isinstance(parent.arg, nodes.Const)
-                    and isinstance(parent.arg.value, int) and message_item(parent)):
+                    and isinstance(parent.arg.value, int) and _message_item(parent, parents)):
                 return False
         elif name.name == "loop" and isinstance(parent, nodes.Getattr) and parent.attr in ("previtem", "nextitem"):
             return False
+    return True
+
+
+def _content_only_written(tree, parents: dict) -> bool:
+    """Whether every read of a ``content`` key or attribute is written to the output directly or only through string
+    concatenation."""
+    from jinja2 import nodes
+
     for node in tree.find_all((nodes.Getitem, nodes.Getattr)):
-        if key_of(node) != "content":
+        if _key_of(node) != "content":
             continue
         child, parent = node, parents.get(id(node))
         while isinstance(parent, (nodes.Add, nodes.Concat)):

@@ -290,6 +290,10 @@ def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, spec: Preparatio
     ``held_out`` (with ``spec.eval_split_ratio``): keep only the records that :func:`sft.data.eval_split.in_eval`
     holds out (True, the evaluation side) or only the others (False); None (default): every record.
 
+    Eight parameters (the issue's limit is six): ``spec`` is the one value of the flags; the four keyword-only ones are
+    what the app knows per call (the template's control tokens, which side of the evaluation split, the job's view
+    and an agreed shard plan), not settings of preparation, so they stay apart from it.
+
     Every rank of the job (``view``, default: from the environment) calls this at the same point: each prepares
     its shards (``spec.num_proc`` processes each), then waits for the others' on the file system for up to
     ``spec.data_timeout`` seconds (:mod:`sft.data.shards`); ``plan`` reuses an earlier :func:`sft.data.shards.agree`.
@@ -322,24 +326,23 @@ def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, spec: Preparatio
         reports.append(report.__dict__)
     ds = mix(out, spec.weights, spec.seed, paths)
     if spec.lazy:
-        return LazySupervisedDataset(ds, tokenizer, eot_id, spec.max_len, spec.system_message, ", ".join(paths),
-                                     spec), None
+        return LazySupervisedDataset(ds, tokenizer, eot_id, spec, ", ".join(paths)), None
     return ds, TruncationReport.merge(reports)
 
 class LazySupervisedDataset(torch.utils.data.Dataset):
     """Encodes a conversation when it is indexed (``--lazy_preprocess``).
 
     ``records`` is a sequence of ``{"id": str, "messages": [{"role", "content"}, ...]}`` (the memory-mapped
-    records dataset of :func:`build_dataset`, or validated conversations as dicts). ``__getitem__`` returns
+    records dataset of :func:`build_dataset`, or validated conversations as dicts), encoded as ``spec`` says (its
+    ``max_len``, ``system_message``, ``last_reply_only`` and ``allow_dropped_content``; always truncated:
+    :func:`sft.data.samples.encode_truncated`); ``data_path`` names the source in errors. ``__getitem__`` returns
     ``{"input_ids", "labels"}`` (lists of int). A sample left with no supervised token after truncation is
     logged by id and replaced by the next index (mod len), so the loss of a batch never divides by zero.
     """
 
-    def __init__(self, records, tokenizer, eot_id: int, max_len: int, system_message: Optional[str],
-                 data_path: str = "data", spec: Optional[PreparationSpec] = None):
+    def __init__(self, records, tokenizer, eot_id: int, spec: PreparationSpec, data_path: str = "data"):
         self.records, self.tokenizer, self.eot_id, self.data_path = records, tokenizer, eot_id, data_path
-        self.spec = spec or PreparationSpec(max_len=max_len, system_message=system_message)
-        self.max_len, self.system_message = max_len, system_message
+        self.spec, self.max_len = spec, spec.max_len
         self.report = TruncationReport()
         self._seen: set[int] = set()
 
@@ -370,9 +373,7 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
         one sample per record)."""
         conv = json.loads(rec["messages"]) if isinstance(rec["messages"], str) else {"messages": rec["messages"]}
         try:
-            samples = encode_truncated(self.tokenizer, conv["messages"], self.eot_id, self.max_len,
-                                       self.system_message, conv.get("tools"), self.spec.last_reply_only,
-                                       self.spec.allow_dropped_content)
+            samples = encode_truncated(self.tokenizer, conv["messages"], self.eot_id, self.spec, conv.get("tools"))
         except TemplateError as e:  # named as every record problem is: file, record, id, turn, fix
             r = refusal_of(e)
             turn = f", turn {r.turn}" if r.turn is not None else ""

@@ -72,23 +72,10 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
     forms = [k for k in FORMS if k in rec]
     if not forms and ("instruction" in rec or "output" in rec):
         return _alpaca(path, index, rid, rec)
-    if not forms:
-        return [Problem(path, index, rid, "missing key 'conversations' (or 'messages')",
-                        'add "conversations": [{"from": "user", "value": ...}, {"from": "assistant", "value": ...}] '
-                        '(or an Alpaca record\'s "instruction" and "output")',
-                        kind="missing key")]
-    if len(forms) == 2:
-        return [Problem(path, index, rid, "has both 'conversations' and 'messages'", "keep only one of them",
-                        kind="ambiguous")]
-    form = forms[0]
-    role_key, text_key = FORMS[form]
-    turns = rec[form]
-    if not isinstance(turns, list):
-        return [Problem(path, index, rid, f"'{form}' is a {type(turns).__name__}, not a list",
-                        f"make '{form}' a list of turns", kind="bad type")]
-    if not turns:
-        return [Problem(path, index, rid, f"'{form}' is empty", "add at least a user turn and an assistant turn",
-                        kind="empty conversation")]
+    bad = _form_problem(rec, forms)
+    if bad is not None:
+        what, fix, kind = bad
+        return [Problem(path, index, rid, what, fix, kind=kind)]
     problems: list[Problem] = []
     messages: list[dict] = []
     tools = None
@@ -97,40 +84,13 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
             tools = normalize_tools(rec["tools"]) or None
         except TurnProblem as e:
             problems.append(Problem(path, index, rid, e.what, e.fix, kind=e.kind))
-    for t, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            problems.append(Problem(path, index, rid, f"the turn is a {type(turn).__name__}, not an object",
-                                    f'write it as {{"{role_key}": ..., "{text_key}": ...}}', t, kind="bad type"))
-            continue
-        role, text = turn.get(role_key), turn.get(text_key)
-        if role_key not in turn:
-            other = f" (found keys: {', '.join(sorted(turn))})" if turn else ""
-            problems.append(Problem(path, index, rid, f"missing key '{role_key}'{other}",
-                                    f"'{form}' turns need '{role_key}' and '{text_key}'", t, kind="missing key"))
-            continue
-        if not isinstance(role, str):
-            problems.append(Problem(path, index, rid, f"'{role_key}' is {json.dumps(role)[:40]}, not a string",
-                                    f"give '{role_key}' a string value", t, kind="not a string"))
-            continue
-        alias = role.strip().lower()
-        if alias not in ROLE_ALIASES:
-            problems.append(Problem(path, index, rid, f"unknown role '{role}' in '{role_key}'", ROLES_HELP, t,
-                                    kind="unknown role"))
-            continue
-        if text_key not in turn and not (ROLE_ALIASES[alias] == "assistant" and turn.get("tool_calls")):
-            other = f" (found keys: {', '.join(sorted(turn))})" if turn else ""
-            problems.append(Problem(path, index, rid, f"missing key '{text_key}'{other}",
-                                    f"'{form}' turns need '{role_key}' and '{text_key}'", t, kind="missing key"))
-            continue
-        try:
-            msg = normalize_turn(alias, text, turn, text_key)
-        except TurnProblem as e:
-            problems.append(Problem(path, index, rid, e.what, e.fix, t, kind=e.kind))
-            continue
-        if not all(_encodable(x) for x in _texts(msg)):
-            problems.append(Problem(path, index, rid, f"'{text_key}' holds an unpaired UTF-16 surrogate (a \\ud800-"
-                                    "\\udfff escape)", "fix the text's encoding", t, kind="invalid unicode"))
-        messages.append(dict(msg, _turn=t))
+    for t, turn in enumerate(rec[forms[0]]):
+        got = _turn_message(forms[0], turn)
+        if isinstance(got, tuple):
+            what, fix, kind = got
+            problems.append(Problem(path, index, rid, what, fix, t, kind=kind))
+        else:
+            messages.append(dict(got, _turn=t))
     if problems:
         return problems
     bad = structure_problem(messages, tools)
@@ -139,6 +99,54 @@ def normalize_record(path: str, index: int, rec: Any) -> Conversation | list[Pro
         return [Problem(path, index, rid, what, fix, None if t < 0 else t, kind=kind)]
     clean = results_in_call_order([{k: v for k, v in m.items() if k != "_turn"} for m in messages])
     return Conversation(id=rid if rid is not None else f"#{index}", index=index, messages=clean, tools=tools)
+
+
+def _form_problem(rec: dict, forms: list) -> Optional[tuple[str, str, str]]:
+    """``(what, fix, kind)`` where the record's turns (``forms``: which of :data:`FORMS` it has) are missing, doubled,
+    not a list or empty; else None."""
+    if not forms:
+        return ("missing key 'conversations' (or 'messages')",
+                'add "conversations": [{"from": "user", "value": ...}, {"from": "assistant", "value": ...}] '
+                '(or an Alpaca record\'s "instruction" and "output")', "missing key")
+    if len(forms) == 2:
+        return "has both 'conversations' and 'messages'", "keep only one of them", "ambiguous"
+    form = forms[0]
+    turns = rec[form]
+    if not isinstance(turns, list):
+        return f"'{form}' is a {type(turns).__name__}, not a list", f"make '{form}' a list of turns", "bad type"
+    if not turns:
+        return f"'{form}' is empty", "add at least a user turn and an assistant turn", "empty conversation"
+    return None
+
+
+def _turn_message(form: str, turn: Any) -> dict | tuple[str, str, str]:
+    """One turn of a record's ``form`` (a key of :data:`FORMS`) as a message (:func:`sft.data.messages.normalize_turn`),
+    or ``(what, fix, kind)``: why it cannot be one."""
+    role_key, text_key = FORMS[form]
+    if not isinstance(turn, dict):
+        return (f"the turn is a {type(turn).__name__}, not an object",
+                f'write it as {{"{role_key}": ..., "{text_key}": ...}}', "bad type")
+    role, text = turn.get(role_key), turn.get(text_key)
+    if role_key not in turn:
+        other = f" (found keys: {', '.join(sorted(turn))})" if turn else ""
+        return f"missing key '{role_key}'{other}", f"'{form}' turns need '{role_key}' and '{text_key}'", "missing key"
+    if not isinstance(role, str):
+        return (f"'{role_key}' is {json.dumps(role)[:40]}, not a string", f"give '{role_key}' a string value",
+                "not a string")
+    alias = role.strip().lower()
+    if alias not in ROLE_ALIASES:
+        return f"unknown role '{role}' in '{role_key}'", ROLES_HELP, "unknown role"
+    if text_key not in turn and not (ROLE_ALIASES[alias] == "assistant" and turn.get("tool_calls")):
+        other = f" (found keys: {', '.join(sorted(turn))})" if turn else ""
+        return f"missing key '{text_key}'{other}", f"'{form}' turns need '{role_key}' and '{text_key}'", "missing key"
+    try:
+        msg = normalize_turn(alias, text, turn, text_key)
+    except TurnProblem as e:
+        return e.what, e.fix, e.kind
+    if not all(_encodable(x) for x in _texts(msg)):
+        return (f"'{text_key}' holds an unpaired UTF-16 surrogate (a \\ud800-\\udfff escape)",
+                "fix the text's encoding", "invalid unicode")
+    return msg
 
 
 def _texts(msg: dict) -> list[str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Optional, Sequence
 
 from sft.data.chat import IGNORE_INDEX, with_system
 from sft.data.cut_turns import cut_turn, longest_pair, name_cuts, too_long
@@ -60,6 +61,50 @@ def dropped_fix(tokenizer, dropped) -> str:
     return fix
 
 
+class _Text(NamedTuple):
+    """Who a text to tokenize belongs to (first field: what :func:`sft.data.shared_prefix.tokenize_shared` groups
+    by)."""
+    conv: int  # the conversation's index
+    spans: list  # the character spans of its trained replies
+    whole: bool  # the whole conversation in one text, each reply exactly its content: split_conversation may cut it
+    dropped: int  # characters the template dropped
+
+
+@dataclass
+class _Conversation:
+    """One conversation on its way through :func:`encode_samples`."""
+    messages: list  # with spec.system_message; the template's form where the fast path renders it whole
+    tools: Optional[list]
+    given: int  # its number of turns in the record
+    general: bool = False  # planned reply by reply (split for length by sft.data.split_turns)
+    plan: object = None  # its whole plan, in split mode: split_turns takes the replies of its first piece from it
+    out: object = None  # None, its samples (list of dicts) or the TemplateError that refuses it
+    lengths: list = field(default_factory=list)  # the token count of each of its texts
+    longest: str = ""  # planned reply by reply: its longest text over max_len (where split_turns' piece was cut)
+    probed: Optional[tuple] = None  # known too long by its longest sample alone: that sample's (text, ids, offsets)
+
+    @property
+    def added(self) -> int:
+        """Turns before its record's first one (spec.system_message): refusals name turns as the record numbers
+        them."""
+        return len(self.messages) - self.given
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every step of :func:`encode_samples` reads."""
+    tokenizer: object
+    eot_id: int
+    spec: PreparationSpec
+    stops: Sequence[str]
+    closing: object  # the id, or frozenset of ids, that closes a reply
+    renderer: object
+
+    @property
+    def splitting(self) -> bool:  # refuse: split, and refuse what split must cut in a turn
+        return self.spec.long_conversations in ("split", "refuse")
+
+
 def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, spec: PreparationSpec,
                    tools: Optional[Sequence[Optional[list]]] = None) -> list:
     """The training samples of each conversation (``spec.system_message`` applied where a conversation has no system
@@ -95,156 +140,180 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         where ``system_message`` added a turn; its message keeps the number it was made with). This is the one place
         where a conversation becomes samples.
     """
-    max_len, system_message, long_conversations = spec.max_len, spec.system_message, spec.long_conversations
-    splitting = long_conversations in ("split", "refuse")  # refuse: split, and refuse what split must cut in a turn
-    last_reply_only, allow_dropped_content = spec.last_reply_only, spec.allow_dropped_content
-    from sft.data.chat import Encoded, Renderer, labels_from_spans
-    from sft.data.split_turns import split_turns
-    from sft.data.turns import (
-        describe_dropped,
-        one_sample_of_contents,
-        plan,
-        stop_tokens,
-        template_messages,
-        trained_turns,
-    )
+    from sft.data.chat import Renderer
+    from sft.data.turns import stop_tokens
 
-    given = conversations
-    conversations = [with_system(m, system_message) for m in conversations]
-    tools = list(tools) if tools is not None else [None] * len(conversations)
-    renderer, stops = Renderer.of(tokenizer), stop_tokens(tokenizer, eot_id)
+    stops = stop_tokens(tokenizer, eot_id)
     closing = frozenset(tokenizer.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot_id
-    out: list = [None] * len(conversations)
-    general = set()  # conversations planned reply by reply (split for length by sft.data.split_turns)
-    plans: dict = {}  # their whole plans, in split mode: split_turns takes the replies of its first piece from them
-    texts, owners = [], []  # texts to tokenize; per text (conversation, spans, splittable)
-    for i, (messages, tl) in enumerate(zip(conversations, tools)):
-        # plain once the template's form of reasoning is in place (inside the content, for ChatML, SmolLM2, ...)
-        shown = template_messages(tokenizer, messages)
-        plain = tl is None and all(len(m) == 2 for m in shown)
-        replies = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-        keep = trained_turns(messages, last_reply_only)
-        if not keep:  # --mask_history with the last reply marked "train": false
-            out[i] = Refusal(replies[-1] if replies else None, "no reply left to train: --mask_history trains only the "
-                             "last reply, and it is marked \"train\": false / \"weight\": 0", "remove the mark, or "
-                             "drop --mask_history")
-            continue
-        got = renderer.fill(shown) if plain and one_sample_of_contents(
-            tokenizer, tuple(m["role"] for m in shown), stops) else None
-        if got is not None:
-            texts.append(got[0])
-            owners.append((i, [s for s, k in zip(got[1], replies) if k in keep], len(keep) == len(replies), 0))
-            if len(keep) == len(replies):
-                conversations[i] = shown  # what split_conversation cuts
-            else:
-                general.add(i)
-            continue
-        try:
-            p = plan(tokenizer, messages, tl, stops, last_reply_only)
-        except TemplateError as e:
-            out[i] = e
-            continue
-        if p.dropped and not allow_dropped_content:
-            out[i] = Refusal(None, f"the chat template drops {describe_dropped(p.dropped)}, so the model would never "
-                             "see it", dropped_fix(tokenizer, p.dropped))
-            continue
-        if not p.samples:  # every reply to train was dropped by the template
-            out[i] = Refusal(None, "no reply left to train: the chat template writes none of the replies to train "
-                             f"({describe_dropped(p.dropped)})", "use a template that renders them (--chat_template "
-                             "FILE)")
-            continue
-        whole = plain and len(keep) == len(replies) and len(p.samples) == 1 and [
-            p.samples[0][0][a:b] for a, b in p.samples[0][1]] == [message_text(shown[k]) for k in replies]
-        if whole:
-            conversations[i] = shown
-        else:
-            general.add(i)
-            if splitting:
-                plans[i] = p
-        for text, spans, _last in p.samples:
-            texts.append(text)
-            owners.append((i, spans, whole, sum(n for _t, _w, n in p.dropped)))
-    lengths: dict = {}
-    longest: dict = {}  # per conversation planned reply by reply, its longest text (where split_turns' piece was cut)
-    probed: dict = {}  # split_turns' conversations found by their longest sample alone: its (text, ids, offsets)
-    made: dict = {}  # per text, its (ids, offsets) already made (a longest sample that fits)
-    if plans and _closes_at_cut_tokens(tokenizer, closing):
-        # A conversation split_turns makes pieces of is known by its longest sample (the first of the longest texts:
-        # the one longest[] names) being longer than max_len; its whole plan's other samples are then read by
-        # nobody, so they are not tokenized. Only where every token that closes a reply is one the tokenizer finds
-        # in the raw text before anything else (sft.data.long_conversations.cut_tokens): then a reply's label check
-        # (labels_from_spans: the token after the reply closes it) holds in any sample that renders it.
-        first: dict = {}
-        for n, (text, (i, _spans, _whole, _dropped)) in enumerate(zip(texts, owners)):
-            if i in plans and (i not in first or len(text) > len(texts[first[i]])):
-                first[i] = n
-        at = sorted(first.values())
-        for n, (text, ids, offs, (i, _spans, _whole, dropped)) in zip(at, _tokenized(
-                tokenizer, [texts[n] for n in at], [owners[n] for n in at])):
-            if len(ids) > max_len:
-                probed[i] = (text, ids, offs)
-                out[i], lengths[i], longest[i] = [{"dropped": dropped}], [len(ids)], text
-            else:
-                made[n] = (ids, offs)
-        keep = [n for n in range(len(texts)) if owners[n][0] not in probed]
-        made = {k: made[n] for k, n in enumerate(keep) if n in made}
-        texts, owners = [texts[n] for n in keep], [owners[n] for n in keep]
-    for text, ids, offs, (i, spans, whole, dropped) in _tokenized(tokenizer, texts, owners, made):
-        if isinstance(out[i], Exception):
-            continue
-        try:
-            full = Encoded(ids, labels_from_spans(ids, offs, spans, closing), text, offs, spans)
-            pieces, cut = (([full], 0) if not whole or not splitting or len(ids) <= max_len
-                           else split_conversation(tokenizer, conversations[i], eot_id, max_len, full))
-        except TemplateError as e:
-            out[i] = e
-            continue
-        if cut and long_conversations == "refuse":  # a user turn too long to fit with its reply
-            turn, n = longest_pair(text, offs, conversations[i])
-            out[i] = too_long(turn - (len(conversations[i]) - len(given[i])) if turn is not None else None, n,
-                               max_len, "a user turn")
-            continue
-        first = out[i] is None
-        new = [dict(truncate(a, b, max_len), user_cut=cut if first and k == 0 else 0)
-               for k, (a, b) in enumerate(pieces)]
-        resplit = i in general and splitting  # its samples are replaced below when too long
-        if not resplit:  # a truncated sample names the turn it was cut in, never silently
-            name_cuts(new, len(conversations[i]) - len(given[i]),
-                       lambda cut_at: cut_turn(text, ids, offs, conversations[i], cut_at))
-        elif len(ids) > max_len and len(text) > len(longest.get(i, "")):
-            longest[i] = text
-        out[i] = (out[i] or []) + new
-        lengths.setdefault(i, []).append(len(ids))
-        if first:
-            out[i][0]["dropped"] = dropped
-    for i, e in enumerate(out):  # name turns as the record numbers them (not counting a default system prompt)
-        if isinstance(e, Refusal):
-            e.renumber(len(conversations[i]) - len(given[i]))
-    for i, n in lengths.items():
-        if isinstance(out[i], list):  # what the template's rewriting cost: samples and tokens beyond the last one
-            out[i][0]["extra_samples"], out[i][0]["extra_tokens"] = len(n) - 1, sum(n) - n[-1]
-        if i in general and splitting and isinstance(out[i], list) and max(n) > max_len:
-            try:
-                pieces = split_turns(tokenizer, conversations[i], tools[i], stops, closing, max_len,
-                                     trained_turns(conversations[i], last_reply_only), plans.get(i),
-                                     (probed[i][0], probed[i][2]) if i in probed else None)
-            except TemplateError as e:
-                out[i] = e
-                continue
-            dropped = out[i][0]["dropped"]
-            out[i] = [dict(truncate(a, b, max_len), user_cut=0) for a, b in pieces]
-            out[i][0]["dropped"] = dropped
-            if any("cut_at" in ex for ex in out[i]):  # rare: a unit too long by itself; its rendering tokenized again
-                enc = ({"input_ids": probed[i][1], "offset_mapping": probed[i][2]} if i in probed else
-                       tokenizer(longest[i], add_special_tokens=False, return_offsets_mapping=True, verbose=False))
-                name_cuts(out[i], len(conversations[i]) - len(given[i]), lambda cut_at: cut_turn(
-                    longest[i], enc["input_ids"], enc["offset_mapping"], conversations[i], cut_at))
-    if long_conversations == "refuse":  # a turn that split had to cut: the conversation is refused, naming it
-        for i, samples in enumerate(out):
-            cut = next((ex for ex in samples if ex["truncated"]), None) if isinstance(samples, list) else None
-            if cut is not None:
-                out[i] = too_long(cut.get("cut_turn"), cut.get("turn_tokens"), max_len, "a turn")
+    setup = _Setup(tokenizer, eot_id, spec, stops, closing, Renderer.of(tokenizer))
+    tools = list(tools) if tools is not None else [None] * len(conversations)
+    convs = []
+    for messages, tl in zip(conversations, tools):
+        shown = with_system(messages, spec.system_message)
+        convs.append(_Conversation(shown, tl, len(messages)))
+    texts = [t for i, c in enumerate(convs) for t in _texts(setup, c, i)]
+    made = _probe_longest(setup, convs, texts) if any(c.plan is not None for c in convs) else {}
+    _encode(setup, convs, texts, made)
+    for c in convs:  # name turns as the record numbers them (not counting a default system prompt)
+        if isinstance(c.out, Refusal):
+            c.out.renumber(c.added)
+    for c in (c for c in convs if c.lengths and isinstance(c.out, list)):
+        # what the template's rewriting cost: samples and tokens beyond the last one
+        c.out[0]["extra_samples"], c.out[0]["extra_tokens"] = len(c.lengths) - 1, sum(c.lengths) - c.lengths[-1]
+        if c.general and setup.splitting and max(c.lengths) > spec.max_len:
+            _split_turns(setup, c)
+    return [_refuse_cut(c.out, spec) for c in convs]
+
+
+def _refuse_cut(out, spec: PreparationSpec):
+    """``out`` (a conversation's samples or refusal), or under ``--long_conversations refuse`` the refusal naming the
+    turn that split had to cut."""
+    cut = next((ex for ex in out if ex["truncated"]), None) if isinstance(out, list) else None
+    if spec.long_conversations == "refuse" and cut is not None:
+        return too_long(cut.get("cut_turn"), cut.get("turn_tokens"), spec.max_len, "a turn")
     return out
+
+
+def _texts(setup: _Setup, c: _Conversation, i: int) -> list[tuple[str, _Text]]:
+    """The texts to tokenize of conversation ``i`` (``c``), with their owner: its whole rendering on the fast path
+    (its template's fill of the contents), else its plan's samples (:func:`sft.data.turns.plan`); none where it is
+    refused (``c.out`` then says why)."""
+    from sft.data.turns import describe_dropped, one_sample_of_contents, plan, template_messages, trained_turns
+
+    tokenizer, spec = setup.tokenizer, setup.spec
+    # plain once the template's form of reasoning is in place (inside the content, for ChatML, SmolLM2, ...)
+    shown = template_messages(tokenizer, c.messages)
+    plain = c.tools is None and all(len(m) == 2 for m in shown)
+    replies = [k for k, m in enumerate(c.messages) if m["role"] == "assistant"]
+    keep = trained_turns(c.messages, spec.last_reply_only)
+    if not keep:  # --mask_history with the last reply marked "train": false
+        c.out = Refusal(replies[-1] if replies else None, "no reply left to train: --mask_history trains only the "
+                        "last reply, and it is marked \"train\": false / \"weight\": 0", "remove the mark, or "
+                        "drop --mask_history")
+        return []
+    got = setup.renderer.fill(shown) if plain and one_sample_of_contents(
+        tokenizer, tuple(m["role"] for m in shown), setup.stops) else None
+    if got is not None:
+        if len(keep) == len(replies):
+            c.messages = shown  # what split_conversation cuts
+        else:
+            c.general = True
+        return [(got[0], _Text(i, [s for s, k in zip(got[1], replies) if k in keep], len(keep) == len(replies), 0))]
+    try:
+        p = plan(tokenizer, c.messages, c.tools, setup.stops, spec.last_reply_only)
+    except TemplateError as e:
+        c.out = e
+        return []
+    if p.dropped and not spec.allow_dropped_content:
+        c.out = Refusal(None, f"the chat template drops {describe_dropped(p.dropped)}, so the model would never "
+                        "see it", dropped_fix(tokenizer, p.dropped))
+        return []
+    if not p.samples:  # every reply to train was dropped by the template
+        c.out = Refusal(None, "no reply left to train: the chat template writes none of the replies to train "
+                        f"({describe_dropped(p.dropped)})", "use a template that renders them (--chat_template "
+                        "FILE)")
+        return []
+    whole = plain and len(keep) == len(replies) and len(p.samples) == 1 and [
+        p.samples[0][0][a:b] for a, b in p.samples[0][1]] == [message_text(shown[k]) for k in replies]
+    if whole:
+        c.messages = shown
+    else:
+        c.general = True
+        if setup.splitting:
+            c.plan = p
+    dropped = sum(n for _t, _w, n in p.dropped)
+    return [(text, _Text(i, spans, whole, dropped)) for text, spans, _last in p.samples]
+
+
+def _probe_longest(setup: _Setup, convs: list, texts: list) -> dict:
+    """Tokenize first the longest sample of each conversation split_turns may make pieces of (``c.plan`` set): one
+    longer than ``max_len`` marks its conversation ``probed`` and its texts leave ``texts`` (in place), its whole
+    plan's other samples being read by nobody. Only where every token that closes a reply is one the tokenizer finds
+    in the raw text before anything else (:func:`sft.data.long_conversations.cut_tokens`): then a reply's label check
+    (``labels_from_spans``: the token after the reply closes it) holds in any sample that renders it.
+
+    Returns:
+        Per index of the ``texts`` left, its ``(ids, offsets)`` already made (a longest sample that fits)."""
+    if not _closes_at_cut_tokens(setup.tokenizer, setup.closing):
+        return {}
+    first: dict = {}  # per conversation, the first of its longest texts
+    for n, (text, owner) in enumerate(texts):
+        i = owner.conv
+        if convs[i].plan is not None and (i not in first or len(text) > len(texts[first[i]][0])):
+            first[i] = n
+    at = sorted(first.values())
+    made, probed = {}, set()
+    longest = [texts[n] for n in at]
+    for n, (text, ids, offs, owner) in zip(at, _tokenized(setup.tokenizer, [t for t, _o in longest],
+                                                          [o for _t, o in longest])):
+        if len(ids) > setup.spec.max_len:
+            c = convs[owner.conv]
+            c.probed, c.out, c.lengths, c.longest = (text, ids, offs), [{"dropped": owner.dropped}], [len(ids)], text
+            probed.add(owner.conv)
+        else:
+            made[n] = (ids, offs)
+    keep = [n for n in range(len(texts)) if texts[n][1].conv not in probed]
+    texts[:] = [texts[n] for n in keep]
+    return {k: made[n] for k, n in enumerate(keep) if n in made}
+
+
+def _encode(setup: _Setup, convs: list, texts: list, made: dict) -> None:
+    """Tokenize ``texts`` and make their samples (each truncated to ``max_len``; a whole conversation first split by
+    :func:`sft.data.long_conversations.split_conversation` in split mode), appended to their conversation's
+    ``out``; a conversation refused on the way gets its error there instead."""
+    from sft.data.chat import Encoded, labels_from_spans
+
+    tokenizer, spec = setup.tokenizer, setup.spec
+    for text, ids, offs, owner in _tokenized(tokenizer, [t for t, _o in texts], [o for _t, o in texts], made):
+        c = convs[owner.conv]
+        if isinstance(c.out, Exception):
+            continue
+        try:
+            full = Encoded(ids, labels_from_spans(ids, offs, owner.spans, setup.closing), text, offs, owner.spans)
+            pieces, cut = (([full], 0) if not owner.whole or not setup.splitting or len(ids) <= spec.max_len
+                           else split_conversation(tokenizer, c.messages, setup.eot_id, spec.max_len, full))
+        except TemplateError as e:
+            c.out = e
+            continue
+        if cut and spec.long_conversations == "refuse":  # a user turn too long to fit with its reply
+            turn, n = longest_pair(text, offs, c.messages)
+            c.out = too_long(turn - c.added if turn is not None else None, n, spec.max_len, "a user turn")
+            continue
+        first = c.out is None
+        new = [dict(truncate(a, b, spec.max_len), user_cut=cut if first and k == 0 else 0)
+               for k, (a, b) in enumerate(pieces)]
+        if not (c.general and setup.splitting):  # a truncated sample names the turn it was cut in, never silently
+            name_cuts(new, c.added, lambda cut_at: cut_turn(text, ids, offs, c.messages, cut_at))
+        elif len(ids) > spec.max_len and len(text) > len(c.longest):  # its samples are replaced when too long
+            c.longest = text
+        c.out = (c.out or []) + new
+        c.lengths.append(len(ids))
+        if first:
+            c.out[0]["dropped"] = owner.dropped
+
+
+def _split_turns(setup: _Setup, c: _Conversation) -> None:
+    """Replace the samples of a conversation planned reply by reply, one too long, with the pieces
+    :func:`sft.data.split_turns.split_turns` cuts it into (or its refusal)."""
+    from sft.data.split_turns import Known, SplitOptions, split_turns
+    from sft.data.turns import trained_turns
+
+    tokenizer, max_len = setup.tokenizer, setup.spec.max_len
+    try:
+        pieces = split_turns(tokenizer, c.messages, c.tools, trained_turns(c.messages, setup.spec.last_reply_only),
+                             SplitOptions(max_len, setup.stops, setup.closing),
+                             Known(c.plan, (c.probed[0], c.probed[2]) if c.probed else None))
+    except TemplateError as e:
+        c.out = e
+        return
+    dropped = c.out[0]["dropped"]
+    c.out = [dict(truncate(a, b, max_len), user_cut=0) for a, b in pieces]
+    c.out[0]["dropped"] = dropped
+    if any("cut_at" in ex for ex in c.out):  # rare: a unit too long by itself; its rendering tokenized again
+        enc = ({"input_ids": c.probed[1], "offset_mapping": c.probed[2]} if c.probed else
+               tokenizer(c.longest, add_special_tokens=False, return_offsets_mapping=True, verbose=False))
+        name_cuts(c.out, c.added, lambda cut_at: cut_turn(c.longest, enc["input_ids"], enc["offset_mapping"],
+                                                          c.messages, cut_at))
 
 
 def _closes_at_cut_tokens(tokenizer, closing) -> bool:
@@ -283,16 +352,16 @@ def _tokenized(tokenizer, texts: list, owners: list, made: Optional[dict] = None
         start = end
 
 
-def encode_truncated(tokenizer, conv_messages, eot_id: int, max_len: int, system_message: Optional[str],
-                     tools: Optional[list] = None, last_reply_only: bool = False,
-                     allow_dropped_content: bool = False) -> list[dict]:
-    """The samples of one conversation, each truncated to ``max_len`` (see :func:`encode_samples`).
+def encode_truncated(tokenizer, conv_messages, eot_id: int, spec: PreparationSpec,
+                     tools: Optional[list] = None) -> list[dict]:
+    """The samples of one conversation, each truncated to ``spec.max_len`` whatever ``spec.long_conversations`` says
+    (see :func:`encode_samples`; ``spec``'s ``system_message``, ``last_reply_only`` and ``allow_dropped_content``
+    apply).
 
     Raises:
         TemplateError: the chat template refuses the conversation.
     """
-    spec = PreparationSpec(max_len=max_len, system_message=system_message, long_conversations="truncate",
-                           last_reply_only=last_reply_only, allow_dropped_content=allow_dropped_content)
+    spec = replace(spec, long_conversations="truncate")
     out = encode_samples(tokenizer, [conv_messages], eot_id, spec, [tools])[0]
     if isinstance(out, Exception):
         raise out

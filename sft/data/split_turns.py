@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_right
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from sft.data.messages import message_text
@@ -40,62 +41,121 @@ def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
     return head, list(zip(starts, starts[1:] + [len(messages)]))
 
 
-def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequence[str], closing, max_len: int,
-                trained: Sequence[int], whole: Optional[TurnPlan] = None,
-                tokenized: Optional[tuple] = None) -> list[tuple[list[int], list[int]]]:
-    """The pieces of one conversation as ``[(input_ids, labels), ...]`` (see the module docstring).
+@dataclass(frozen=True)
+class SplitOptions:
+    """How :func:`split_turns` cuts: ``max_len`` (tokens per piece) and the tokens that close a reply, as texts
+    (``stops``) and as ids (``closing``: an id or a frozenset of ids) (:func:`sft.data.turns.stop_tokens`)."""
+    max_len: int
+    stops: Sequence[str]
+    closing: object
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the caller already made for the conversation, both optional: ``whole``, its plan
+    (:func:`sft.data.turns.plan` of the messages): a piece that starts with the conversation takes its replies from it
+    instead of rendering them again (as a piece does from an earlier piece with the same first unit, after an
+    overflow), and its rendering of the whole conversation serves the estimates; ``tokenized``, ``(text, offsets)`` of
+    a text already tokenized (the caller's longest sample): where it is the whole conversation's rendering, the
+    estimates read its offsets instead of tokenizing it again."""
+    whole: Optional[TurnPlan] = None
+    tokenized: Optional[tuple] = None
+
+
+def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], trained: Sequence[int],
+                options: SplitOptions, known: Known = Known()) -> list[tuple[list[int], list[int]]]:
+    """The pieces of one conversation as ``[(input_ids, labels), ...]`` (see the module docstring): the plan
+    (:func:`sft.data.long_conversations.plan_pieces`) made again with a smaller budget while a piece of several units
+    is encoded longer than ``max_len``; a unit longer than estimated even alone becomes a piece of its own.
 
     Args:
         messages: validated messages (the default system prompt applied); ``tools``: the record's tools or None.
-        stops / closing: the texts / ids of the tokens that close a reply (:func:`sft.data.turns.stop_tokens`).
         trained: indices of the assistant turns to train (:func:`sft.data.turns.trained_turns`).
-        whole: the whole conversation's plan (:func:`sft.data.turns.plan` of ``messages``), if made: a piece that
-            starts with the conversation takes its replies from it instead of rendering them again (as a piece
-            does from an earlier piece with the same first unit, after an overflow), and the plan's rendering of the
-            whole conversation serves the estimates.
-        tokenized: ``(text, offsets)`` of a text already tokenized (the caller's longest sample): where it is the
-            whole conversation's rendering, the estimates read its offsets instead of tokenizing it again.
+        options: ``max_len`` and the tokens that close a reply (:class:`SplitOptions`).
+        known: what the caller already made (:class:`Known`).
 
     Raises:
         TemplateError: as :func:`sft.data.turns.plan`, for a piece.
     """
-    from sft.data.chat import labels_from_spans
     from sft.data.long_conversations import plan_pieces
 
-    messages, trained = list(messages), set(trained)
-    head, units = units_of(messages)
-    user_of = [max((k for k in range(head, a + 1) if messages[k]["role"] == "user"), default=None) for a, _b in units]
-    costs, head_len, user_len = _estimate(tokenizer, messages, tools, head, units,
-                                          whole.rendering if whole is not None else None, tokenized)
-    lengths = [head_len + costs[u] + (user_len[u] if messages[a]["role"] == "tool" else 0)
+    conv = _Pieces(tokenizer, list(messages), tools, set(trained), options, known.whole)
+    costs, head_len, user_len = conv.estimate(known.whole.rendering if known.whole is not None else None,
+                                              known.tokenized)
+    max_len, units = options.max_len, conv.units
+    lengths = [head_len + costs[u] + (user_len[u] if conv.messages[a]["role"] == "tool" else 0)
                for u, (a, _b) in enumerate(units)]
+    useful = [any(k in conv.trained for k in range(a, b)) for a, b in units]
+    budget = max_len
+    while True:
+        cuts = [(c, i, j) for c, i, j in plan_pieces(lengths, costs, head_len, max_len, budget) if any(useful[i:j])]
+        pieces = conv.encode_all(cuts)
+        over = [max(len(ids) for ids, _ in p) - max_len for (c, i, j), p in zip(cuts, pieces)
+                if j - i > 1 or c < i]
+        over = [x for x in over if x > 0]
+        alone = [i for (c, i, j), p in zip(cuts, pieces) if j - i == 1 and c == i and lengths[i] <= max_len
+                 and max(len(ids) for ids, _ in p) > max_len]
+        if not over and not alone:
+            return [s for p in pieces for s in p]
+        for i in alone:  # longer than estimated even alone: a piece of its own, truncated by the caller
+            lengths[i] = max_len + 1
+        if over and not alone:
+            budget -= max(over)
+            if budget <= head_len:
+                lengths = [max_len + 1] * len(lengths)  # one unit per piece, each truncated where it must be
 
-    memo: dict = {}  # cut -> its samples: the plan is made again after an overflow, most cuts stay
-    # what plan found per reply, kept across pieces: (first context unit, the reply's index in the piece, whether the
-    # piece has the message after it) -> plan's result. Pieces with the same first unit hold the same messages up to
-    # each reply (the trained flags aside, which the template does not see), so a reply renders alike in all of them;
-    # where its end is read off the next message (TemplateProfile.ends_at_next_role, sft.data.profile) only if that
-    # message is there too
-    next_role = template_profile(tokenizer).ends_at_next_role
-    replies: dict = {}
-    if whole is not None and messages[units[0][0]]["role"] != "tool":  # a piece from unit 0: the conversation's start
-        replies.update(((0, k, next_role and k + 1 < len(messages)), r) for k, r in whole.replies.items())
 
-    def plan_piece(c: int, i: int, j: int) -> list:
-        msgs = piece(c, i, j)
-        key = [(c, k, next_role and k + 1 < len(msgs)) for k in range(len(msgs))]
-        p = plan(tokenizer, msgs, tools, stops, known={k: replies[key[k]] for k in range(len(msgs))
-                                                        if key[k] in replies}, count_dropped=False)
-        replies.update((key[k], r) for k, r in p.replies.items())
+class _Pieces:
+    """One conversation being cut: its units, and what its pieces' encodings share across the budget rounds of
+    :func:`split_turns` (a cut ``(c, i, j)``: context units from ``c``, target units ``i`` to ``j``)."""
+
+    def __init__(self, tokenizer, messages: list, tools: Optional[list], trained: set, options: SplitOptions,
+                 whole: Optional[TurnPlan]):
+        self.tokenizer, self.messages, self.tools, self.trained, self.options = (tokenizer, messages, tools, trained,
+                                                                                 options)
+        self.head, self.units = units_of(messages)
+        self.user_of = [max((k for k in range(self.head, a + 1) if messages[k]["role"] == "user"), default=None)
+                        for a, _b in self.units]
+        self.memo: dict = {}  # cut -> its samples: the plan is made again after an overflow, most cuts stay
+        # what plan found per reply, kept across pieces: (first context unit, the reply's index in the piece, whether
+        # the piece has the message after it) -> plan's result. Pieces with the same first unit hold the same messages
+        # up to each reply (the trained flags aside, which the template does not see), so a reply renders alike in
+        # all of them; where its end is read off the next message (TemplateProfile.ends_at_next_role,
+        # sft.data.profile) only if that message is there too
+        self.next_role = template_profile(tokenizer).ends_at_next_role
+        self.replies: dict = {}
+        if whole is not None and messages[self.units[0][0]]["role"] != "tool":  # a piece from unit 0: the start
+            self.replies.update(((0, k, self.next_role and k + 1 < len(messages)), r) for k, r in whole.replies.items())
+        self.tokens: dict = {}  # sample text -> its (ids, offsets): pieces with the same first unit share texts
+        self.texts_of: dict = {}  # first context unit -> {sample's last message index in the piece: its text}
+
+    def piece(self, c: int, i: int, j: int) -> list[dict]:
+        """The messages of cut ``(c, i, j)``: the head, the lead (where unit ``c`` starts with tool results), then the
+        units ``c`` to ``j``, only the replies of units ``i`` to ``j`` trained."""
+        messages, first = self.messages, self.units[c][0]
+        lead = []
+        if messages[first]["role"] == "tool":  # the query, and the calls these results answer, as context
+            lead = (([messages[self.user_of[c]]] if self.user_of[c] is not None else [])
+                    + [dict(messages[first - 1], train=False)])
+        keep = {k for a, b in self.units[i:j] for k in range(a, b) if k in self.trained}
+        body = [m if m["role"] != "assistant" or k in keep else dict(m, train=False)
+                for k, m in enumerate(messages[first:self.units[j - 1][1]], start=first)]
+        return messages[:self.head] + lead + body
+
+    def plan_piece(self, c: int, i: int, j: int) -> list:
+        """The samples of cut ``(c, i, j)`` (:func:`sft.data.turns.plan`), the replies known reused and recorded."""
+        msgs = self.piece(c, i, j)
+        key = [(c, k, self.next_role and k + 1 < len(msgs)) for k in range(len(msgs))]
+        p = plan(self.tokenizer, msgs, self.tools, self.options.stops, known={
+            k: self.replies[key[k]] for k in range(len(msgs)) if key[k] in self.replies}, count_dropped=False)
+        self.replies.update((key[k], r) for k, r in p.replies.items())
         return p.samples
 
-    tokens: dict = {}  # sample text -> its (ids, offsets): pieces with the same first unit share their samples' texts
-    texts_of: dict = {}  # first context unit -> {sample's last message index in the piece: its text}
-
-    def tokenize(planned) -> None:
+    def tokenize(self, planned) -> None:
         """Tokenize the texts of ``planned`` (``[(first context unit, samples), ...]``) not tokenized before, each
         after the text of the same first unit that ends one message earlier (the longest shared prefix), known or
         new (:func:`sft.data.shared_prefix.tokenize_shared`: the same tokens as tokenizing each text whole)."""
+        tokens, texts_of = self.tokens, self.texts_of
         for c, samples in planned:
             texts_of.setdefault(c, {}).update((last, t) for t, _s, last in samples)
         order, groups, known = [], [], {}
@@ -113,90 +173,65 @@ def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], stop
                         groups.append(c)
                 order.append(t)
                 groups.append(c)
-        for k, got in enumerate(tokenize_shared(tokenizer, order, groups, known)):
+        for k, got in enumerate(tokenize_shared(self.tokenizer, order, groups, known)):
             tokens.setdefault(order[k], got)
         for c, samples in planned:  # a text met only as another first unit's (not in texts_of[c] order)
             rest = [t for t, _s, _l in samples if t not in tokens]
-            for t, got in zip(rest, tokenize_shared(tokenizer, rest, [0] * len(rest))):
+            for t, got in zip(rest, tokenize_shared(self.tokenizer, rest, [0] * len(rest))):
                 tokens[t] = got
 
-    def encode_all(cuts) -> list[list[tuple[list[int], list[int]]]]:
-        todo = [cut for cut in dict.fromkeys(cuts) if cut not in memo]
-        planned = [plan_piece(*cut) for cut in todo]
-        tokenize([(c, samples) for (c, _i, _j), samples in zip(todo, planned)])
+    def encode_all(self, cuts) -> list[list[tuple[list[int], list[int]]]]:
+        """Per cut, its samples as ``[(input_ids, labels), ...]``; each cut planned and tokenized once."""
+        from sft.data.chat import labels_from_spans
+
+        todo = [cut for cut in dict.fromkeys(cuts) if cut not in self.memo]
+        planned = [self.plan_piece(*cut) for cut in todo]
+        self.tokenize([(c, samples) for (c, _i, _j), samples in zip(todo, planned)])
         for cut, samples in zip(todo, planned):
-            memo[cut] = [(tokens[t][0], labels_from_spans(*tokens[t], spans, closing)) for t, spans, _l in samples]
-        return [memo[cut] for cut in cuts]
+            self.memo[cut] = [(self.tokens[t][0], labels_from_spans(*self.tokens[t], spans, self.options.closing))
+                              for t, spans, _l in samples]
+        return [self.memo[cut] for cut in cuts]
 
-    def piece(c: int, i: int, j: int) -> list[dict]:
-        first = units[c][0]
-        lead = []
-        if messages[first]["role"] == "tool":  # the query, and the calls these results answer, as context
-            lead = ([messages[user_of[c]]] if user_of[c] is not None else []) + [dict(messages[first - 1], train=False)]
-        keep = {k for a, b in units[i:j] for k in range(a, b) if k in trained}
-        body = [m if m["role"] != "assistant" or k in keep else dict(m, train=False)
-                for k, m in enumerate(messages[first:units[j - 1][1]], start=first)]
-        return messages[:head] + lead + body
+    def estimate(self, rendering: Optional[str] = None,
+                 tokenized: Optional[tuple] = None) -> tuple[list[int], int, list[int]]:
+        """Token estimates ``(costs, head_len, user_len)``: each unit's tokens, the head's (with whatever the template
+        adds once), and per unit the tokens of its round's user turn; read off the whole conversation's rendering (one
+        rendering, one tokenization; ``rendering``: that rendering, already made; ``tokenized``: ``(text, offsets)``
+        of a text already tokenized, used where it is the rendering), a unit starting where the text of its first
+        message is found, in order (only the plan uses them: :func:`split_turns` checks every piece it encodes)."""
+        from sft.data.turns import template_messages
 
-    useful = [any(k in trained for k in range(a, b)) for a, b in units]
-    budget = max_len
-    while True:
-        cuts = [(c, i, j) for c, i, j in plan_pieces(lengths, costs, head_len, max_len, budget) if any(useful[i:j])]
-        pieces = encode_all(cuts)
-        over = [max(len(ids) for ids, _ in p) - max_len for (c, i, j), p in zip(cuts, pieces)
-                if j - i > 1 or c < i]
-        over = [x for x in over if x > 0]
-        alone = [i for (c, i, j), p in zip(cuts, pieces) if j - i == 1 and c == i and lengths[i] <= max_len
-                 and max(len(ids) for ids, _ in p) > max_len]
-        if not over and not alone:
-            return [s for p in pieces for s in p]
-        for i in alone:  # longer than estimated even alone: a piece of its own, truncated by the caller
-            lengths[i] = max_len + 1
-        if over and not alone:
-            budget -= max(over)
-            if budget <= head_len:
-                lengths = [max_len + 1] * len(lengths)  # one unit per piece, each truncated where it must be
-
-
-def _estimate(tokenizer, messages, tools, head: int, units, rendering: Optional[str] = None,
-              tokenized: Optional[tuple] = None) -> tuple[list[int], int, list[int]]:
-    """Token estimates ``(costs, head_len, user_len)``: each unit's tokens, the head's (with whatever the template adds
-    once), and per unit the tokens of its round's user turn; read off the whole conversation's rendering (one
-    rendering, one tokenization; ``rendering``: that rendering, already made; ``tokenized``: ``(text, offsets)`` of a
-    text already tokenized, used where it is the rendering), a unit starting where the text of its first message is
-    found, in order (only the plan uses them: :func:`split_turns` checks every piece it encodes)."""
-    from sft.data.turns import template_messages
-
-    shown = template_messages(tokenizer, messages)
-    full = rendering if rendering is not None else render_with_tools(tokenizer, shown, tools)
-    if tokenized is not None and tokenized[0] == full:
-        offsets = tokenized[1]
-    else:
-        offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
-                            return_attention_mask=False)["offset_mapping"]
-    ends = [e for _s, e in offsets]
-    marks, pos = [], 0
-    for a, _b in units:
-        m = shown[a]
-        needle = message_text(m).strip()[:200] or next(
-            (c["function"]["name"] for c in m.get("tool_calls", ())), "")
-        at = full.find(needle, pos) if needle else -1
-        if at < 0:
-            marks.append(None)
-            continue
-        marks.append(bisect_right(ends, at))  # tokens before the unit's first text (its header counts as its own)
-        pos = at + len(needle)
-    if any(m is None for m in marks) or marks != sorted(marks):
-        step = len(offsets) / (len(units) + 1)
-        marks = [round(step * (u + 1)) for u in range(len(units))]
-    bounds = marks + [len(offsets)]
-    costs = [max(1, b - a) for a, b in zip(bounds, bounds[1:])]
-    per_char = len(offsets) / max(1, len(full))
-    user_len = []  # the round's user turn and the calls answered, led before a unit that starts with tool results
-    for a, _b in units:
-        u = next((k for k in range(a, head - 1, -1) if messages[k]["role"] == "user"), None)
-        lead = [shown[u]] if u is not None else []
-        lead += [shown[a - 1]] if a > 0 and shown[a]["role"] == "tool" else []
-        chars = sum(len(message_text(m)) + len(json.dumps(m.get("tool_calls", ""))) for m in lead)
-        user_len.append(round(chars * per_char) + 8 * len(lead))
-    return costs, marks[0], user_len
+        tokenizer, messages, head, units = self.tokenizer, self.messages, self.head, self.units
+        shown = template_messages(tokenizer, messages)
+        full = rendering if rendering is not None else render_with_tools(tokenizer, shown, self.tools)
+        if tokenized is not None and tokenized[0] == full:
+            offsets = tokenized[1]
+        else:
+            offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False,
+                                return_attention_mask=False)["offset_mapping"]
+        ends = [e for _s, e in offsets]
+        marks, pos = [], 0
+        for a, _b in units:
+            m = shown[a]
+            needle = message_text(m).strip()[:200] or next(
+                (c["function"]["name"] for c in m.get("tool_calls", ())), "")
+            at = full.find(needle, pos) if needle else -1
+            if at < 0:
+                marks.append(None)
+                continue
+            marks.append(bisect_right(ends, at))  # tokens before the unit's first text (its header counts as its own)
+            pos = at + len(needle)
+        if any(m is None for m in marks) or marks != sorted(marks):
+            step = len(offsets) / (len(units) + 1)
+            marks = [round(step * (u + 1)) for u in range(len(units))]
+        bounds = marks + [len(offsets)]
+        costs = [max(1, b - a) for a, b in zip(bounds, bounds[1:])]
+        per_char = len(offsets) / max(1, len(full))
+        user_len = []  # the round's user turn and the calls answered, led before a unit that starts with tool results
+        for a, _b in units:
+            u = next((k for k in range(a, head - 1, -1) if messages[k]["role"] == "user"), None)
+            lead = [shown[u]] if u is not None else []
+            lead += [shown[a - 1]] if a > 0 and shown[a]["role"] == "tool" else []
+            chars = sum(len(message_text(m)) + len(json.dumps(m.get("tool_calls", ""))) for m in lead)
+            user_len.append(round(chars * per_char) + 8 * len(lead))
+        return costs, marks[0], user_len

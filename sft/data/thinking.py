@@ -6,17 +6,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional
-
-
-class Diverges(Exception):
-    """The reply's rendering does not continue its generation prompt under any rule of :func:`continuation`; ``at``
-    is where the two texts part."""
-
-    def __init__(self, at: int):
-        super().__init__(at)
-        self.at = at
-
+from typing import Mapping, NamedTuple, Optional, Union
 
 _TAG = r"<[^<>\s]{1,40}>"
 _OPEN_TAIL = re.compile(rf"(?P<open>{_TAG})(?P<label>[^<>\s]{{0,20}})(?P<ws>\s*)\Z")
@@ -74,9 +64,23 @@ def close_text(template: str, close: str, after_open: str) -> str:
     return f"\n{close}\n\n" if "\n" in after_open else close
 
 
-def _past_whitespace(prompt: str, full: str) -> int:
+class Continuation(NamedTuple):
+    """What the model sees and generates for one reply: ``context + generated`` the reply's sample text up to the end
+    of its rendering, ``generated[own:]`` the reply's own rendering."""
+    context: str
+    generated: str
+    own: int
+
+
+class Parted(NamedTuple):
+    """No rule of :func:`continuation` applies: the reply's rendering does not continue its generation prompt;
+    ``at`` is where the two texts part."""
+    at: int
+
+
+def _past_whitespace(prompt: str, full: str) -> Optional[int]:
     """Where ``prompt`` ends in ``full`` when the two differ only in whitespace after their common prefix (the
-    characters that are not whitespace are the same, in order); raises :class:`Diverges` otherwise."""
+    characters that are not whitespace are the same, in order); None otherwise."""
     c = len(os.path.commonprefix([prompt, full]))
     j = c
     for ch in prompt[c:]:
@@ -85,9 +89,27 @@ def _past_whitespace(prompt: str, full: str) -> int:
         while j < len(full) and full[j].isspace():
             j += 1
         if j == len(full) or full[j] != ch:
-            raise Diverges(c)
+            return None
         j += 1
     return j
+
+
+class ReplyTexts(NamedTuple):
+    """One reply's texts for :func:`continuation`: ``prompt`` = ``render(turns[:k], add_generation_prompt=True)``,
+    ``full`` = ``render(turns[:k+1])``, ``reasoning`` the reply's reasoning ("" for none), ``last_turn`` the content
+    of the message before the reply ("" for none)."""
+    prompt: str
+    full: str
+    reasoning: str
+    last_turn: str = ""
+
+
+class Need(NamedTuple):
+    """A rendering :func:`continuation` reads next, to be rendered by the caller and passed in ``given[what]``:
+    ``"bare"``, ``full`` without the reply's reasoning (a str); ``"reasoned"``, ``(text, probe)``: ``full`` with the
+    reply given the reasoning ``probe``; ``"unopened"``, the character where the reply's own rendering starts in
+    ``full`` when ``prompt`` is ``full``'s text before it followed by special tokens only, else None."""
+    what: str
 
 
 def _close_in_words(prompt: str, full: str, c: int, reasoned: str, probe: str) -> Optional[str]:
@@ -104,17 +126,11 @@ def _close_in_words(prompt: str, full: str, c: int, reasoned: str, probe: str) -
     return shut if shut.strip() else None
 
 
-def continuation(template: str, prompt: str, full: str, bare, reasoning: str, last_turn: str = "",
-                 reasoned=None, unopened=None) -> tuple[str, str, int]:
-    """What the model sees and generates for one reply: ``(context, generated, own)``, ``context + generated`` the
-    reply's sample text up to the end of its rendering, ``generated[own:]`` the reply's own rendering.
-
-    ``prompt`` = ``render(turns[:k], add_generation_prompt=True)``, ``full`` = ``render(turns[:k+1])``, ``bare()``
-    the latter without the reply's reasoning (called only where needed), ``reasoning`` the reply's reasoning ("" for
-    none), ``template`` the chat template's source; ``reasoned()`` (optional, called only where needed) returns
-    ``(text, probe)``: ``full`` with the reply given the reasoning ``probe``; ``unopened(prompt)`` (optional) the
-    character where the reply's own rendering starts in ``full`` when ``prompt`` is ``full``'s text before it followed
-    by special tokens only, else None. The rules, in order:
+def continuation(template: str, texts: ReplyTexts, given: Mapping) -> Union[Continuation, Need, Parted]:
+    """What the model sees and generates for one reply (:class:`Continuation`), from its texts (:class:`ReplyTexts`)
+    and ``template``, the chat template's source. A rule that reads a further rendering of the reply asks for it:
+    :class:`Need` is returned, and the caller calls again with it in ``given`` (renderings are made only where a rule
+    reads them). The rules, in order:
 
     - the prompt ends inside an opened reasoning block (:func:`thinking_block`, ``<think>\n``): the model generates
       the block's inside (the reasoning, "" without), its close (as the reply's rendering writes it, else
@@ -140,48 +156,65 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
     - history rendered differently once the reply is added (Mistral-Nemo writes the system prompt into the last
       user turn only while it is the last message; LFM2.5 shows the last reply's reasoning only while it is the last
       reply): the prompt as it is, then the reply as ``full`` renders it after the text the prompt ends with from
-      ``last_turn`` on (the content of the message before the reply, its end and the generation prompt), where
+      ``texts.last_turn`` on (the content of the message before the reply, its end and the generation prompt), where
       ``full`` holds that text;
     - the prompt is the rendering's text before the reply followed by special tokens only, and the rendering
-      continues with the reply's own text (its content comes first: ``unopened``; the generation prompt opens a turn
-      the rendering writes the reply into without opening: Apertus continues a reply after tool results inside the
-      same assistant turn): the prompt as it is, then the reply as rendered.
+      continues with the reply's own text (its content comes first: ``given["unopened"]``; the generation prompt
+      opens a turn the rendering writes the reply into without opening: Apertus continues a reply after tool results
+      inside the same assistant turn): the prompt as it is, then the reply as rendered.
 
-    Raises:
-        Diverges: none of these applies (the caller's refusal names where the texts part).
+    Longer than 60 lines with its docstring, which lists the rules in their order; the code is 25 lines (the rules
+    after a reasoning block in :func:`_after_block`).
+
+    Returns:
+        The :class:`Continuation`; a :class:`Need` (call again with it in ``given``); or :class:`Parted` where none of
+        the rules applies (the caller's refusal names where the texts part).
     """
+    prompt, full, reasoning = texts.prompt, texts.full, texts.reasoning
     block = thinking_block(prompt, template)
-    if block is None:
-        if full.startswith(prompt):
-            return prompt, full[len(prompt):], 0
-        c = len(os.path.commonprefix([prompt, full]))
-        words = _THINKING.search(prompt[c:]) is not None  # the prompt's own text names reasoning
-        if reasoning.strip() and words and full[c:].lstrip().startswith(reasoning.strip()):
-            return prompt, full[c:].lstrip(), 0  # a prompt that opens reasoning in words (Apriel's "Here are my...")
-        if not reasoning.strip() and words and reasoned is not None:
-            shut = _close_in_words(prompt, full, c, *reasoned())
-            if shut is not None:
-                return prompt, shut + full[c:].lstrip(), len(shut)
-        try:
-            return prompt, full[_past_whitespace(prompt, full):].lstrip(), 0
-        except Diverges:
-            at = prompt.rfind(last_turn) if last_turn else -1
-            end = full.rfind(prompt[at:]) if at >= 0 else -1
-            if end >= 0:
-                return prompt, full[end + len(prompt) - at:], 0  # the history rendered differently: the reply
-            at = unopened(prompt) if unopened is not None else None
-            if at is not None and full[at:].strip():
-                return prompt, full[at:], 0  # a turn the rendering continues without opening it (Apertus)
-            raise
+    if block is not None:
+        return _after_block(template, texts, block, given)
+    if full.startswith(prompt):
+        return Continuation(prompt, full[len(prompt):], 0)
+    c = len(os.path.commonprefix([prompt, full]))
+    words = _THINKING.search(prompt[c:]) is not None  # the prompt's own text names reasoning
+    if reasoning.strip() and words and full[c:].lstrip().startswith(reasoning.strip()):
+        return Continuation(prompt, full[c:].lstrip(), 0)  # a prompt that opens reasoning in words (Apriel's "Here...")
+    if not reasoning.strip() and words:
+        if "reasoned" not in given:
+            return Need("reasoned")
+        shut = _close_in_words(prompt, full, c, *given["reasoned"])
+        if shut is not None:
+            return Continuation(prompt, shut + full[c:].lstrip(), len(shut))
+    j = _past_whitespace(prompt, full)
+    if j is not None:
+        return Continuation(prompt, full[j:].lstrip(), 0)
+    at = prompt.rfind(texts.last_turn) if texts.last_turn else -1
+    end = full.rfind(prompt[at:]) if at >= 0 else -1
+    if end >= 0:
+        return Continuation(prompt, full[end + len(prompt) - at:], 0)  # the history rendered differently: the reply
+    if "unopened" not in given:
+        return Need("unopened")
+    at = given["unopened"]
+    if at is not None and full[at:].strip():
+        return Continuation(prompt, full[at:], 0)  # a turn the rendering continues without opening it (Apertus)
+    return Parted(c)
+
+
+def _after_block(template: str, texts: ReplyTexts, block: dict, given: Mapping) -> Union[Continuation, Need, Parted]:
+    """:func:`continuation` where the prompt ends with a reasoning block (:func:`thinking_block`)."""
+    prompt, full, reasoning = texts.prompt, texts.full, texts.reasoning
     opening, close = block["open"], block["close"]
     reply = full[len(prompt):] if full.startswith(prompt) else None
     if reply is not None and not reply.lstrip().startswith(opening) and (
             (block["closed"] and not reasoning) or (not block["closed"] and close in reply)):
-        return prompt, reply, 0  # the template writes the block's inside and close itself
-    rendered = bare() if reasoning else full
+        return Continuation(prompt, reply, 0)  # the template writes the block's inside and close itself
+    if reasoning and "bare" not in given:
+        return Need("bare")
+    rendered = given["bare"] if reasoning else full
     c = len(os.path.commonprefix([prompt, rendered]))
     if c < block["start"] and prompt[c:block["start"]].strip():
-        raise Diverges(c)
+        return Parted(c)
     rest = rendered[min(c, block["start"]):].lstrip()
     if rest.startswith(opening):  # the reply's rendering opens the block again: never trained twice
         after = rest[len(opening):]
@@ -192,10 +225,10 @@ def continuation(template: str, prompt: str, full: str, bare, reasoning: str, la
         if rest.startswith(close):
             rest = rest[len(close):].lstrip()
         if not reasoning:
-            return prompt, rest, 0
+            return Continuation(prompt, rest, 0)
         shut = close_text(template, close, prompt[block["start"] + len(opening):block["inside"]])
-        return prompt[:block["inside"]], reasoning + shut + rest, len(reasoning) + len(shut)
+        return Continuation(prompt[:block["inside"]], reasoning + shut + rest, len(reasoning) + len(shut))
     if rest.startswith(close):
-        return prompt, reasoning + rest, len(reasoning)
+        return Continuation(prompt, reasoning + rest, len(reasoning))
     shut = close_text(template, close, prompt[block["start"] + len(opening):])
-    return prompt, reasoning + shut + rest, len(reasoning) + len(shut)
+    return Continuation(prompt, reasoning + shut + rest, len(reasoning) + len(shut))

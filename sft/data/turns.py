@@ -32,7 +32,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from sft.data.dropped import dropped as _dropped
 from sft.data.forms import (
@@ -47,7 +47,7 @@ from sft.data.forms import (
 from sft.data.messages import message_text
 from sft.data.profile import template_messages, template_profile
 from sft.data.refusal import Refusal
-from sft.data.thinking import Diverges, continuation
+from sft.data.thinking import Need, Parted, ReplyTexts, continuation
 from sft.errors import TemplateError
 
 
@@ -87,6 +87,9 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
             those replies are not rendered again.
         count_dropped: False: leave :attr:`TurnPlan.dropped` empty (a caller that does not read it).
 
+    Seven parameters, one over the house's six: the last three are options with defaults, passed by keyword by the
+    one caller that sets them (:mod:`sft.data.split_turns`); a value type for them would serve that caller alone.
+
     Raises:
         TemplateError: the template cannot render the conversation (its own message), renders a reply's context
             differently from its generation prompt, or does not close a reply with one of ``stops``; the message
@@ -120,47 +123,23 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
            renders: Optional[dict] = None) -> tuple:
     """Reply ``k`` of :func:`plan`: ``("info", (text, prompt_end, end, close_end))``, its sample text up to its end
     (``text[prompt_end:end]`` trained, ``text[end:close_end]`` the stop token), or ``("empty", (k, what, chars))``
-    where the template writes nothing of it; ``renders[k + 1]`` = ``render(turns[:k+1])``. Raises as :func:`plan`."""
+    where the template writes nothing of it; ``renders[k + 1]`` = ``render(turns[:k+1])``. Raises as :func:`plan`.
+    Seven parameters: the conversation in the record's form (``messages``: reasoning, calls, flags) and in the
+    template's (``shown``) are both read, and ``renders`` is :func:`plan`'s memo across its replies."""
     source = tokenizer.chat_template or ""
     reasoning = messages[k].get("reasoning_content") or ""
     try:
         prompt = render_with_tools(tokenizer, shown[:k], tools, generation_prompt=True)
         full = render_with_tools(tokenizer, shown[:k + 1], tools)
-        bare = ((lambda: render_with_tools(tokenizer, shown[:k] + [_without_reasoning(messages[k])], tools))
-                if reasoning else (lambda: full))
-        last = message_text(shown[k - 1]).strip() if k else ""
-
-        def reasoned():  # the reply with a probe reasoning, in the template's form
-            form = template_profile(tokenizer).reasoning_form
-            probe = with_reasoning(shown[k], PROBE_REASONING, "field" if form == "none" else form)
-            return render_with_tools(tokenizer, shown[:k] + [probe], tools), PROBE_REASONING
-
-        def unopened(text):  # the reply's rendering (a probe content first) right after text's special tail
-            at = _special_tail(tokenizer, text)
-            if at == len(text) or not full.startswith(text[:at]):
-                return None
-            probe = {x: v for x, v in shown[k].items() if x not in ("reasoning_content", "thinking")}
-            marked = render_with_tools(tokenizer, shown[:k] + [{**probe, "content": PROBE_CONTENT}], tools)
-            return at if marked.startswith(text[:at]) and marked[at:].lstrip().startswith(PROBE_CONTENT) else None
-
-        prompt, reply, own = continuation(source, prompt, full, bare, reasoning, last, reasoned, unopened)
+        texts, given = ReplyTexts(prompt, full, reasoning, message_text(shown[k - 1]).strip() if k else ""), {}
+        while isinstance(got := continuation(source, texts, given), Need):  # each rendering made where a rule reads it
+            given[got.what] = _rendering(tokenizer, _At(shown, k, tools, messages[k]), texts, got.what)
     except TemplateError as e:
         raise Refusal(k, str(e), "the template's own limit: rewrite the conversation in a form it renders, or use "
                       "another template") from None
-    except Diverges as e:
-        c = e.at
-        off = re.search(r"</[^<>\s]*(?:think|thought|reason)[^<>\s]*>\s*\Z", prompt, re.IGNORECASE)
-        if reasoning and off:  # Laguna-XS: <assistant>\n</think> by default, <think> with enable_thinking
-            switch = (" (--chat_template_kwargs '{\"enable_thinking\": true}': this template reads it)"
-                      if "enable_thinking" in source else "")
-            raise Refusal(k, f"the chat template's generation prompt for this reply ends with {off[0].strip()!r} "
-                          "alone: reasoning switched off, so the model generates no reasoning after it, and this "
-                          "reply has some", f"switch the template's reasoning on{switch}, or remove the reply's "
-                          "reasoning_content") from None
-        raise Refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
-                      f"its rendering of the reply has {full[c:c + 40]!r} there, so what the model generates "
-                      "after the prompt is not defined", "use a template whose replies continue its generation "
-                      "prompt") from None
+    if isinstance(got, Parted):
+        raise _parted(k, source, texts, got.at)
+    prompt, reply, own = got
     rendered, full = full, prompt + reply
     if renders is not None and k + 1 == len(messages):
         renders[k + 1] = rendered
@@ -184,6 +163,54 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
         return "empty", (k, " and ".join(f"tool call {c['function']['name']}" for c in m.get("tool_calls", ()))
                          or "content", len(message_text(m)) + len(json.dumps(m.get("tool_calls", ""))))
     return "info", (full, len(prompt), end, end + len(stop))
+
+
+class _At(NamedTuple):
+    """Reply ``k`` of a conversation: its turns in the template's form (``shown``), the record's tools and the reply's
+    message as the record has it."""
+    shown: list
+    k: int
+    tools: Optional[list]
+    message: dict
+
+
+def _rendering(tokenizer, at: _At, texts: ReplyTexts, what: str):
+    """The rendering :func:`sft.data.thinking.continuation` asks for (:class:`sft.data.thinking.Need`): ``"bare"``,
+    the conversation up to the reply without its reasoning; ``"reasoned"``, ``(text, probe)``: with a probe
+    reasoning in the template's form; ``"unopened"``, the character where the reply's rendering (a probe content
+    first) starts right after the prompt's special tail, or None."""
+    shown, k, tools = at.shown, at.k, at.tools
+    if what == "bare":
+        return render_with_tools(tokenizer, shown[:k] + [_without_reasoning(at.message)], tools)
+    if what == "reasoned":
+        form = template_profile(tokenizer).reasoning_form
+        probe = with_reasoning(shown[k], PROBE_REASONING, "field" if form == "none" else form)
+        return render_with_tools(tokenizer, shown[:k] + [probe], tools), PROBE_REASONING
+    text = texts.prompt
+    end = _special_tail(tokenizer, text)
+    if end == len(text) or not texts.full.startswith(text[:end]):
+        return None
+    probe = {x: v for x, v in shown[k].items() if x not in ("reasoning_content", "thinking")}
+    marked = render_with_tools(tokenizer, shown[:k] + [{**probe, "content": PROBE_CONTENT}], tools)
+    return end if marked.startswith(text[:end]) and marked[end:].lstrip().startswith(PROBE_CONTENT) else None
+
+
+def _parted(k: int, source: str, texts: ReplyTexts, c: int) -> Refusal:
+    """The refusal of reply ``k`` whose rendering parts from its generation prompt at character ``c``
+    (:class:`sft.data.thinking.Parted`)."""
+    prompt, full = texts.prompt, texts.full
+    off = re.search(r"</[^<>\s]*(?:think|thought|reason)[^<>\s]*>\s*\Z", prompt, re.IGNORECASE)
+    if texts.reasoning and off:  # Laguna-XS: <assistant>\n</think> by default, <think> with enable_thinking
+        switch = (" (--chat_template_kwargs '{\"enable_thinking\": true}': this template reads it)"
+                  if "enable_thinking" in source else "")
+        return Refusal(k, f"the chat template's generation prompt for this reply ends with {off[0].strip()!r} "
+                       "alone: reasoning switched off, so the model generates no reasoning after it, and this "
+                       "reply has some", f"switch the template's reasoning on{switch}, or remove the reply's "
+                       "reasoning_content")
+    return Refusal(k, f"the chat template's generation prompt for this reply ends with {prompt[c:][:40]!r}, but "
+                   f"its rendering of the reply has {full[c:c + 40]!r} there, so what the model generates "
+                   "after the prompt is not defined", "use a template whose replies continue its generation "
+                   "prompt")
 
 
 def _special_tail(tokenizer, text: str, window: int = 400) -> int:

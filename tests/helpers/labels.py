@@ -26,7 +26,8 @@ def split_reused_and_fresh(tok, eot, messages, tools, max_len: int, monkeypatch)
 
     stops = stop_tokens(tok, eot)
     closing = frozenset(tok.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot
-    whole = plan(tok, messages, tools, stops)
+    options = split_mod.SplitOptions(max_len, stops, closing)
+    known = split_mod.Known(plan(tok, messages, tools, stops))
     real_render, real_plan, count = turns_mod.render_with_tools, split_mod.plan, [0]
 
     def counted(*a, **kw):
@@ -34,9 +35,9 @@ def split_reused_and_fresh(tok, eot, messages, tools, max_len: int, monkeypatch)
         return real_render(*a, **kw)
 
     monkeypatch.setattr(turns_mod, "render_with_tools", counted)
-    reused = split_mod.split_turns(tok, messages, tools, stops, closing, max_len, trained_turns(messages), whole)
+    reused = split_mod.split_turns(tok, messages, tools, trained_turns(messages), options, known)
     renders, count[0] = count[0], 0
     monkeypatch.setattr(split_mod, "plan", lambda tok_, m, tl, st, known=None, count_dropped=True: real_plan(
         tok_, m, tl, st))
-    fresh = split_mod.split_turns(tok, messages, tools, stops, closing, max_len, trained_turns(messages), whole)
+    fresh = split_mod.split_turns(tok, messages, tools, trained_turns(messages), options, known)
     return reused, fresh, renders, count[0]

@@ -184,7 +184,7 @@ def test_refusals_name_file_record_id_and_turn_and_no_length_warning_leaks(famil
 
     family_tok.chat_template = INDENTED.replace("'  '", "'x'")  # a prompt the reply's rendering does not continue
     rec = {"id": "r7", "record": 7, "messages": RECORD["messages"][2:]}
-    ds = LazySupervisedDataset([rec], family_tok, end_of_turn_id(family_tok), 64, None, data_path="chats.jsonl")
+    ds = LazySupervisedDataset([rec], family_tok, end_of_turn_id(family_tok), PreparationSpec(64), "chats.jsonl")
     with pytest.raises(DataError, match=r"^chats.jsonl, record 7, id='r7', turn 1: the chat template's generation "
                                         r"prompt for this reply ends with 'x'.*; use a template"):
         ds[0]
