@@ -149,30 +149,6 @@ def _exchange(x, send: tuple, recv: tuple, group):
     return out
 
 
-_FUNCTIONS: dict = {}
-
-
-def _rows_function():
-    if "rows" not in _FUNCTIONS:
-        import torch
-
-        class AllToAllRows(torch.autograd.Function):
-            """Rows out by ``send`` counts, in by ``recv`` counts; the backward sends the gradient back the same way
-            reversed (an all-to-all is its own adjoint with the counts swapped)."""
-
-            @staticmethod
-            def forward(ctx, x, send, recv, group):
-                ctx.send, ctx.recv, ctx.group = send, recv, group
-                return _exchange(x, send, recv, group)
-
-            @staticmethod
-            def backward(ctx, grad):
-                return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
-
-        _FUNCTIONS["rows"] = AllToAllRows
-    return _FUNCTIONS["rows"]
-
-
 def all_to_all_rows(x, send_counts, recv_counts, group):
     """Exchange rows of ``x`` [S, ...] in a group of n ranks: the first ``send_counts[0]`` rows go to the group's
     rank 0, the next ``send_counts[1]`` to rank 1, ...; returns [sum(recv_counts), ...], the rows received from
@@ -184,7 +160,13 @@ def all_to_all_rows(x, send_counts, recv_counts, group):
     send, recv = tuple(int(c) for c in send_counts), tuple(int(c) for c in recv_counts)
     if not x.requires_grad:
         return _exchange(x, send, recv, group)
-    return _rows_function().apply(x, send, recv, group)
+    # torch's autograd-aware all-to-all (its backward sends the gradient back with the counts swapped); the forward's
+    # wait is recorded for the hang report, the backward's is not
+    from torch.distributed.nn.functional import all_to_all_single
+
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    with RECORD.wait("collective all_to_all_single (experts)"):
+        return all_to_all_single(out, x.contiguous(), list(recv), list(send), group=group)
 
 
 def all_to_all_counts(counts, group):
