@@ -118,7 +118,10 @@ def varlen_kernel(device_type: str, dtype: torch.dtype, dropout: float = 0.0) ->
 _BOUNDS_CACHE: list = [None, None]  # [the cu_seq_lens tensor, its bounds]
 
 
-def _bounds_from_cu_seqlens(cu: torch.Tensor, batch_size: int, row_len: int) -> list[list[tuple[int, int]]]:
+def bounds_from_cu_seqlens(cu: torch.Tensor, batch_size: int, row_len: int) -> list[list[tuple[int, int]]]:
+    """The documents ``[[(start, end), ...] per row]`` of the collator's ``cu_seq_lens_q`` (1-D int tensor) over
+    ``batch_size`` rows of ``row_len`` tokens (:func:`sft.data.packing.cu_seqlens_bounds`), read once per tensor (the
+    layers of one forward share it). Raises ValueError when the offsets do not cut the rows into whole documents."""
     if _BOUNDS_CACHE[0] is cu:
         return _BOUNDS_CACHE[1]
     try:
@@ -221,7 +224,7 @@ def packed_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     if kernel != "sdpa_loop" and cu is not None and kwargs.get("max_length_q") is not None and window is None:
         bounds = None  # the kernel reads the collator's boundaries on the device: no host copy at all
     elif cu is not None:
-        bounds = _bounds_from_cu_seqlens(cu, batch_size, row_len)
+        bounds = bounds_from_cu_seqlens(cu, batch_size, row_len)
     else:
         bounds = known if known is not None else document_bounds(position_ids, batch_size)
     if window is not None and max(e - s for docs in bounds for s, e in docs) > window:

@@ -34,7 +34,7 @@ import torch
 
 from sft.distributed.sequence_parallel import SequenceParallel
 from sft.errors import ConfigError
-from sft.model.attention import PACKED_ATTENTION, _bounds_from_cu_seqlens, packed_attention_forward, packed_mask
+from sft.model.attention import PACKED_ATTENTION, bounds_from_cu_seqlens, packed_attention_forward, packed_mask
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _row_bounds(kwargs: dict, sp: SequenceParallel, local_len: int) -> list[tupl
     total = local_len * sp.size
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
-        return _bounds_from_cu_seqlens(cu, 1, total)[0]
+        return bounds_from_cu_seqlens(cu, 1, total)[0]
     pos = kwargs.get("position_ids")
     if pos is None:
         raise ValueError(f"attention '{SP_ALL_GATHER}': neither cu_seq_lens_q nor position_ids reach the attention")
