@@ -9,7 +9,7 @@ The same as ``sft-train`` (:func:`sft.cli.train_main`): flags with ``-h``; exit 
 resumes), 1 a lost node. ``sft-check`` (``python -m sft check``) takes the same flags and checks the
 configuration and every data record without training.
 """
-from sft.cli import exit_process, train_main
+from sft.cli import train_command
 
 if __name__ == "__main__":
-    exit_process(train_main())
+    train_command()

@@ -1,5 +1,5 @@
 """``python -m sft COMMAND [ARGS...]``: train | check | merge | export | generate | show-sample | ray
 (see :mod:`sft.cli`)."""
-from sft.cli import exit_process, main
+from sft.cli import command
 
-exit_process(main())
+command()

@@ -46,7 +46,12 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def train_command():
-    """The ``sft-train`` command: :func:`train_main` with ``sys.argv``, then :func:`exit_process`. Never returns."""
+    """The ``sft-train`` command (and ``finetune.py``): :func:`train_main` with ``sys.argv``, then
+    :func:`exit_process`. bitsandbytes is kept out of the process first when the flags need none of it
+    (:func:`sft.compat.bitsandbytes.keep_out_unless_needed`: ~1 s of CPU at start-up). Never returns."""
+    from sft.compat.bitsandbytes import keep_out_unless_needed
+
+    keep_out_unless_needed(sys.argv[1:])
     exit_process(train_main())
 
 
@@ -208,6 +213,17 @@ def ray_main(argv: Optional[Sequence[str]] = None) -> int:
 
 COMMANDS = {"train": train_main, "check": check_main, "merge": merge_main, "export": export_main,
             "generate": generate_main, "show-sample": show_sample_main, "ray": ray_main}
+
+
+def command():
+    """``python -m sft COMMAND [ARGS...]`` as a process: :func:`main` with ``sys.argv``, then :func:`exit_process`;
+    for ``train`` and ``check``, bitsandbytes kept out first when the flags need none of it
+    (:func:`sft.compat.bitsandbytes.keep_out_unless_needed`). Never returns."""
+    if sys.argv[1:2] in (["train"], ["check"]):
+        from sft.compat.bitsandbytes import keep_out_unless_needed
+
+        keep_out_unless_needed(sys.argv[2:])
+    exit_process(main())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

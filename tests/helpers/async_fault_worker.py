@@ -16,8 +16,12 @@ import signal
 import sys
 import time
 
-from sft.cli import exit_process, train_main
-from sft.train import async_save
+from sft.compat.bitsandbytes import keep_out_unless_needed
+
+keep_out_unless_needed(sys.argv[1:])  # before peft is imported, as finetune.py does (sft.cli.train_command)
+
+from sft.cli import exit_process, train_main  # noqa: E402
+from sft.train import async_save  # noqa: E402
 
 
 def main() -> int:

@@ -12,13 +12,17 @@ import json
 import os
 import sys
 
-import torch
+from sft.compat.bitsandbytes import keep_out_unless_needed
 
-from sft.app.train import save, trainer_for
-from sft.cli import exit_process
-from sft.config.arguments import parse_args
-from sft.distributed.process_group import finish_process_group
-from sft.logs import setup_logging
+keep_out_unless_needed(sys.argv[1:])  # before peft is imported, as finetune.py does (sft.cli.train_command)
+
+import torch  # noqa: E402
+
+from sft.app.train import save, trainer_for  # noqa: E402
+from sft.cli import exit_process  # noqa: E402
+from sft.config.arguments import parse_args  # noqa: E402
+from sft.distributed.process_group import finish_process_group  # noqa: E402
+from sft.logs import setup_logging  # noqa: E402
 
 PROBE = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
 

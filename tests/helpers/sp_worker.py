@@ -9,13 +9,17 @@ import json
 import os
 import sys
 
-import torch
+from sft.compat.bitsandbytes import keep_out_unless_needed
 
-from sft.app.train import trainer_for
-from sft.cli import exit_process
-from sft.config.arguments import parse_args
-from sft.distributed.process_group import finish_process_group
-from sft.logs import setup_logging
+keep_out_unless_needed(sys.argv[1:])  # before peft is imported, as finetune.py does (sft.cli.train_command)
+
+import torch  # noqa: E402
+
+from sft.app.train import trainer_for  # noqa: E402
+from sft.cli import exit_process  # noqa: E402
+from sft.config.arguments import parse_args  # noqa: E402
+from sft.distributed.process_group import finish_process_group  # noqa: E402
+from sft.logs import setup_logging  # noqa: E402
 
 
 def main():

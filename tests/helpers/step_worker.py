@@ -13,8 +13,12 @@ import json
 import os
 import sys
 
-import sft.app.train as training
-from sft.cli import exit_process, train_main
+from sft.compat.bitsandbytes import keep_out_unless_needed
+
+keep_out_unless_needed(sys.argv[1:])  # before peft is imported, as finetune.py does (sft.cli.train_command)
+
+import sft.app.train as training  # noqa: E402
+from sft.cli import exit_process, train_main  # noqa: E402
 
 
 def main() -> int:
