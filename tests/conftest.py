@@ -10,6 +10,10 @@ import pytest
 # model: nothing to split across threads) would otherwise start as many OpenMP threads as the machine has cores.
 # Set before torch is imported, so every test and every process a test starts inherits it; a value set outside wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The device's peak for MFU, given as a cluster would give it (sft.train.metrics.given_peak_tflops): no training run of
+# a test spends the ~1-2 s of CPU that measuring it costs on rank 0. The measurement itself is tested in
+# tests/unit/train/test_metrics.py (ThroughputCallback without a given peak).
+os.environ.setdefault("SFT_PEAK_TFLOPS", "0.1")
 # the heavy imports once per process, at collection: not charged to whichever unit test happens to use them first
 import torch  # noqa: F401
 import transformers  # noqa: F401

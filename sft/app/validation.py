@@ -18,6 +18,7 @@ from sft.model.loading import read_chat_template, template_kwargs
 from sft.model.quantized import HUB_ID as _HUB_ID, importable, model_folder, read_quantization, training_problems
 from sft.model.token_mixers import sequence_parallel_problem
 from sft.train.checkpoint import check_resume, check_zero_world_size, resolve_resume
+from sft.train.metrics import peak_tflops_problems
 from sft.train.world_size import plan_world_size_change
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -222,8 +223,7 @@ def _check_training(t) -> list[str]:
         p.append(f"--straggler_window {t.straggler_window}: must be at least 2 optimizer steps (e.g. 20)")
     if not 0 <= t.seed < 2**32:
         p.append(f"--seed {t.seed}: must be in [0, 2**32)")
-    if t.peak_tflops is not None and not (math.isfinite(t.peak_tflops) and t.peak_tflops > 0):
-        p.append(f"--peak_tflops {t.peak_tflops}: must be a positive number of TFLOP/s (or leave it unset to measure)")
+    p += peak_tflops_problems(t.peak_tflops)
     if not isinstance(t.parsed.bf16, bool) and t.parsed.bf16 != "auto":
         p.append(f"--bf16 {t.parsed.bf16}: must be True, False or auto (bf16 where the machine computes it fast)")
     if t.parsed.fp16_without_cuda:

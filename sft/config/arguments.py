@@ -282,8 +282,8 @@ class TrainingArguments(DeferredRuntime, transformers.TrainingArguments):
         "over 90%% of what is available (sft/train/memory_plan.py): exit 2 with the fixes, warn, or only log it. An "
         "unset budget is lowered, then an unset --gradient_checkpointing turned on, when the plan does not fit."})
     peak_tflops: Optional[float] = field(default=None, metadata={"help": "Peak TFLOP/s of one device, the denominator "
-        "of the logged MFU (e.g. 989 for an H100 SXM in dense bf16). Unset: a torch.matmul peak measured at the "
-        "start."})
+        "of the logged MFU (e.g. 989 for an H100 SXM in dense bf16). Unset: $SFT_PEAK_TFLOPS, else a torch.matmul "
+        "peak measured at the start."})
 
     parsed: Parsed = field(init=False, default_factory=lambda: Parsed(), repr=False, metadata={
         "help": "What parsing learned beyond the flags' values (set by __post_init__; not a flag)."})

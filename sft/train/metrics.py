@@ -9,9 +9,9 @@ each logging step, adds to the Trainer's log line (console, ``trainer_state.json
   DDP every rank computes a similar share), over the wall time since the previous log line;
 * ``padding_ratio`` -- pad tokens / all tokens in the window's batches (0 with ``--packing``);
 * ``mfu`` -- model FLOP utilization: :func:`model_flops_per_token` x real tokens/s / peak FLOP/s of the
-  device (``--peak_tflops``, else measured once with :func:`measure_matmul_peak` in the training dtype);
-  with the LM head only at supervised positions (:mod:`sft.model.loss`) the head's FLOPs count per supervised
-  target instead of per token;
+  device (``--peak_tflops``, else ``SFT_PEAK_TFLOPS`` from the environment, else measured once with
+  :func:`measure_matmul_peak` in the training dtype); with the LM head only at supervised positions
+  (:mod:`sft.model.loss`) the head's FLOPs count per supervised target instead of per token;
 * ``peak_mem_gib`` -- peak resident set size of the process on CPU, ``torch.cuda.max_memory_allocated``
   on CUDA (GiB = 2**30 bytes), since training started: the peak of loading is logged apart at train start
   (``memory: ... after loading``) and both again at the end;
@@ -31,6 +31,7 @@ appendix B).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 import time
@@ -350,14 +351,45 @@ def plot_loss_curve(log_history: list[dict], output_dir: str, name: str = "loss_
     return path
 
 
+PEAK_ENV = "SFT_PEAK_TFLOPS"  # the device's peak for MFU when --peak_tflops is not given (e.g. a cluster's profile)
+
+
+def given_peak_tflops(flag: Optional[float]) -> tuple[Optional[float], Optional[str]]:
+    """The device's peak TFLOP/s for MFU and where it came from: ``(flag, "--peak_tflops")``, else the environment's
+    ``SFT_PEAK_TFLOPS`` (a cluster can state its accelerators' datasheet figure once for every job, and no job spends
+    the ~1 s of the measurement), else ``(None, None)``: measured at train start (:func:`measure_matmul_peak`).
+    An environment value that is no number is returned as NaN (refused by :func:`peak_tflops_problems`)."""
+    if flag is not None:
+        return flag, "--peak_tflops"
+    text = os.environ.get(PEAK_ENV, "").strip()
+    if not text:
+        return None, None
+    try:
+        return float(text), PEAK_ENV
+    except ValueError:
+        return math.nan, PEAK_ENV
+
+
+def peak_tflops_problems(flag: Optional[float]) -> list[str]:
+    """One line when the given peak (:func:`given_peak_tflops`) is not a positive finite number, naming its source."""
+    value, source = given_peak_tflops(flag)
+    if value is None or (math.isfinite(value) and value > 0):
+        return []
+    shown = f"{source} {value}" if source == "--peak_tflops" else f"{source}={os.environ.get(PEAK_ENV)!r}"
+    return [f"{shown}: must be a positive number of TFLOP/s (or leave it unset to measure)"]
+
+
 def attach(trainer, peak_tflops: Optional[float] = None) -> ThroughputCallback:
     """Add a :class:`ThroughputCallback` to ``trainer`` ahead of the reporters, so that its figures reach the
-    console printer and TensorBoard in the same log line. ``trainer``: sft's :class:`sft.train.trainer.Trainer` (its
-    ``supervised_head`` decides the FLOP count) or any ``transformers.Trainer`` (a peer's, in bench/compare.py: every
-    position). Returns the callback."""
+    console printer and TensorBoard in the same log line. ``peak_tflops``: ``--peak_tflops`` (None: the
+    environment's ``SFT_PEAK_TFLOPS``, else measured; :func:`given_peak_tflops`). ``trainer``: sft's
+    :class:`sft.train.trainer.Trainer` (its ``supervised_head`` decides the FLOP count) or any
+    ``transformers.Trainer`` (a peer's, in bench/compare.py: every position). Returns the callback."""
     dtype = torch.bfloat16 if trainer.args.bf16 else torch.float16 if trainer.args.fp16 else torch.float32
     supervised_head = bool(getattr(trainer, "supervised_head", False))  # a peer's Trainer has no such attribute
+    peak_tflops, source = given_peak_tflops(peak_tflops)
     cb = ThroughputCallback(trainer.model, peak_tflops * 1e12 if peak_tflops else None, dtype, supervised_head)
+    cb.peak_source = source if peak_tflops else None
     if supervised_head:
         trainer.supervised_counter = cb.counter
     trainer.callback_handler.callbacks.insert(0, cb)  # on_log runs in list order

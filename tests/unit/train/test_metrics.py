@@ -93,6 +93,20 @@ def test_bad_peak_tflops_is_reported(tiny_model_dir, toy_data, tmp_path):
                               str(tmp_path / "o"), "--peak_tflops", "-1"]))
 
 
+def test_the_peak_comes_from_the_flag_then_the_environment(monkeypatch, tiny_model_dir, toy_data, tmp_path):
+    from sft.train.metrics import given_peak_tflops
+
+    monkeypatch.setenv("SFT_PEAK_TFLOPS", "312")
+    assert given_peak_tflops(989.0) == (989.0, "--peak_tflops")
+    assert given_peak_tflops(None) == (312.0, "SFT_PEAK_TFLOPS")
+    monkeypatch.setenv("SFT_PEAK_TFLOPS", "fast")
+    with pytest.raises(ConfigError, match="SFT_PEAK_TFLOPS='fast': must be a positive number"):
+        validate(*parse_args(["--model_name_or_path", tiny_model_dir, "--data_path", toy_data, "--output_dir",
+                              str(tmp_path / "o")]))
+    monkeypatch.delenv("SFT_PEAK_TFLOPS")
+    assert given_peak_tflops(None) == (None, None)  # measured at train start
+
+
 def test_packed_rows_count_their_pad_document_as_padding():
     from sft.data.packing import PackedCollator
     from sft.train.metrics import packed_padding
