@@ -12,6 +12,7 @@ from sft.data.chat import IGNORE_INDEX, with_system
 from sft.data.cut_turns import cut_turn, longest_pair, name_cuts, too_long
 from sft.data.long_conversations import split_conversation
 from sft.data.messages import message_text
+from sft.data.prompt_cut import samples_at_prompts
 from sft.data.refusal import Refusal
 from sft.data.shared_prefix import tokenize_shared
 from sft.data.spec import PreparationSpec
@@ -261,35 +262,46 @@ def _encode(setup: _Setup, convs: list, texts: list, made: dict) -> None:
     """Tokenize ``texts`` and make their samples (each truncated to ``max_len``; a whole conversation first split by
     :func:`sft.data.long_conversations.split_conversation` in split mode), appended to their conversation's
     ``out``; a conversation refused on the way gets its error there instead."""
+    tokenizer = setup.tokenizer
+    for text, ids, offs, owner in _tokenized(tokenizer, [t for t, _o in texts], [o for _t, o in texts], made):
+        c = convs[owner.conv]
+        pieces = samples_at_prompts(tokenizer, text, ids, offs, owner.spans)  # each prompt's own tokens
+        for piece_text, p_ids, p_offs, spans in pieces:
+            if isinstance(c.out, Exception):
+                break
+            whole = owner.whole and len(pieces) == 1
+            _encode_one(setup, c, (piece_text, p_ids, p_offs), owner._replace(spans=spans, whole=whole))
+
+
+def _encode_one(setup: _Setup, c: _Conversation, piece: tuple, owner: _Text) -> None:
+    """One sample text of conversation ``c`` (``piece``: its text, ids and offsets; ``owner.spans`` its trained
+    replies) labelled and appended to ``c.out`` (see :func:`_encode`), or ``c.out`` its refusal."""
     from sft.data.chat import Encoded, labels_from_spans
 
     tokenizer, spec = setup.tokenizer, setup.spec
-    for text, ids, offs, owner in _tokenized(tokenizer, [t for t, _o in texts], [o for _t, o in texts], made):
-        c = convs[owner.conv]
-        if isinstance(c.out, Exception):
-            continue
-        try:
-            full = Encoded(ids, labels_from_spans(ids, offs, owner.spans, setup.closing), text, offs, owner.spans)
-            pieces, cut = (([full], 0) if not owner.whole or not setup.splitting or len(ids) <= spec.max_len
-                           else split_conversation(tokenizer, c.messages, setup.eot_id, spec.max_len, full))
-        except TemplateError as e:
-            c.out = e
-            continue
-        if cut and spec.long_conversations == "refuse":  # a user turn too long to fit with its reply
-            turn, n = longest_pair(text, offs, c.messages)
-            c.out = too_long(turn - c.added if turn is not None else None, n, spec.max_len, "a user turn")
-            continue
-        first = c.out is None
-        new = [dict(truncate(a, b, spec.max_len), user_cut=cut if first and k == 0 else 0)
-               for k, (a, b) in enumerate(pieces)]
-        if not (c.general and setup.splitting):  # a truncated sample names the turn it was cut in, never silently
-            name_cuts(new, c.added, lambda cut_at: cut_turn(text, ids, offs, c.messages, cut_at))
-        elif len(ids) > spec.max_len and len(text) > len(c.longest):  # its samples are replaced when too long
-            c.longest = text
-        c.out = (c.out or []) + new
-        c.lengths.append(len(ids))
-        if first:
-            c.out[0]["dropped"] = owner.dropped
+    text, ids, offs = piece
+    try:
+        full = Encoded(ids, labels_from_spans(ids, offs, owner.spans, setup.closing), text, offs, owner.spans)
+        pieces, cut = (([full], 0) if not owner.whole or not setup.splitting or len(ids) <= spec.max_len
+                       else split_conversation(tokenizer, c.messages, setup.eot_id, spec.max_len, full))
+    except TemplateError as e:
+        c.out = e
+        return
+    if cut and spec.long_conversations == "refuse":  # a user turn too long to fit with its reply
+        turn, n = longest_pair(text, offs, c.messages)
+        c.out = too_long(turn - c.added if turn is not None else None, n, spec.max_len, "a user turn")
+        return
+    first = c.out is None
+    new = [dict(truncate(a, b, spec.max_len), user_cut=cut if first and k == 0 else 0)
+           for k, (a, b) in enumerate(pieces)]
+    if not (c.general and setup.splitting):  # a truncated sample names the turn it was cut in, never silently
+        name_cuts(new, c.added, lambda cut_at: cut_turn(text, ids, offs, c.messages, cut_at))
+    elif len(ids) > spec.max_len and len(text) > len(c.longest):  # its samples are replaced when too long
+        c.longest = text
+    c.out = (c.out or []) + new
+    c.lengths.append(len(ids))
+    if first:
+        c.out[0]["dropped"] = owner.dropped
 
 
 def _split_turns(setup: _Setup, c: _Conversation) -> None:

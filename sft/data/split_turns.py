@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 from sft.data.messages import message_text
 from sft.data.profile import template_profile
+from sft.data.prompt_cut import samples_at_prompts
 from sft.data.shared_prefix import tokenize_shared
 from sft.data.turns import TurnPlan, plan, render_with_tools
 
@@ -188,8 +189,10 @@ class _Pieces:
         planned = [self.plan_piece(*cut) for cut in todo]
         self.tokenize([(c, samples) for (c, _i, _j), samples in zip(todo, planned)])
         for cut, samples in zip(todo, planned):
-            self.memo[cut] = [(self.tokens[t][0], labels_from_spans(*self.tokens[t], spans, self.options.closing))
-                              for t, spans, _l in samples]
+            parts = [p for t, spans, _l in samples for p in samples_at_prompts(self.tokenizer, t, *self.tokens[t],
+                                                                                 spans)]  # each prompt's own tokens
+            self.memo[cut] = [(ids, labels_from_spans(ids, offs, spans, self.options.closing))
+                              for _t, ids, offs, spans in parts]
         return [self.memo[cut] for cut in cuts]
 
     def estimate(self, rendering: Optional[str] = None,

@@ -205,9 +205,9 @@ def reference(tok, messages, tools, stop_ids, original=None):
     """Per trained reply (every assistant turn): ``(ids, labels)`` of the reply's sample text (:func:`_generated`:
     ``render(turns[:k], add_generation_prompt=True)`` followed by what the model generates after it, by default
     ``render(turns[:k+1])``) up to and including the first of ``stop_ids`` (the tokens that close a reply,
-    :func:`sft.data.turns.stop_tokens`) after the context, labels on the tokens from the context's end (a token
-    overlapping it counts) through the closing token: the definition, through the public API. ``original``: the
-    messages before the template's form of reasoning (default ``messages``)."""
+    :func:`sft.data.turns.stop_tokens`) after the context, labels on the tokens after the context through the closing
+    token: the definition, through the public API. The context is tokenized alone (its own tokens at inference), what
+    follows it apart. ``original``: the messages before the template's form of reasoning (default ``messages``)."""
     original = original or messages
     out = []
     for k, m in enumerate(messages):
@@ -217,9 +217,12 @@ def reference(tok, messages, tools, stop_ids, original=None):
         full = context + generated
         if not any(tok.convert_tokens_to_ids(t) in stop_ids for t in CONTROL.findall(generated[own:])):
             full += _closing(tok, messages, k, tools, stop_ids)  # a template that writes nothing after the reply
-        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offs = enc["input_ids"], enc["offset_mapping"]
-        first = next(i for i, (_s, e) in enumerate(offs) if e > len(context))
+        # the context tokenized alone, as inference does, then what follows it
+        ids = tok(context, add_special_tokens=False)["input_ids"]
+        first = len(ids)
+        enc = tok(full[len(context):], add_special_tokens=False, return_offsets_mapping=True)
+        ids = ids + enc["input_ids"]
+        offs = [(0, 0)] * first + [(s + len(context), e + len(context)) for s, e in enc["offset_mapping"]]
         end = next(i for i in range(first, len(ids)) if ids[i] in stop_ids and offs[i][0] >= len(context) + own)
         out.append((ids[:end + 1], [-100] * first + ids[first:end + 1]))
     return out

@@ -150,9 +150,10 @@ def test_a_prompt_that_the_rendering_does_not_continue_with_the_reply_stays_refu
 def test_a_reply_without_reasoning_after_a_prompt_that_opens_it_in_words_trains_the_close(shape_tok):
     end = shape_tok.convert_tokens_to_ids(["<|end|>"])
     (ctx1, first), (ctx2, second) = trained(shape_tok, APRIEL, RECORD, end)
-    assert ctx2.endswith("<|begin_assistant|>\nHere are my reasoning steps") and first[0].endswith("No.<|end|>")
-    # empty reasoning, then the close the template writes after reasoning (":\n\n" one token, overlapping the prompt)
-    assert second == [":\n\n[BEGIN FINAL RESPONSE]\nYes.<|end|>"]
+    assert ctx2.endswith("<|begin_assistant|>\nHere are my reasoning steps:\n") and first[0].endswith("No.<|end|>")
+    # empty reasoning, then the close the template writes after reasoning (":\n\n" would be one token across the
+    # prompt's end: the context is the prompt's own tokens)
+    assert second == ["\n[BEGIN FINAL RESPONSE]\nYes.<|end|>"]
 
 
 @pytest.mark.parametrize("template, why", [
