@@ -42,7 +42,7 @@ def template_cache(tokenizer) -> dict:
 def with_reasoning(msg: dict, reasoning: str, form: str) -> dict:
     """``msg`` (a message dict) with ``reasoning`` in the template's ``form`` (``TemplateProfile.reasoning_form``,
     :mod:`sft.data.profile`): inside the content as ``<think>\\n...\\n</think>\\n\\n`` (``"inline"``), else as
-    ``reasoning_content``; a new dict."""
+    ``reasoning_content`` (``"field"``, ``"channel"``, ``"none"``); a new dict."""
     if form == "inline":
         return {**msg, "content": f"<think>\n{reasoning}\n</think>\n\n{message_text(msg)}"}
     return {**msg, "reasoning_content": reasoning}

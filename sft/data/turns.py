@@ -22,7 +22,9 @@ tool call (its function name) missing from its trained text; a system, user or t
 the record's tools missing from a sample.
 
 How reasoning is handed over: as ``reasoning_content`` (Qwen3, GLM, DeepSeek-V3.1, ... read it; transformers also
-copies it to ``thinking``, gpt-oss's name) when the template writes that field, else inside the content as
+copies it to ``thinking``, gpt-oss's name) when the template writes that field, else as ``reasoning_content`` where the
+template has a reasoning channel of its own that is not ``<think>`` (gemma-4's ``<|channel>thought``: the model
+generates the reasoning in it, :mod:`sft.data.thinking`), else inside the content as
 ``<think>\\n...\\n</think>\\n\\n`` when the template writes that, else as ``reasoning_content`` (and then counted as
 dropped). Decided once per template by rendering a probe (:attr:`sft.data.profile.TemplateProfile.reasoning_form`).
 """
@@ -131,7 +133,9 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
     try:
         prompt = render_with_tools(tokenizer, shown[:k], tools, generation_prompt=True)
         full = render_with_tools(tokenizer, shown[:k + 1], tools)
-        texts, given = ReplyTexts(prompt, full, reasoning, message_text(shown[k - 1]).strip() if k else ""), {}
+        texts = ReplyTexts(prompt, full, reasoning, message_text(shown[k - 1]).strip() if k else "",
+                           template_profile(tokenizer).reasoning_channel)
+        given = {}
         while isinstance(got := continuation(source, texts, given), Need):  # each rendering made where a rule reads it
             given[got.what] = _rendering(tokenizer, _At(shown, k, tools, messages[k]), texts, got.what)
     except TemplateError as e:

@@ -163,6 +163,12 @@ def _generated(tok, original, shown, k, tools):
         head = reasoning if rest.startswith(close) else reasoning + written
         return prompt, head + rest, len(head)
     if full.startswith(prompt):
+        source = tok.chat_template or ""
+        own = [(o, c, w) for o, c, w in BLOCKS if o != "<think>" and o in source]  # a channel of its own (gemma-4)
+        if reasoning and own and reasoning not in full[len(prompt):]:  # ... that it does not write: the model does
+            opening, close, written = own[0]
+            head = (opening + "\n" if opening + "\\n" in source else opening) + reasoning + (written or close)
+            return prompt, head + full[len(prompt):], len(head)
         return prompt, full[len(prompt):], 0
     common = len(os.path.commonprefix([prompt, full]))
     if reasoning and full[common:].lstrip().startswith(reasoning):  # reasoning opened in words (Apriel-1.6)
