@@ -149,8 +149,23 @@ def prepared(tok, conv, eot: int, spec) -> dict:
         return {"refused": refusal(got, conv)}
     report = TruncationReport(mode=spec.long_conversations)
     report.count_conversation(got, conv.id, conv.index)
-    return {"samples": jsonable(got), "report": jsonable(report.__dict__),
+    return {**conversation_samples(got), "report": jsonable(report.__dict__),
             "report_lines": report.lines("case", spec.max_len)}
+
+
+CONVERSATION_KEYS = ("dropped", "extra_samples", "extra_tokens")
+
+
+def conversation_samples(got) -> dict:
+    """A conversation's samples in one form on either side: ``samples`` (each sample's fields) and ``conversation``
+    (what the whole conversation cost, 0 where not said): a ``ConversationSamples``' fields, or, before it existed,
+    the keys its first sample dict carried."""
+    if hasattr(got, "samples"):
+        samples, conv = [dict(ex) for ex in got.samples], {k: getattr(got, k) for k in CONVERSATION_KEYS}
+    else:
+        samples = [dict(ex) for ex in got]
+        conv = {k: samples[0].pop(k, 0) for k in CONVERSATION_KEYS}
+    return {"samples": jsonable(samples), "conversation": conv}
 
 
 def end_of_turn(tok, model_end=()):

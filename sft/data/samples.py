@@ -1,5 +1,6 @@
 """One conversation -> its training samples (ids and labels, split or truncated to ``model_max_length``), with what
-that cost in the first sample (:class:`sft.data.report.TruncationReport` counts it). Pure: no files, no ranks
+that cost (:class:`sft.data.conversation_samples.ConversationSamples`; :class:`sft.data.report.TruncationReport`
+counts it). Pure: no files, no ranks
 (:mod:`sft.data.dataset` writes the samples into shards)."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence
 
 from sft.data.chat import IGNORE_INDEX, with_system
+from sft.data.conversation_samples import ConversationSamples
 from sft.data.cut_turns import cut_turn, longest_pair, name_cuts, too_long
 from sft.data.long_conversations import split_conversation
 from sft.data.messages import message_text
@@ -80,6 +82,8 @@ class _Conversation:
     general: bool = False  # planned reply by reply (split for length by sft.data.split_turns)
     plan: object = None  # its whole plan, in split mode: split_turns takes the replies of its first piece from it
     out: object = None  # None, its samples (list of dicts) or the TemplateError that refuses it
+    dropped: int = 0  # characters the template dropped
+    extra: tuple = (0, 0)  # samples and tokens beyond its last sample (a history-rewriting template's cost)
     lengths: list = field(default_factory=list)  # the token count of each of its texts
     longest: str = ""  # planned reply by reply: its longest text over max_len (where split_turns' piece was cut)
     probed: Optional[tuple] = None  # known too long by its longest sample alone: that sample's (text, ids, offsets)
@@ -125,7 +129,7 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         eot_id: the end-of-turn token id (:func:`sft.data.end_tokens.end_of_turn_id`).
         spec: of its fields, ``max_len``, ``system_message``, ``last_reply_only`` (train only each conversation's last
             reply), ``allow_dropped_content`` (train a conversation even when the template drops some of its text,
-            counted in the ``dropped`` of its first sample; default: refuse it) and ``long_conversations``
+            counted in its ``dropped``; default: refuse it) and ``long_conversations``
             (``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries: plain conversations on the
             fast path by :func:`sft.data.long_conversations.split_conversation`, only a reply too long by itself is
             then truncated; every other by :func:`sft.data.split_turns.split_turns`, only a reply with its tool
@@ -134,9 +138,10 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
         tools: per conversation, the record's tool schemas or None (default: none).
 
     Returns:
-        Per conversation, in order: its list of samples (:func:`truncate` dicts; the first also has ``user_cut``, the
-        user turns cut from the start, ``extra_samples`` and ``extra_tokens``, what several samples cost, and
-        ``dropped``, the characters the template dropped), or the :class:`~sft.errors.TemplateError` that refuses it
+        Per conversation, in order: its :class:`sft.data.conversation_samples.ConversationSamples` (its samples,
+        :func:`truncate` dicts with ``user_cut``, the user turns cut from their start; ``extra_samples`` and
+        ``extra_tokens``, what several samples cost; ``dropped``, the characters the template dropped), or the
+        :class:`~sft.errors.TemplateError` that refuses it
         (a :class:`sft.data.refusal.Refusal` names the turn as the record numbers it: its ``turn`` is renumbered
         where ``system_message`` added a turn; its message keeps the number it was made with). This is the one place
         where a conversation becomes samples.
@@ -160,19 +165,21 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             c.out.renumber(c.added)
     for c in (c for c in convs if c.lengths and isinstance(c.out, list)):
         # what the template's rewriting cost: samples and tokens beyond the last one
-        c.out[0]["extra_samples"], c.out[0]["extra_tokens"] = len(c.lengths) - 1, sum(c.lengths) - c.lengths[-1]
+        c.extra = len(c.lengths) - 1, sum(c.lengths) - c.lengths[-1]
         if c.general and setup.splitting and max(c.lengths) > spec.max_len:
             _split_turns(setup, c)
-    return [_refuse_cut(c.out, spec) for c in convs]
+    return [_refuse_cut(c, spec) for c in convs]
 
 
-def _refuse_cut(out, spec: PreparationSpec):
-    """``out`` (a conversation's samples or refusal), or under ``--long_conversations refuse`` the refusal naming the
-    turn that split had to cut."""
-    cut = next((ex for ex in out if ex["truncated"]), None) if isinstance(out, list) else None
+def _refuse_cut(c: _Conversation, spec: PreparationSpec):
+    """``c``'s :class:`ConversationSamples` or refusal, or under ``--long_conversations refuse`` the refusal naming
+    the turn that split had to cut."""
+    if not isinstance(c.out, list):
+        return c.out
+    cut = next((ex for ex in c.out if ex["truncated"]), None)
     if spec.long_conversations == "refuse" and cut is not None:
         return too_long(cut.get("cut_turn"), cut.get("turn_tokens"), spec.max_len, "a turn")
-    return out
+    return ConversationSamples(c.out, c.dropped, *c.extra)
 
 
 def _texts(setup: _Setup, c: _Conversation, i: int) -> list[tuple[str, _Text]]:
@@ -249,7 +256,8 @@ def _probe_longest(setup: _Setup, convs: list, texts: list) -> dict:
                                                           [o for _t, o in longest])):
         if len(ids) > setup.spec.max_len:
             c = convs[owner.conv]
-            c.probed, c.out, c.lengths, c.longest = (text, ids, offs), [{"dropped": owner.dropped}], [len(ids)], text
+            c.probed, c.out, c.lengths, c.longest = (text, ids, offs), [], [len(ids)], text
+            c.dropped = owner.dropped
             probed.add(owner.conv)
         else:
             made[n] = (ids, offs)
@@ -301,7 +309,7 @@ def _encode_one(setup: _Setup, c: _Conversation, piece: tuple, owner: _Text) -> 
     c.out = (c.out or []) + new
     c.lengths.append(len(ids))
     if first:
-        c.out[0]["dropped"] = owner.dropped
+        c.dropped = owner.dropped
 
 
 def _split_turns(setup: _Setup, c: _Conversation) -> None:
@@ -318,9 +326,8 @@ def _split_turns(setup: _Setup, c: _Conversation) -> None:
     except TemplateError as e:
         c.out = e
         return
-    dropped = c.out[0]["dropped"]
     c.out = [dict(truncate(a, b, max_len), user_cut=0) for a, b in pieces]
-    c.out[0]["dropped"] = dropped
+    c.extra = (0, 0)  # its pieces replace the samples whose cost was counted
     if any("cut_at" in ex for ex in c.out):  # rare: a unit too long by itself; its rendering tokenized again
         enc = ({"input_ids": c.probed[1], "offset_mapping": c.probed[2]} if c.probed else
                tokenizer(c.longest, add_special_tokens=False, return_offsets_mapping=True, verbose=False))
@@ -365,7 +372,7 @@ def _tokenized(tokenizer, texts: list, owners: list, made: Optional[dict] = None
 
 
 def encode_truncated(tokenizer, conv_messages, eot_id: int, spec: PreparationSpec,
-                     tools: Optional[list] = None) -> list[dict]:
+                     tools: Optional[list] = None) -> ConversationSamples:
     """The samples of one conversation, each truncated to ``spec.max_len`` whatever ``spec.long_conversations`` says
     (see :func:`encode_samples`; ``spec``'s ``system_message``, ``last_reply_only`` and ``allow_dropped_content``
     apply).

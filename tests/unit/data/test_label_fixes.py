@@ -11,6 +11,7 @@ import os
 import pytest
 
 from sft.data.chat_template import with_template_kwargs
+from sft.data.conversation_samples import ConversationSamples
 from sft.data.end_tokens import end_of_turn_id
 from sft.data.records import normalize_record
 from sft.data.samples import encode_samples
@@ -46,7 +47,7 @@ def test_a_samples_context_is_its_prompt_tokenized_alone_where_the_reply_would_s
     conv = normalize_record("corpus", 0, tc.KINDS[kind])
     samples = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=100_000,
                                                                        long_conversations="truncate"), [conv.tools])[0]
-    assert isinstance(samples, list), samples
+    assert isinstance(samples, ConversationSamples), samples
     swallowed = 0
     for k in [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]:
         prompt = tok.apply_chat_template(conv.messages[:k], tools=conv.tools, add_generation_prompt=True,
@@ -70,7 +71,7 @@ def test_b_reasoning_goes_in_the_templates_own_channel_never_as_think_text(corpu
     conv = normalize_record("corpus", 0, tc.KINDS["multi-turn reasoning"])
     samples = encode_samples(tok, [conv.messages], end_of_turn_id(tok), PreparationSpec(max_len=100_000),
                              [conv.tools])[0]
-    assert isinstance(samples, list), samples
+    assert isinstance(samples, ConversationSamples), samples
     tc.check_definition(tok, conv, samples, end_of_turn_id(tok))  # labels by the definition (the reference's rules)
     texts = [tok.decode(ex["input_ids"]) for ex in samples]
     trained = [tok.decode([i for i in ex["labels"] if i != -100]) for ex in samples]

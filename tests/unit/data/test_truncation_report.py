@@ -2,6 +2,7 @@
 and that turn's size in tokens, on the fast path (ChatML) and on the per-turn path (Qwen3), split or truncate."""
 import pytest
 
+from sft.data.conversation_samples import ConversationSamples
 from sft.data.report import TruncationReport
 from sft.data.samples import encode_samples
 from sft.data.spec import PreparationSpec
@@ -18,7 +19,7 @@ def qwen3():
 
 def _report(tok, eot, messages, mode, record=7, rec_id="big"):
     out = encode_samples(tok, [messages], eot, PreparationSpec(max_len=64, long_conversations=mode))[0]
-    assert isinstance(out, list), out
+    assert isinstance(out, ConversationSamples), out
     report = TruncationReport(mode=mode)
     report.count_conversation(out, rec_id, record)
     return out, "\n".join(report.lines("train", 64))
