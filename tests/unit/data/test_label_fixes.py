@@ -10,12 +10,12 @@ import os
 
 import pytest
 
-from sft.data.chat_template import with_template_kwargs
-from sft.data.conversation_samples import ConversationSamples
-from sft.data.end_tokens import end_of_turn_id
-from sft.data.records import normalize_record
-from sft.data.samples import encode_samples
+from sft.data.encode.conversation_samples import ConversationSamples
+from sft.data.encode.samples import encode_samples
+from sft.data.records.records import normalize_record
 from sft.data.spec import PreparationSpec
+from sft.data.template.chat_template import with_template_kwargs
+from sft.data.template.end_tokens import end_of_turn_id
 from tests.helpers import assets, template_corpus as tc
 
 NAMES = ["Qwen3.5-4B", "google-gemma-4-31B-it"]

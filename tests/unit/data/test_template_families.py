@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
-from sft.data.end_tokens import end_of_turn_id, model_end_ids
-from sft.data.records import normalize_record
-from sft.data.samples import encode_samples
+from sft.data.encode.samples import encode_samples
+from sft.data.records.records import normalize_record
 from sft.data.spec import PreparationSpec
+from sft.data.template.chat_template import parse_template_kwargs, with_template_kwargs
+from sft.data.template.end_tokens import end_of_turn_id, model_end_ids
 from sft.errors import TemplateError
 from tests.helpers.labels import split_reused_and_fresh, supervised_spans
 from tests.helpers.template_corpus import check_definition
@@ -179,7 +179,7 @@ def test_chat_template_kwargs_reach_every_rendering_and_bad_ones_are_refused_up_
 def test_refusals_name_file_record_id_and_turn_and_no_length_warning_leaks(family_tok, caplog):
     import logging
 
-    from sft.data.dataset import LazySupervisedDataset
+    from sft.data.store.dataset import LazySupervisedDataset
     from sft.errors import DataError
 
     family_tok.chat_template = INDENTED.replace("'  '", "'x'")  # a prompt the reply's rendering does not continue
@@ -203,7 +203,7 @@ def test_refusals_name_file_record_id_and_turn_and_no_length_warning_leaks(famil
 
 
 def test_shared_prefixes_are_tokenized_once_with_the_tokens_of_the_whole_text(qwen_tok):
-    from sft.data.shared_prefix import common_prefix_length, tokenize_shared
+    from sft.data.encode.shared_prefix import common_prefix_length, tokenize_shared
 
     tok = qwen_tok[0]
     turn = "<|im_start|>{}\n{}<|im_end|>\n"

@@ -11,10 +11,10 @@ import dataclasses
 
 import pytest
 
-from sft.data.chat import render
-from sft.data.chat_template import with_template_kwargs
-from sft.data.end_tokens import end_of_turn_id
-from sft.data.profile import template_profile
+from sft.data.template.chat import render
+from sft.data.template.chat_template import with_template_kwargs
+from sft.data.template.end_tokens import end_of_turn_id
+from sft.data.template.profile import template_profile
 from sft.errors import TemplateError
 from tests.unit.data.test_template_families import APRIEL, RECORD, TOKENS, trained
 

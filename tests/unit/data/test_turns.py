@@ -1,15 +1,16 @@
-"""Labels by the definition (sft.data.turns through sft.data.samples.encode_samples) on Qwen3's published chat template:
+"""Labels by the definition (sft.data.encode.turns through sft.data.encode.samples.encode_samples) on Qwen3's published
+chat template:
 reasoning, tool calls, per-reply flags, several samples where the template rewrites history; templates that drop part
 of a conversation are refused by name, or trained with what they drop counted. The whole corpus of real templates:
 tests/integration/data/test_template_corpus.py."""
 import pytest
 
-from sft.data.chat import IGNORE_INDEX
-from sft.data.conversation_samples import ConversationSamples
-from sft.data.records import normalize_record
-from sft.data.report import TruncationReport
-from sft.data.samples import encode_samples
+from sft.data.encode.conversation_samples import ConversationSamples
+from sft.data.encode.report import TruncationReport
+from sft.data.encode.samples import encode_samples
+from sft.data.records.records import normalize_record
 from sft.data.spec import PreparationSpec
+from sft.data.template.chat import IGNORE_INDEX
 from sft.errors import TemplateError
 from tests.helpers import assets
 from tests.helpers.data import AGENT
@@ -304,7 +305,7 @@ def test_a_conversation_known_split_by_its_longest_sample_gives_the_same_samples
     none of its whole plan's other samples (nobody reads them); split_turns' estimates take that sample's tokens and
     the plan's rendering of the whole conversation. The same samples, ids, labels and counts as tokenizing every
     sample (a batch with conversations that fit, one split, one with a unit too long by itself)."""
-    import sft.data.samples as samples_mod
+    import sft.data.encode.samples as samples_mod
 
     tok, eot = qwen3
     long = long_agent_record()

@@ -1,6 +1,8 @@
 """The value one conversation becomes: :class:`ConversationSamples`, its samples (:class:`Sample`) with what the whole
-conversation cost in declared fields, never keys riding on its first sample (:func:`sft.data.samples.encode_samples`
-makes it, :class:`sft.data.report.TruncationReport` counts it, :mod:`sft.data.dataset` writes its samples)."""
+conversation cost in declared fields, never keys riding on its first sample
+(:func:`sft.data.encode.samples.encode_samples`
+makes it, :class:`sft.data.encode.report.TruncationReport` counts it, :mod:`sft.data.store.dataset` writes its
+samples)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,7 +11,8 @@ from typing import Optional, TypedDict
 
 
 class Sample(TypedDict, total=False):
-    """One training sample (:func:`sft.data.samples.truncate`'s dict): ``input_ids`` and ``labels`` (lists of int, of
+    """One training sample (:func:`sft.data.encode.samples.truncate`'s dict): ``input_ids`` and ``labels`` (lists of
+    int, of
     the same length <= ``max_len``; labels -100 where not supervised), ``n_supervised`` (supervised tokens kept),
     ``n_lost`` (supervised tokens cut off), ``truncated`` (bool), ``user_cut`` (user turns cut from its start to fit,
     their last words kept); a truncated one also names where: ``cut_turn`` (the record's turn, or None) and
@@ -35,7 +38,7 @@ class ConversationSamples(Sequence):
         dropped: characters of the conversation the chat template left out (trained without them under
             ``--allow_dropped_content``).
         extra_samples: samples beyond one that a history-rewriting template made of it (0 where
-            :mod:`sft.data.split_turns` cut it into pieces).
+            :mod:`sft.data.encode.split_turns` cut it into pieces).
         extra_tokens: the tokens of those samples beyond the last one.
     """
 

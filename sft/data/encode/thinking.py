@@ -1,7 +1,7 @@
 """What the model generates after a generation prompt that does not simply continue into the reply's rendering:
 a prompt that ends inside a reasoning block (``<think>\n``, gemma-4's ``<|channel>thought\n``, Command-R's thinking
 switched off), and a prompt that differs from the rendering only in whitespace (:func:`continuation`; the definition
-and its use: :mod:`sft.data.turns`)."""
+and its use: :mod:`sft.data.encode.turns`)."""
 from __future__ import annotations
 
 import os
@@ -98,7 +98,7 @@ class ReplyTexts(NamedTuple):
     """One reply's texts for :func:`continuation`: ``prompt`` = ``render(turns[:k], add_generation_prompt=True)``,
     ``full`` = ``render(turns[:k+1])``, ``reasoning`` the reply's reasoning ("" for none), ``last_turn`` the content
     of the message before the reply ("" for none), ``channel`` the template's own reasoning channel ``(opening,
-    close)`` (:attr:`sft.data.profile.TemplateProfile.reasoning_channel`; ``()`` for none)."""
+    close)`` (:attr:`sft.data.template.profile.TemplateProfile.reasoning_channel`; ``()`` for none)."""
     prompt: str
     full: str
     reasoning: str

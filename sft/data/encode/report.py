@@ -1,12 +1,12 @@
 """The truncation report: what preparing a source cost, counted sample by sample and conversation by conversation
-(:func:`sft.data.samples.encode_samples`' samples), merged over shards, and said in lines for the run's log."""
+(:func:`sft.data.encode.samples.encode_samples`' samples), merged over shards, and said in lines for the run's log."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sft.data.conversation_samples import ConversationSamples
-from sft.data.cut_turns import where_cut
+from sft.data.encode.conversation_samples import ConversationSamples
+from sft.data.encode.cut_turns import where_cut
 
 
 @dataclass
@@ -23,7 +23,7 @@ class TruncationReport:
     split: int = 0
     user_turns_cut: int = 0
     mode: str = "truncate"
-    rewritten: int = 0  # conversations the chat template made several samples of (sft.data.turns)
+    rewritten: int = 0  # conversations the chat template made several samples of (sft.data.encode.turns)
     extra_samples: int = 0
     extra_tokens: int = 0
     dropped_chars: int = 0  # characters the template dropped (--allow_dropped_content True)
@@ -49,7 +49,8 @@ class TruncationReport:
                 self.dropped_ids.append(sample_id)
 
     def count_conversation(self, samples: ConversationSamples, sample_id: str, record=None) -> None:
-        """Add the samples of one conversation (:func:`sft.data.samples.encode_samples`; record number ``record``)
+        """Add the samples of one conversation (:func:`sft.data.encode.samples.encode_samples`; record number
+        ``record``)
         to the counts."""
         self.conversations += 1
         extra = samples.extra_samples

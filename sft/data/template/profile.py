@@ -2,12 +2,15 @@
 (:func:`template_profile`), which the rest of the wing reads instead of probing the template itself; and
 :func:`template_messages`, messages in the forms the profile says the template takes.
 
-Each fact is decided by rendering probe conversations through the template (:func:`sft.data.forms.render_with_tools`,
-a rendering that fails counts as "no"), once: the profile lives in the tokenizer's :class:`sft.data.chat.Renderer`,
+Each fact is decided by rendering probe conversations through the template
+(:func:`sft.data.template.forms.render_with_tools`,
+a rendering that fails counts as "no"), once: the profile lives in the tokenizer's
+:class:`sft.data.template.chat.Renderer`,
 which a new chat template replaces. Facts that depend on more than the template stay with their users: the tokens
-that close a reply (per end-of-turn id, :func:`sft.data.turns.stop_tokens`), whether a sequence of roles takes the
-fast path (:func:`sft.data.turns.one_sample_of_contents`), the tokens a text may be cut at (the vocabulary's,
-:func:`sft.data.long_conversations.cut_tokens`).
+that close a reply (per end-of-turn id, :func:`sft.data.encode.turns.stop_tokens`), whether a sequence of roles takes
+the
+fast path (:func:`sft.data.encode.turns.one_sample_of_contents`), the tokens a text may be cut at (the vocabulary's,
+:func:`sft.data.encode.long_conversations.cut_tokens`).
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import json
 from dataclasses import dataclass
 from typing import Sequence
 
-from sft.data.chat import PROBE, Renderer
-from sft.data.forms import (
+from sft.data.records.messages import message_text
+from sft.data.template.chat import PROBE, Renderer
+from sft.data.template.forms import (
     PROBE_REASONING,
     PROBE_TOOL,
     PROBE_VALUE,
@@ -25,7 +29,6 @@ from sft.data.forms import (
     with_reasoning,
     with_string_arguments,
 )
-from sft.data.messages import message_text
 from sft.errors import TemplateError
 
 
@@ -44,10 +47,11 @@ class TemplateProfile:
             functionary-v3.2 writes ``"\\n" + arguments``); ``"object"`` where neither renders.
         writes_tool_calls: it writes a reply's ``tool_calls`` at all (a probe call's name after the user turn).
         ends_at_next_role: it writes nothing after the last reply, so a reply ends at the token that opens the next
-            turn (GLM-4.6's ``<|user|>``, one of its model's end tokens: :func:`sft.data.end_tokens.end_of_turn_id`).
+            turn (GLM-4.6's ``<|user|>``, one of its model's end tokens:
+            :func:`sft.data.template.end_tokens.end_of_turn_id`).
         needs_tools: it fails on a plain conversation without ``tools`` and renders it with ``tools=[]`` (Hermes' and
-            Command-R's tool_use templates; :meth:`sft.data.chat.Renderer.needs_tools`).
-        opaque: it writes each content verbatim and reads nothing else of it (:func:`sft.data.chat_template.
+            Command-R's tool_use templates; :meth:`sft.data.template.chat.Renderer.needs_tools`).
+        opaque: it writes each content verbatim and reads nothing else of it (:func:`sft.data.template.chat_template.
             content_is_opaque`: a filled per-roles skeleton is its rendering).
         reasoning_channel: ``(opening, close)``, the texts the template writes before and after reasoning in its own
             channel (gemma-4: ``"<|channel>thought\\n"``, ``"\\n<channel|>"``), found in the empty block its
@@ -65,7 +69,7 @@ class TemplateProfile:
 
 def template_profile(tokenizer) -> TemplateProfile:
     """The :class:`TemplateProfile` of ``tokenizer``'s chat template, probed on the first call for a template and
-    kept with its :class:`sft.data.chat.Renderer`."""
+    kept with its :class:`sft.data.template.chat.Renderer`."""
     renderer = Renderer.of(tokenizer)
     found = renderer.memo.get("profile")
     if found is None:
@@ -121,8 +125,8 @@ def reasoning_channel(tokenizer) -> tuple:
     empty reasoning block its generation prompt closes (thinking switched off: gemma-4's ``<|channel>thought\\n
     <channel|>``), or the block it writes a probe reasoning in (gemma-4 under ``enable_thinking`` writes a reply's
     ``reasoning_content`` only beside its tool calls). The opening: the block's tag, label and whitespace; the close
-    as the template writes it (:func:`sft.data.thinking.close_text`)."""
-    from sft.data.thinking import close_text, thinking_block
+    as the template writes it (:func:`sft.data.encode.thinking.close_text`)."""
+    from sft.data.encode.thinking import close_text, thinking_block
 
     user, source = [{"role": "user", "content": "Hi"}], tokenizer.chat_template or ""
     texts = []
