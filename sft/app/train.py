@@ -209,8 +209,7 @@ def prepare_model(model_args, data_args, training_args, lora_args, runtime: Runt
     attention allows (padding-free rows by default); under ``--sequence_parallel_size`` N > 1 the attention over the
     whole row (:func:`sft.model.sequence_parallel.use_sequence_parallel_attention`) and this rank's slice of every
     row (:class:`sft.data.batches.packing.SequenceParallelSplit`); under ``--expert_parallel_size`` N > 1 this rank's
-    E/N
-    experts (:func:`sft.model.expert_parallel.spread_experts`). Returns ``(model, collator)``.
+    E/N experts (:func:`sft.model.expert_parallel.spread_experts`). Returns ``(model, collator)``.
 
     Raises:
         ConfigError: ``--optim`` / ``--lr_scheduler_type`` cannot be built (:func:`check_optimizer_and_scheduler`), or

@@ -2,11 +2,10 @@
 
 A packed row holds several conversations back to back; ``position_ids`` restart at 0 at the first token of each
 (:mod:`sft.data.batches.packing`). transformers 5.24 keeps them apart for ``sdpa`` by building a block-diagonal boolean
-mask
-from the position ids (``masking_utils.find_packed_sequence_indices``): SDPA then computes every
-``row_len x row_len`` score and cannot use its ``is_causal`` kernels. The implementation registered here under
-:data:`PACKED_ATTENTION` (``transformers.AttentionInterface``, so every architecture whose attention goes through
-the interface uses it: Llama/SmolLM2, Qwen2, Mistral, ...) instead cuts each row at the position-id resets and runs
+mask from the position ids (``masking_utils.find_packed_sequence_indices``): SDPA then computes every ``row_len x
+row_len`` score and cannot use its ``is_causal`` kernels. The implementation registered here under
+:data:`PACKED_ATTENTION` (``transformers.AttentionInterface``, so every architecture whose attention goes through the
+interface uses it: Llama/SmolLM2, Qwen2, Mistral, ...) instead cuts each row at the position-id resets and runs
 
 * on CUDA with fp16/bf16 tensors, one attention call per layer over every document of the micro batch
   (:func:`varlen_kernel` chooses): ``flash_attn.flash_attn_varlen_func`` when the ``flash-attn`` package is

@@ -2,10 +2,9 @@
 
 Every rank of a sequence-parallel group (:mod:`sft.distributed.sequence_parallel`) runs the model on its own slice of
 the micro batch's one row (:class:`sft.data.batches.packing.SequenceParallelSplit`): embeddings, MLPs, norms, the LM
-head and
-the loss see only the slice, so their activations are 1/N of the row's. Attention must see the whole row; two ways,
-both registered with transformers' ``AttentionInterface`` and both keeping every document of a padding-free or packed
-row apart (the per-document boundaries ``cu_seq_lens_q`` describe the whole row on every rank):
+head and the loss see only the slice, so their activations are 1/N of the row's. Attention must see the whole row; two
+ways, both registered with transformers' ``AttentionInterface`` and both keeping every document of a padding-free or
+packed row apart (the per-document boundaries ``cu_seq_lens_q`` describe the whole row on every rank):
 
 * ``ulysses`` (:data:`SP_ULYSSES`): DeepSpeed's ``UlyssesSPAttentionHF`` (``deepspeed.runtime.sequence_parallel.
   ulysses_sp``, DeepSpeed 0.19.8; arXiv 2309.14509): an all-to-all turns ``[slice, all heads]`` into ``[whole row,

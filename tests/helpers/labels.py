@@ -18,9 +18,8 @@ def supervised_spans(tok, ids, labels) -> list[str]:
 
 def split_reused_and_fresh(tok, eot, messages, tools, max_len: int, monkeypatch) -> tuple[list, list, int, int]:
     """:func:`sft.data.encode.split_turns.split_turns` of one conversation twice: as preparation runs it (replies taken
-    from
-    the whole conversation's plan and from earlier pieces with the same first unit) and with every piece planned from
-    scratch: ``(pieces, fresh pieces, renderings, fresh renderings)``."""
+    from the whole conversation's plan and from earlier pieces with the same first unit) and with every piece planned
+    from scratch: ``(pieces, fresh pieces, renderings, fresh renderings)``."""
     import sft.data.encode.split_turns as split_mod
     import sft.data.encode.turns as turns_mod
     from sft.data.encode.turns import plan, stop_tokens, trained_turns

@@ -212,9 +212,8 @@ def reference(tok, messages, tools, stop_ids, original=None):
     ``render(turns[:k], add_generation_prompt=True)`` followed by what the model generates after it, by default
     ``render(turns[:k+1])``) up to and including the first of ``stop_ids`` (the tokens that close a reply,
     :func:`sft.data.encode.turns.stop_tokens`) after the context, labels on the tokens after the context through the
-    closing
-    token: the definition, through the public API. The context is tokenized alone (its own tokens at inference), what
-    follows it apart. ``original``: the messages before the template's form of reasoning (default ``messages``)."""
+    closing token: the definition, through the public API. The context is tokenized alone (its own tokens at inference),
+    what follows it apart. ``original``: the messages before the template's form of reasoning (default ``messages``)."""
     original = original or messages
     out = []
     for k, m in enumerate(messages):

@@ -12,10 +12,9 @@ from typing import Optional, TypedDict
 
 class Sample(TypedDict, total=False):
     """One training sample (:func:`sft.data.encode.samples.truncate`'s dict): ``input_ids`` and ``labels`` (lists of
-    int, of
-    the same length <= ``max_len``; labels -100 where not supervised), ``n_supervised`` (supervised tokens kept),
-    ``n_lost`` (supervised tokens cut off), ``truncated`` (bool), ``user_cut`` (user turns cut from its start to fit,
-    their last words kept); a truncated one also names where: ``cut_turn`` (the record's turn, or None) and
+    int, of the same length <= ``max_len``; labels -100 where not supervised), ``n_supervised`` (supervised tokens
+    kept), ``n_lost`` (supervised tokens cut off), ``truncated`` (bool), ``user_cut`` (user turns cut from its start to
+    fit, their last words kept); a truncated one also names where: ``cut_turn`` (the record's turn, or None) and
     ``turn_tokens`` (that turn's size), or, before they are named, ``cut_at`` (the first tokens cut off)."""
     input_ids: list
     labels: list

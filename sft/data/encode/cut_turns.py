@@ -81,8 +81,7 @@ def turn_sizes(text: str, offsets: list, messages: Sequence[dict], found: Option
 
 def name_cuts(samples: list, shift: int, locate) -> None:
     """Replace each truncated sample's ``cut_at`` (:func:`sft.data.encode.samples.truncate`) with ``cut_turn`` (the
-    record's
-    numbering: the conversation's index less ``shift``, the default system prompt's place) and ``turn_tokens``;
+    record's numbering: the conversation's index less ``shift``, the default system prompt's place) and ``turn_tokens``;
     ``locate(cut_at)`` is :func:`cut_turn` on the conversation's rendering."""
     for ex in samples:
         cut_at = ex.pop("cut_at", None)

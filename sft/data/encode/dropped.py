@@ -1,7 +1,6 @@
 """The dropped-content check of :func:`sft.data.encode.turns.plan`: what a chat template left out of a conversation's
-samples
-(a reply's content, reasoning or tool call missing from its trained text; a system, user or tool text missing from a
-sample; the record's tools missing from a sample), each text claiming its own occurrence."""
+samples (a reply's content, reasoning or tool call missing from its trained text; a system, user or tool text missing
+from a sample; the record's tools missing from a sample), each text claiming its own occurrence."""
 from __future__ import annotations
 
 import json

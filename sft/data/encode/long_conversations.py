@@ -140,8 +140,7 @@ def _encode_pieces(tokenizer, head: list[dict], pairs: list[list[dict]], plan: l
     one special token (:func:`cut_tokens`), where the tokenizer splits the text before the rest of its work, so
     the tokens on both sides of a cut are those of the whole conversation. Labels are then built from the sample's
     own reply spans (:func:`sft.data.template.chat.labels_from_spans`), or, when those spans are the conversation's own
-    spans
-    moved with the text, taken from the conversation's labels (the same labels: each token is labelled by the
+    spans moved with the text, taken from the conversation's labels (the same labels: each token is labelled by the
     reply its characters overlap). Any other sample is encoded. Seven parameters: each is a value
     :func:`split_conversation` (its one caller) already holds (the conversation's parts ``head`` and ``pairs``, its
     encoding, the planning estimate ``head_len``, the end-of-turn id); a value bundling them would serve one call."""

@@ -50,8 +50,7 @@ class TruncationReport:
 
     def count_conversation(self, samples: ConversationSamples, sample_id: str, record=None) -> None:
         """Add the samples of one conversation (:func:`sft.data.encode.samples.encode_samples`; record number
-        ``record``)
-        to the counts."""
+        ``record``) to the counts."""
         self.conversations += 1
         extra = samples.extra_samples
         self.split += int(len(samples) - extra > 1)

@@ -43,12 +43,11 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
 
 
 def dropped_fix(tokenizer, dropped) -> str:
-    """The fix of a refusal for content the template drops (:attr:`sft.data.encode.turns.TurnPlan.dropped`): the
-    general one,
-    after the template's own switch where it drops reasoning and reads ``enable_thinking`` not set on by
-    ``--chat_template_kwargs`` (Reka-Edge writes reasoning only with it true), or a word on tool calls where it
-    drops them and writes no call at all (LFM2, Granite 3.3: their models write calls inside the reply's content, in
-    their own syntax; :attr:`sft.data.template.profile.TemplateProfile.writes_tool_calls`)."""
+    """The fix of a refusal for content the template drops (:attr:`sft.data.encode.turns.TurnPlan.dropped`): the general
+    one, after the template's own switch where it drops reasoning and reads ``enable_thinking`` not set on by
+    ``--chat_template_kwargs`` (Reka-Edge writes reasoning only with it true), or a word on tool calls where it drops
+    them and writes no call at all (LFM2, Granite 3.3: their models write calls inside the reply's content, in their own
+    syntax; :attr:`sft.data.template.profile.TemplateProfile.writes_tool_calls`)."""
     from sft.data.template.chat_template import with_template_kwargs
     from sft.data.template.profile import template_profile
 

@@ -2,11 +2,10 @@
 template: each holds the history before its reply) with each shared prefix tokenized once.
 
 A text is cut where a special token of :func:`sft.data.encode.long_conversations.cut_tokens` starts, inside the prefix
-it
-shares with the text before it in its group: the tokenizer finds such a token in the raw text before any other
-work, so the tokens before the cut are the earlier text's tokens there and the tokens from the cut on are those of
-the rest tokenized alone (offsets moved by the cut). Every other text is tokenized whole. The result is the same ids
-and offsets as tokenizing every text whole (checked in tests/unit/data/test_template_families.py).
+it shares with the text before it in its group: the tokenizer finds such a token in the raw text before any other work,
+so the tokens before the cut are the earlier text's tokens there and the tokens from the cut on are those of the rest
+tokenized alone (offsets moved by the cut). Every other text is tokenized whole. The result is the same ids and offsets
+as tokenizing every text whole (checked in tests/unit/data/test_template_families.py).
 """
 from __future__ import annotations
 

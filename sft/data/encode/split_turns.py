@@ -13,12 +13,11 @@ where the head is the system turn; when the piece's first unit starts with tool 
 never trained without the query it works on, nor a tool result shown without its call (templates such as Qwen3's
 also need a user turn). Target units are taken greedily, context units added nearest first, with the cut rules of
 :mod:`sft.data.encode.long_conversations` (``plan_pieces``: the first piece's targets may fill it, a later piece's
-targets
-take at most half of the room after the head). Each piece is then encoded by the definition with only its target units'
-replies trained (:func:`sft.data.encode.turns.plan`; a piece may itself be several samples where the template rewrites
-history), so its labels are those of inference for that context. Unit lengths for the plan are read off the whole
-conversation's rendering; a piece encoded longer than planned is planned again with a smaller budget, and a piece of
-one target unit that does not fit even alone is returned whole for the caller to truncate and report.
+targets take at most half of the room after the head). Each piece is then encoded by the definition with only its target
+units' replies trained (:func:`sft.data.encode.turns.plan`; a piece may itself be several samples where the template
+rewrites history), so its labels are those of inference for that context. Unit lengths for the plan are read off the
+whole conversation's rendering; a piece encoded longer than planned is planned again with a smaller budget, and a piece
+of one target unit that does not fit even alone is returned whole for the caller to truncate and report.
 """
 from __future__ import annotations
 

@@ -182,10 +182,9 @@ class _At(NamedTuple):
 
 def _rendering(tokenizer, at: _At, texts: ReplyTexts, what: str):
     """The rendering :func:`sft.data.encode.thinking.continuation` asks for (:class:`sft.data.encode.thinking.Need`):
-    ``"bare"``,
-    the conversation up to the reply without its reasoning; ``"reasoned"``, ``(text, probe)``: with a probe
-    reasoning in the template's form; ``"unopened"``, the character where the reply's rendering (a probe content
-    first) starts right after the prompt's special tail, or None."""
+    ``"bare"``, the conversation up to the reply without its reasoning; ``"reasoned"``, ``(text, probe)``: with a probe
+    reasoning in the template's form; ``"unopened"``, the character where the reply's rendering (a probe content first)
+    starts right after the prompt's special tail, or None."""
     shown, k, tools = at.shown, at.k, at.tools
     if what == "bare":
         return render_with_tools(tokenizer, shown[:k] + [_without_reasoning(at.message)], tools)

@@ -1,16 +1,14 @@
 """Tokenized datasets (memory-mapped Arrow, prepared by every rank, cached) and the padding collator.
 
 Eager mode (default): the records of each source are streamed and validated (:mod:`sft.data.records.records`), encoded
-per
-conversation (:func:`encode_samples`: ids and labels built together; one longer than ``model_max_length`` is
-split at turn boundaries into several samples, ``--long_conversations split``,
-:mod:`sft.data.encode.long_conversations`, or
+per conversation (:func:`encode_samples`: ids and labels built together; one longer than ``model_max_length`` is split
+at turn boundaries into several samples, ``--long_conversations split``, :mod:`sft.data.encode.long_conversations`, or
 truncated, ``truncate``), samples left with no supervised token are dropped, and the samples are written as Arrow shards
 under ``<cache>/<key>`` where the key hashes the source's bytes, the tokenizer (vocabulary, special tokens, chat
-template), the settings, this package's version and its preparation code (:mod:`sft.data.store.cache_key`). Every
-global rank prepares its shard and then memory-maps all of them (:mod:`sft.data.store.shards`: completion markers,
-``--data_timeout``); no rank holds the records as Python objects. The rows come out in record order whatever the
-world size (:func:`in_record_order`), and a complete set of shards written at another world size is used as it is
+template), the settings, this package's version and its preparation code (:mod:`sft.data.store.cache_key`). Every global
+rank prepares its shard and then memory-maps all of them (:mod:`sft.data.store.shards`: completion markers,
+``--data_timeout``); no rank holds the records as Python objects. The rows come out in record order whatever the world
+size (:func:`in_record_order`), and a complete set of shards written at another world size is used as it is
 (:func:`shard_count`). Several sources are concatenated, or mixed by weight (:func:`mix`).
 
 Lazy mode (``--lazy_preprocess``, truncation only): the shards hold the validated records (``id``, ``messages``)

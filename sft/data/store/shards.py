@@ -13,8 +13,7 @@ the settings, :func:`sft.data.store.cache_key.cache_key`), for a job of ``W`` sh
 
 The rows of the dataset do not depend on ``W``: each sample carries its record's index and the shards' rows are
 read back in record order (:func:`sft.data.store.dataset.in_record_order`), so a complete set written at one world size
-also
-serves a run at another (:func:`sft.data.store.dataset.shard_count`).
+also serves a run at another (:func:`sft.data.store.dataset.shard_count`).
 
 Who prepares what: with a cache folder that every node sees (checked at the start with one probe file per
 node), shard ``k`` is prepared by global rank ``k``: once per job. With a node-local folder, the ranks of each

@@ -30,12 +30,11 @@ def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
 
     Found by rendering a probe conversation: the first special token after the reply (whitespace before it, as in
     ``reply\n<|end|>``, is allowed: it is trained as part of the reply, :mod:`sft.data.encode.turns`), or, where the
-    template
-    writes several in a row, the first of them that is one of the model's end tokens (``model_end``, the ids of
-    :func:`model_end_ids`, and the tokenizer's eos): Command-R's ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`` stops at
-    the latter. A template that writes nothing after the last reply (GLM-4.6 stops at the next role's token) closes a
-    reply with the first special token it writes after a reply that a user turn follows, when that is one of the
-    model's end tokens.
+    template writes several in a row, the first of them that is one of the model's end tokens (``model_end``, the ids of
+    :func:`model_end_ids`, and the tokenizer's eos): Command-R's ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`` stops at the
+    latter. A template that writes nothing after the last reply (GLM-4.6 stops at the next role's token) closes a reply
+    with the first special token it writes after a reply that a user turn follows, when that is one of the model's end
+    tokens.
 
     Raises:
         TemplateError: the template writes something other than a special token after the last reply, or nothing

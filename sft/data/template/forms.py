@@ -1,8 +1,7 @@
 """The renderer of the per-turn path (:func:`render_with_tools`) and the forms a message can take for a chat template:
 reasoning in the ``reasoning_content`` field or inline ``<think>`` (:func:`with_reasoning`), tool call arguments as
 their JSON string (:func:`with_string_arguments`), and the probe messages that :mod:`sft.data.template.profile` renders
-to
-decide which form a template takes."""
+to decide which form a template takes."""
 from __future__ import annotations
 
 import json

@@ -8,8 +8,7 @@ a rendering that fails counts as "no"), once: the profile lives in the tokenizer
 :class:`sft.data.template.chat.Renderer`,
 which a new chat template replaces. Facts that depend on more than the template stay with their users: the tokens
 that close a reply (per end-of-turn id, :func:`sft.data.encode.turns.stop_tokens`), whether a sequence of roles takes
-the
-fast path (:func:`sft.data.encode.turns.one_sample_of_contents`), the tokens a text may be cut at (the vocabulary's,
+the fast path (:func:`sft.data.encode.turns.one_sample_of_contents`), the tokens a text may be cut at (the vocabulary's,
 :func:`sft.data.encode.long_conversations.cut_tokens`).
 """
 from __future__ import annotations

@@ -177,9 +177,8 @@ def test_show_sample_prints_every_sample_of_a_split_record(tmp_path, tiny_model_
 
 def test_bracket_holds_the_largest_keep_from_any_guess():
     """sft.data.encode.long_conversations._bracket: for a monotone ok (true up to some answer), from any guess, the
-    bracket it
-    returns holds the answer and ok holds at its low end, so the binary search after it finds the same largest
-    keep as a search over the whole range; and it narrows the range (few probes) when the guess is close."""
+    bracket it returns holds the answer and ok holds at its low end, so the binary search after it finds the same
+    largest keep as a search over the whole range; and it narrows the range (few probes) when the guess is close."""
     import random
 
     from sft.data.encode.long_conversations import _bracket

@@ -1,8 +1,7 @@
 """Labels by the definition (sft.data.encode.turns through sft.data.encode.samples.encode_samples) on Qwen3's published
-chat template:
-reasoning, tool calls, per-reply flags, several samples where the template rewrites history; templates that drop part
-of a conversation are refused by name, or trained with what they drop counted. The whole corpus of real templates:
-tests/integration/data/test_template_corpus.py."""
+chat template: reasoning, tool calls, per-reply flags, several samples where the template rewrites history; templates
+that drop part of a conversation are refused by name, or trained with what they drop counted. The whole corpus of real
+templates: tests/integration/data/test_template_corpus.py."""
 import pytest
 
 from sft.data.encode.conversation_samples import ConversationSamples
