@@ -157,7 +157,7 @@ def build_ours(a, system: str, out_dir: str):
     if system == "ours-packing-flat":  # one [1, total] row per micro batch, transformers' block-diagonal mask
         from transformers import DataCollatorWithFlattening
 
-        from sft.data.packing import split_row
+        from sft.data.batches.packing import split_row
 
         flat = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
         trainer.data_collator = lambda rows: flat([c for r in rows for c in split_row(r)], return_tensors="pt")
@@ -324,8 +324,8 @@ def per_length(a, values: list[int] | None) -> dict:
 
 def mean_tokens_per_conversation(a) -> float:
     """Mean tokens per training sample after truncation at ``a.max_length`` (decides the packed micro batch)."""
-    from sft.data.chat import encode_conversations
-    from sft.data.records import load_conversations
+    from sft.data.records.records import load_conversations
+    from sft.data.template.chat import encode_conversations
     from sft.model.loading import load_tokenizer
 
     tok, eot, _ = load_tokenizer(a.model)

@@ -57,8 +57,8 @@ def build_trl(a, out_dir: str, best: bool):
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    from sft.data.chat import IGNORE_INDEX, encode_conversations
-    from sft.data.records import load_conversations
+    from sft.data.records.records import load_conversations
+    from sft.data.template.chat import IGNORE_INDEX, encode_conversations
     from sft.model.loading import load_model, load_tokenizer, torch_dtype
     from sft.model.spec import LoadSpec
 
@@ -122,7 +122,7 @@ def llamafactory_config(a, data_dir: str, out_dir: str) -> dict:
 def write_llamafactory_data(a, data_dir: str) -> None:
     """The same conversations as ours (after our validation) in LLaMA-Factory's sharegpt layout with OpenAI-style
     role/content messages, and its ``dataset_info.json``."""
-    from sft.data.records import load_conversations
+    from sft.data.records.records import load_conversations
 
     os.makedirs(data_dir, exist_ok=True)
     with open(os.path.join(data_dir, "chitchat.jsonl"), "w", encoding="utf-8") as f:

@@ -158,10 +158,10 @@ def print_scaling(a, one: list[dict], two: list[dict]) -> None:
 def preprocessing(a) -> list[tuple[str, float]]:
     """Conversations/s: our rendering + masking vs. rendering + one plain batched tokenizer() call; our full
     dataset preparation (stream, validate, Arrow shard) with 1 and 2 worker processes."""
-    from sft.data.chat import encode_conversations
-    from sft.data.dataset import build_dataset
-    from sft.data.records import load_conversations
+    from sft.data.records.records import load_conversations
     from sft.data.spec import PreparationSpec
+    from sft.data.store.dataset import build_dataset
+    from sft.data.template.chat import encode_conversations
     from sft.model.loading import load_tokenizer
 
     tok, eot, _ = load_tokenizer(a.model)

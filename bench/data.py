@@ -3,7 +3,7 @@
 
 Writes N conversations (the example's chitchat repeated, every copy with its own id) as JSONL into a
 temporary folder, then prepares them as training does (stream + validate + tokenize + Arrow shards,
-:func:`sft.data.dataset.build_dataset`) in these configurations (``--runs``):
+:func:`sft.data.store.dataset.build_dataset`) in these configurations (``--runs``):
 
 * ``one``: 1 process; ``many``: P processes (``--processes``) on this host sharing one cache folder (ranks of one
   job: each prepares its shard, then waits for the others' completion markers and memory-maps all shards);
@@ -12,7 +12,7 @@ temporary folder, then prepares them as training does (stream + validate + token
   folder as a P-node job does: on each host the real launcher (``python -m sft.distributed.torchrun
   --nnodes P --node_rank i --nproc_per_node 1``, which sets RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK) starts
   one rank that joins the process group (gloo, :func:`sft.distributed.process_group.init_process_group`), agrees
-  with the others on the run and on the cache folder being shared (:func:`sft.data.shards.agree`, two collectives
+  with the others on the run and on the cache folder being shared (:func:`sft.data.store.shards.agree`, two collectives
   over the namespace bridge) and then prepares exactly as in training; its figures start after that agreement;
 * ``plain``: the reference: one batched ``tokenizer()`` call on the same rendered texts (the first
   ``--plain_sample`` conversations), with 1 process and with P processes at once (each on its share of the
@@ -57,8 +57,8 @@ t0 = time.perf_counter()
 api = sys.argv[8]
 if api == "after":  # this layout: sft/ in folders by job, the preparation settings in one PreparationSpec
     from sft.model.loading import load_tokenizer
-    from sft.data.dataset import build_dataset
-    from sft.data.shards import JobView, ShardPlan
+    from sft.data.store.dataset import build_dataset
+    from sft.data.store.shards import JobView, ShardPlan
     from sft.data.spec import PreparationSpec
     tok, eot, _ = load_tokenizer(model)
     view = JobView(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
@@ -109,8 +109,8 @@ from sft.distributed.process_group import init_process_group
 assert init_process_group("gloo", 600.0), "no process group: not started by torchrun?"
 from sft.model.loading import load_tokenizer
 tok, eot, _ = load_tokenizer(model)
-from sft.data.dataset import build_dataset
-from sft.data.shards import JobView, agree
+from sft.data.store.dataset import build_dataset
+from sft.data.store.shards import JobView, agree
 from sft.data.spec import PreparationSpec
 t1 = time.perf_counter()
 plan = agree(cache, JobView.from_env())  # as sft.app.train.load_records: probe files + two collectives
@@ -134,7 +134,7 @@ import json, os, sys, time
 model, data, sample, k, n = sys.argv[1:6]
 sample, k, n = int(sample), int(k), int(n)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-from sft.data.records import RecordCheck, iter_conversations
+from sft.data.records.records import RecordCheck, iter_conversations
 from sft.model.loading import load_tokenizer
 tok, _, _ = load_tokenizer(model)
 head = data + f".plain-{k}-of-{n}.jsonl"

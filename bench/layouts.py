@@ -44,8 +44,8 @@ def layouts(samples, batch: int, rows: int, max_len: int, tok):
     """``{name: (attention implementation, [batch dicts])}`` over the same samples."""
     from transformers import DataCollatorWithFlattening
 
-    from sft.data.dataset import make_collator
-    from sft.data.packing import PackedCollator, PaddingFreeCollator, pack_dataset, split_row
+    from sft.data.batches.packing import PackedCollator, PaddingFreeCollator, pack_dataset, split_row
+    from sft.data.store.dataset import make_collator
     from sft.model.attention import PACKED_ATTENTION
 
     pad, free = make_collator(tok), PaddingFreeCollator()
@@ -91,8 +91,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import torch
 
-    from sft.data.chat import IGNORE_INDEX, encode_conversations
-    from sft.data.records import load_conversations
+    from sft.data.records.records import load_conversations
+    from sft.data.template.chat import IGNORE_INDEX, encode_conversations
     from sft.model.attention import register
     from sft.model.loading import apply_lora, load_model, load_tokenizer
     from sft.model.spec import LoadSpec, LoraSpec

@@ -94,7 +94,7 @@ def worker(a: argparse.Namespace) -> dict:
     import torch
 
     from sft.config.precision import auto_bf16
-    from sft.data.packing import PaddingFreeCollator
+    from sft.data.batches.packing import PaddingFreeCollator
     from sft.model.attention import register, use_packed_attention
     from sft.model.loading import apply_lora, load_model, load_tokenizer, torch_dtype
     from sft.model.loss import compute_supervised_loss

@@ -1,6 +1,6 @@
-"""What reading shards back in record order costs (sft.data.dataset.in_record_order): N samples written as W shards
-(records ``index % W == k``, ``input_ids`` of L tokens each, Arrow files memory-mapped as the cache has them), then
-the sort by the ``record`` column and 100k random reads through the index map, against the same reads of the shards
+"""What reading shards back in record order costs (sft.data.store.dataset.in_record_order): N samples written as W
+shards (records ``index % W == k``, ``input_ids`` of L tokens each, Arrow files memory-mapped as the cache has them),
+then the sort by the ``record`` column and 100k random reads through the index map, against the same reads of the shards
 as they are. Prints seconds and the resident memory the index map adds (the map is 8 bytes per sample).
 
     .venv/bin/python bench/record_order.py [N=2000000] [W=8] [L=64]
@@ -16,7 +16,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from sft.data.dataset import in_record_order
+from sft.data.store.dataset import in_record_order
 
 
 def rss_mib() -> float:

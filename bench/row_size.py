@@ -41,9 +41,9 @@ def main(argv=None) -> int:
         p.error("--doc_length must be at least 2, --docs and --rounds at least 1")
     import torch
 
-    from sft.data.chat import encode_conversations
-    from sft.data.packing import PackedCollator, PaddingFreeCollator
-    from sft.data.records import load_conversations
+    from sft.data.batches.packing import PackedCollator, PaddingFreeCollator
+    from sft.data.records.records import load_conversations
+    from sft.data.template.chat import encode_conversations
     from sft.model.attention import PACKED_ATTENTION, register
     from sft.model.loading import apply_lora, load_model, load_tokenizer
     from sft.model.spec import LoadSpec, LoraSpec

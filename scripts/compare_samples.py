@@ -15,9 +15,10 @@ Cases (one JSON file per case, its sha256 in the folder's ``manifest.json``):
   conversations) through the whole preparation of a run (:func:`sft.app.data.load_records`: sources, records,
   samples, shards; eager and ``--lazy_preprocess``) with ``--long_conversations`` split / truncate / refuse.
 
-Only entry points that exist on both sides are used (``sft.data.records.normalize_record``,
-``sft.data.samples.encode_samples``, ``TruncationReport``, ``sft.app.data.load_records``, ...); the tree whose
-``sft`` runs is the first entry of PYTHONPATH, checked.
+Only entry points that exist on both sides are used (``normalize_record``, ``encode_samples``, ``TruncationReport``,
+``sft.app.data.load_records``, ...), found in the wing's stage folders (``sft.data.encode.samples``) or, in a tree from
+before them, at its top (``sft.data.samples``: :func:`wing`); the tree whose ``sft`` runs is the first entry of
+PYTHONPATH, checked.
 
 Usage (from the repository root, with .venv/bin/python):
   python scripts/compare_samples.py --base bd8f322           # base in a temporary git worktree vs this tree
@@ -111,6 +112,17 @@ FORM_TEMPLATES = ["Qwen-Qwen3-0.6B", "meta-llama-Llama-3.3-70B-Instruct", "deeps
                   "mistralai-Mistral-Nemo-Instruct-2407"]
 
 
+def wing(name: str):
+    """The module ``sft.data.<name>`` (``"encode.samples"``), or, in a tree from before the wing's stages had folders
+    of their own, ``sft.data.<its last part>`` (``sft.data.samples``)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"sft.data.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"sft.data.{name.rsplit('.', 1)[-1]}")
+
+
 def jsonable(x):
     if hasattr(x, "tolist"):  # a tensor of a lazy dataset's item
         x = x.tolist()
@@ -120,7 +132,7 @@ def jsonable(x):
 
 
 def refusal(e: Exception, conv=None) -> dict:
-    from sft.data.records import template_problem
+    template_problem = wing("records.records").template_problem
 
     # the class as the user meets it: the first of sft.errors' (its exit code) or Python's
     kind = next(c for c in type(e).__mro__ if c.__module__ in ("sft.errors", "builtins"))
@@ -134,12 +146,11 @@ def refusal(e: Exception, conv=None) -> dict:
 
 def prepared(tok, conv, eot: int, spec) -> dict:
     """One conversation's samples (or refusal) and the truncation report under ``spec``."""
-    from sft.data.samples import encode_samples
-
+    encode_samples = wing("encode.samples").encode_samples
     try:
-        from sft.data.report import TruncationReport
+        TruncationReport = wing("encode.report").TruncationReport
     except ImportError:  # before the report had a module of its own (bd8f322)
-        from sft.data.samples import TruncationReport
+        TruncationReport = wing("encode.samples").TruncationReport
 
     try:
         got = encode_samples(tok, [conv.messages], eot, spec, [conv.tools])[0]
@@ -149,13 +160,29 @@ def prepared(tok, conv, eot: int, spec) -> dict:
         return {"refused": refusal(got, conv)}
     report = TruncationReport(mode=spec.long_conversations)
     report.count_conversation(got, conv.id, conv.index)
-    return {"samples": jsonable(got), "report": jsonable(report.__dict__),
+    return {**conversation_samples(got), "report": jsonable(report.__dict__),
             "report_lines": report.lines("case", spec.max_len)}
 
 
+CONVERSATION_KEYS = ("dropped", "extra_samples", "extra_tokens")
+
+
+def conversation_samples(got) -> dict:
+    """A conversation's samples in one form on either side: ``samples`` (each sample's fields) and ``conversation``
+    (what the whole conversation cost, 0 where not said): a ``ConversationSamples``' fields, or, before it existed,
+    the keys its first sample dict carried."""
+    if hasattr(got, "samples"):
+        samples, conv = [dict(ex) for ex in got.samples], {k: getattr(got, k) for k in CONVERSATION_KEYS}
+    else:
+        samples = [dict(ex) for ex in got]
+        conv = {k: samples[0].pop(k, 0) for k in CONVERSATION_KEYS}
+    return {"samples": jsonable(samples), "conversation": conv}
+
+
 def end_of_turn(tok, model_end=()):
-    from sft.data.end_tokens import end_of_turn_id
     from sft.errors import SFTError
+
+    end_of_turn_id = wing("template.end_tokens").end_of_turn_id
 
     try:
         return end_of_turn_id(tok, tok.convert_tokens_to_ids(list(model_end))), None
@@ -164,11 +191,11 @@ def end_of_turn(tok, model_end=()):
 
 
 def corpus_cases(write) -> None:
-    from sft.data.chat_template import with_template_kwargs
-    from sft.data.records import normalize_record
     from sft.data.spec import PreparationSpec
     from tests.helpers import template_corpus as tc
 
+    normalize_record, with_template_kwargs = wing("records.records").normalize_record, wing(
+        "template.chat_template").with_template_kwargs
     found = tc.templates()
     tok = tc.shared_tokenizer(found)
     for name, text in found.items():
@@ -183,11 +210,12 @@ def corpus_cases(write) -> None:
 
 
 def form_cases(write) -> None:
-    from sft.data.chat import ensure_chat_template
-    from sft.data.records import Conversation, normalize_record
     from sft.data.spec import PreparationSpec
     from tests.helpers import assets, template_corpus as tc
 
+    records = wing("records.records")
+    Conversation, normalize_record = records.Conversation, records.normalize_record
+    ensure_chat_template = wing("template.chat").ensure_chat_template
     found = tc.templates()
     tok = tc.shared_tokenizer(found)
     from transformers import AutoTokenizer

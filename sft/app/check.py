@@ -8,9 +8,9 @@ from typing import Optional, Sequence
 from sft.app.specs import control_tokens_for, data_sources, preparation_spec
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
-from sft.data.eval_split import empty_side_error, in_eval, record_key
-from sft.data.records import RecordCheck, iter_conversations, template_problem
-from sft.data.samples import encode_samples, lazy_refusal
+from sft.data.encode.samples import encode_samples, lazy_refusal
+from sft.data.records.eval_split import empty_side_error, in_eval, record_key
+from sft.data.records.records import RecordCheck, iter_conversations, template_problem
 from sft.distributed.expert_parallel import check_expert_parallel_size
 from sft.distributed.process_group import check_sequence_parallel_size
 from sft.errors import ConfigError
@@ -23,7 +23,7 @@ def check_data(model_args, data_args, training_args) -> list[str]:
     with the records). Returns one summary line per source.
 
     Raises:
-        SFTError: as :func:`control_tokens_for`, :func:`sft.data.records.RecordCheck.finish` and
+        SFTError: as :func:`control_tokens_for`, :func:`sft.data.records.records.RecordCheck.finish` and
             :func:`sft.model.loading.load_tokenizer`.
     """
 

@@ -9,11 +9,11 @@ import os
 from typing import NamedTuple
 
 from sft.app.specs import control_tokens_for, data_sources, preparation_spec
-from sft.data.chat import visualize
-from sft.data.dataset import build_dataset, default_cache_dir, make_collator
-from sft.data.packing import PackedCollator, pack_dataset
-from sft.data.shards import JobView, agree
+from sft.data.batches.packing import PackedCollator, pack_dataset
 from sft.data.spec import PreparationSpec
+from sft.data.store.dataset import build_dataset, default_cache_dir, make_collator
+from sft.data.store.shards import JobView, agree
+from sft.data.template.chat import visualize
 from sft.model.loading import load_tokenizer
 
 logger = logging.getLogger("sft")
@@ -54,10 +54,10 @@ def load_records(sources: dict[str, list[str]], tok, eot: int, spec: Preparation
     """The train / eval datasets of the named sources (``{"train": [paths], "eval": [paths] or []}``): streamed,
     validated (control tokens refused), prepared by every rank into memory-mapped shards as ``spec`` says
     (:func:`sft.app.specs.preparation_spec`) and, for train, mixed by ``spec.weights``
-    (:func:`sft.data.dataset.build_dataset`).
+    (:func:`sft.data.store.dataset.build_dataset`).
     The one place that decides which records train and which evaluate: with ``spec.eval_split_ratio`` (the eval
     sources being the train sources, :func:`sft.app.specs.data_sources`) a record is held out by
-    :func:`sft.data.eval_split.in_eval` of its id and ``spec.eval_split_seed``, in the stream, so each side is
+    :func:`sft.data.records.eval_split.in_eval` of its id and ``spec.eval_split_seed``, in the stream, so each side is
     prepared from its own records only. Every sample keeps its record's ``id`` column (eager mode). Returns
     ``{name: (dataset, report) or None}``; every rank of the job calls it at the same point.
 
@@ -94,7 +94,8 @@ def log_dataset(name: str, ds, report, tok, max_len: int) -> None:
 
 
 def pack_datasets(train_ds, eval_ds, max_len: int, pad_token_id: int = 0):
-    """``--packing``: rows of several conversations (:mod:`sft.data.packing`). Returns ``(train, eval, collator)``."""
+    """``--packing``: rows of several conversations (:mod:`sft.data.batches.packing`). Returns ``(train, eval,
+    collator)``."""
     packed = []
     for name, ds in (("train", train_ds), ("eval", eval_ds)):
         if ds is not None:

@@ -5,11 +5,11 @@ import itertools
 import os
 from typing import Iterator, Optional
 
-from sft.data.chat import visualize
-from sft.data.cut_turns import cut_turn_text
-from sft.data.records import RecordCheck, iter_conversations, template_problem
-from sft.data.samples import encode_samples
+from sft.data.encode.cut_turns import cut_turn_text
+from sft.data.encode.samples import encode_samples
+from sft.data.records.records import RecordCheck, iter_conversations, template_problem
 from sft.data.spec import PreparationSpec
+from sft.data.template.chat import visualize
 from sft.errors import DataError, SFTError
 from sft.model.loading import load_tokenizer
 
@@ -20,7 +20,7 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, spec: Preparatio
     """Yield, per training sample of the ``index``-th valid record (0-based) of ``data_file``: a header line (record
     index and id, tokens, supervised tokens, truncation) and the rendered text with supervised tokens marked «like
     this» (ANSI colour instead when ``color``). Several samples when a long conversation is split, or when the chat
-    template renders earlier turns differently once later turns exist (:mod:`sft.data.turns`). ``spec``: the data
+    template renders earlier turns differently once later turns exist (:mod:`sft.data.encode.turns`). ``spec``: the data
     preparation as training does it (its ``max_len``, ``system_message``, ``long_conversations``,
     ``last_reply_only`` and ``allow_dropped_content``: ``--model_max_length``, ``--system_message``,
     ``--long_conversations``, ``--mask_history``, ``--allow_dropped_content``); ``chat_template`` /
@@ -31,7 +31,7 @@ def show_sample(model_dir: str, data_file: str, index: int = 0, spec: Preparatio
     Raises:
         SFTError: ``model_dir`` is not a model folder, ``spec.max_len`` < 8, ``index`` < 0 or past the last valid
             record; DataError: the chat template refuses the record (its problem: file, record, turn, fix); and as
-            :func:`sft.model.loading.load_tokenizer` / :class:`sft.data.records.RecordCheck`.
+            :func:`sft.model.loading.load_tokenizer` / :class:`sft.data.records.records.RecordCheck`.
     """
     if not os.path.isfile(os.path.join(model_dir, "config.json")) and not os.path.isfile(
             os.path.join(model_dir, "tokenizer.json")):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sft.data.chat import chat_control_tokens
 from sft.data.spec import PreparationSpec
+from sft.data.template.chat import chat_control_tokens
 from sft.errors import ConfigError
 from sft.model.loading import torch_dtype
 from sft.model.spec import LoadSpec, LoraSpec

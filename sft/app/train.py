@@ -23,8 +23,8 @@ from sft.app.specs import data_sources, load_spec, lora_spec
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
 from sft.config.settings import RunSettings
-from sft.data.cache_key import preparation_code_fingerprint
-from sft.data.packing import PaddingFreeCollator, SequenceParallelSplit
+from sft.data.batches.packing import PaddingFreeCollator, SequenceParallelSplit
+from sft.data.store.cache_key import preparation_code_fingerprint
 from sft.distributed import expert_parallel
 from sft.distributed.failures import raise_if_peer_lost
 from sft.distributed.fingerprints import check_same_inputs
@@ -208,8 +208,8 @@ def prepare_model(model_args, data_args, training_args, lora_args, runtime: Runt
     """The model on this process's device (LoRA applied with ``--use_lora``), seeded first, and the collator its
     attention allows (padding-free rows by default); under ``--sequence_parallel_size`` N > 1 the attention over the
     whole row (:func:`sft.model.sequence_parallel.use_sequence_parallel_attention`) and this rank's slice of every
-    row (:class:`sft.data.packing.SequenceParallelSplit`); under ``--expert_parallel_size`` N > 1 this rank's E/N
-    experts (:func:`sft.model.expert_parallel.spread_experts`). Returns ``(model, collator)``.
+    row (:class:`sft.data.batches.packing.SequenceParallelSplit`); under ``--expert_parallel_size`` N > 1 this rank's
+    E/N experts (:func:`sft.model.expert_parallel.spread_experts`). Returns ``(model, collator)``.
 
     Raises:
         ConfigError: ``--optim`` / ``--lr_scheduler_type`` cannot be built (:func:`check_optimizer_and_scheduler`), or
@@ -331,7 +331,8 @@ def log_run_shape(settings: RunSettings, runtime: Runtime, n_train: int, max_ste
 
 
 def padding_free_collator(model, padding_collator):
-    """``--padding_free True`` (the default, without ``--packing``): :class:`sft.data.packing.PaddingFreeCollator` when
+    """``--padding_free True`` (the default, without ``--packing``):
+    :class:`sft.data.batches.packing.PaddingFreeCollator` when
     the model can run :data:`sft.model.attention.PACKED_ATTENTION`; otherwise ``padding_collator`` (logged)."""
     if use_packed_attention(model):
         logger.info("padding-free batches: the samples of a micro batch end to end in one row, position ids restart "

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 from sft.app.expert_parallel import expert_parallel_problems
 from sft.config.deepspeed import EXAMPLE, mismatch_problems
-from sft.data.sources import folder_problem
+from sft.data.records.sources import folder_problem
 from sft.distributed.process_group import NCCL_TRACE_DIR, check_sequence_parallel_size
 from sft.errors import ConfigError, SFTError
 from sft.model.loading import read_chat_template, template_kwargs

@@ -1,6 +1,6 @@
 """A conversation refused: :class:`Refusal`, the one value that says at which turn, what happened and the fix, given in
-place of a conversation's samples (:func:`sft.data.samples.encode_samples`) or raised; a record problem names it
-(:func:`sft.data.records.template_problem`)."""
+place of a conversation's samples (:func:`sft.data.encode.samples.encode_samples`) or raised; a record problem names it
+(:func:`sft.data.records.records.template_problem`)."""
 from __future__ import annotations
 
 from typing import Optional

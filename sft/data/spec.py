@@ -1,6 +1,6 @@
 """The settings of data preparation, one frozen value (:class:`PreparationSpec`).
 
-:func:`sft.data.dataset.build_dataset` and :func:`sft.app.train.load_records` read it; the app builds it once from
+:func:`sft.data.store.dataset.build_dataset` and :func:`sft.app.train.load_records` read it; the app builds it once from
 the parsed flags (:func:`sft.app.train.preparation_spec`), the data wing never reads the flags itself. The
 defaults below are those of the flags (``sft/config/arguments.py``; ``seed`` that of ``--seed``), so that a test
 or a benchmark names only what it changes: ``PreparationSpec(max_len=64)``.
@@ -28,7 +28,7 @@ class PreparationSpec:
             ``max_len`` (``--long_conversations``, as :attr:`DataArguments.long_conversations_mode` resolves it);
             with ``lazy`` always ``"truncate"``, whatever is given here.
         cache_dir: the folder of the prepared shards (``--data_cache_dir``); None (default):
-            ``$SFT_CACHE_DIR`` or ``~/.cache/sft/datasets`` (:func:`sft.data.dataset.default_cache_dir`).
+            ``$SFT_CACHE_DIR`` or ``~/.cache/sft/datasets`` (:func:`sft.data.store.dataset.default_cache_dir`).
         num_proc: processes each rank prepares its shard with (``--preprocessing_num_workers``); None
             (default): 1.
         weights: mixing weights, one per train source (``--data_weights``; numbers > 0, relative); None

@@ -1,11 +1,11 @@
 """Per-document causal attention for packed rows, with no ``[seq, seq]`` mask (``--packing True``).
 
 A packed row holds several conversations back to back; ``position_ids`` restart at 0 at the first token of each
-(:mod:`sft.data.packing`). transformers 5.24 keeps them apart for ``sdpa`` by building a block-diagonal boolean mask
-from the position ids (``masking_utils.find_packed_sequence_indices``): SDPA then computes every
-``row_len x row_len`` score and cannot use its ``is_causal`` kernels. The implementation registered here under
-:data:`PACKED_ATTENTION` (``transformers.AttentionInterface``, so every architecture whose attention goes through
-the interface uses it: Llama/SmolLM2, Qwen2, Mistral, ...) instead cuts each row at the position-id resets and runs
+(:mod:`sft.data.batches.packing`). transformers 5.24 keeps them apart for ``sdpa`` by building a block-diagonal boolean
+mask from the position ids (``masking_utils.find_packed_sequence_indices``): SDPA then computes every ``row_len x
+row_len`` score and cannot use its ``is_causal`` kernels. The implementation registered here under
+:data:`PACKED_ATTENTION` (``transformers.AttentionInterface``, so every architecture whose attention goes through the
+interface uses it: Llama/SmolLM2, Qwen2, Mistral, ...) instead cuts each row at the position-id resets and runs
 
 * on CUDA with fp16/bf16 tensors, one attention call per layer over every document of the micro batch
   (:func:`varlen_kernel` chooses): ``flash_attn.flash_attn_varlen_func`` when the ``flash-attn`` package is
@@ -20,8 +20,8 @@ the interface uses it: Llama/SmolLM2, Qwen2, Mistral, ...) instead cuts each row
 
 Document boundaries come from the batch when the collator gives them (``cu_seq_lens_q`` and ``max_length_q``, the
 keyword arguments of ``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` that transformers
-passes down to every attention call: :class:`sft.data.packing.PaddingFreeCollator`, \
-:class:`sft.data.packing.PackedCollator`),
+passes down to every attention call: :class:`sft.data.batches.packing.PaddingFreeCollator`, \
+:class:`sft.data.batches.packing.PackedCollator`),
 so a layer on the GPU does not copy position ids to the host; otherwise from the position ids, as before; and where
 a hybrid's decoder layer hands its attention neither (Granite-4.0 hybrid, Zamba), from its decoder's forward
 (:func:`sft.model.token_mixers.current_documents`).
@@ -32,7 +32,8 @@ generation) it builds SDPA's usual mask and the attention function runs plain SD
 correct under the same implementation.
 
 Never a leak: a packed row must come with no ``attention_mask`` (an all-ones mask would turn the documents into one
-sequence; :class:`sft.data.packing.PackedCollator` gives none) and the KV cache is off (:func:`use_packed_attention`;
+sequence; :class:`sft.data.batches.packing.PackedCollator` gives none) and the KV cache is off
+(:func:`use_packed_attention`;
 with a cache the result is still per document, since the split reads the position ids, but the cache is useless).
 What the attention function refuses (``ValueError``): a soft cap, a position bias, or a sliding window shorter
 than one of the documents (those need a mask; such models keep transformers' own packed mask instead, see
@@ -50,7 +51,7 @@ from typing import Optional
 import torch
 
 from sft.compat.transformers import attn_implementation
-from sft.data.packing import cu_seqlens_bounds, document_bounds, flat_offsets  # noqa: F401  (the packed batch's format)
+from sft.data.batches.packing import cu_seqlens_bounds, document_bounds, flat_offsets  # noqa: F401  (the packed batch's format)
 from sft.errors import ConfigError
 from sft.model.token_mixers import current_documents
 
@@ -120,7 +121,8 @@ _BOUNDS_CACHE: list = [None, None]  # [the cu_seq_lens tensor, its bounds]
 
 def bounds_from_cu_seqlens(cu: torch.Tensor, batch_size: int, row_len: int) -> list[list[tuple[int, int]]]:
     """The documents ``[[(start, end), ...] per row]`` of the collator's ``cu_seq_lens_q`` (1-D int tensor) over
-    ``batch_size`` rows of ``row_len`` tokens (:func:`sft.data.packing.cu_seqlens_bounds`), read once per tensor (the
+    ``batch_size`` rows of ``row_len`` tokens (:func:`sft.data.batches.packing.cu_seqlens_bounds`), read once per
+    tensor (the
     layers of one forward share it). Raises ValueError when the offsets do not cut the rows into whole documents."""
     if _BOUNDS_CACHE[0] is cu:
         return _BOUNDS_CACHE[1]

@@ -8,9 +8,9 @@ import torch
 import transformers
 
 from sft.compat.peft import register_custom_lora_layer, without_gptqmodel, without_v4_moe_conversion
-from sft.data.chat import ENDOFTEXT, chat_token_ids, ensure_chat_template
-from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
-from sft.data.end_tokens import end_of_turn_id, model_end_ids
+from sft.data.template.chat import ENDOFTEXT, chat_token_ids, ensure_chat_template
+from sft.data.template.chat_template import parse_template_kwargs, with_template_kwargs
+from sft.data.template.end_tokens import end_of_turn_id, model_end_ids
 from sft.data.vocab import special_only_size
 from sft.errors import SFTError, explain_load_errors
 from sft.logs import release_import_notices
@@ -42,7 +42,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Option
     fallback) and a pad token. ``cache_dir``: transformers' ``cache_dir`` for ``from_pretrained``;
     ``chat_template``: a Jinja file whose template replaces the tokenizer's own (``--chat_template``);
     ``chat_template_kwargs``: ``--chat_template_kwargs``' JSON object, written into the template as defaults
-    (:func:`sft.data.chat_template.with_template_kwargs`).
+    (:func:`sft.data.template.chat_template.with_template_kwargs`).
 
     Returns:
         ``(tokenizer, eot_id, added_tokens)``; ``added_tokens`` is True when the vocabulary grew.
@@ -74,7 +74,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, cache_dir: Option
 
 
 def template_kwargs(text: str) -> dict:
-    """``--chat_template_kwargs``' JSON object (:func:`sft.data.chat_template.parse_template_kwargs`).
+    """``--chat_template_kwargs``' JSON object (:func:`sft.data.template.chat_template.parse_template_kwargs`).
 
     Raises:
         SFTError: naming the flag, the value and what is wrong.

@@ -1,10 +1,10 @@
 """Attention over the whole row when each rank holds 1/N of it (``--sequence_parallel_size N``).
 
 Every rank of a sequence-parallel group (:mod:`sft.distributed.sequence_parallel`) runs the model on its own slice of
-the micro batch's one row (:class:`sft.data.packing.SequenceParallelSplit`): embeddings, MLPs, norms, the LM head and
-the loss see only the slice, so their activations are 1/N of the row's. Attention must see the whole row; two ways,
-both registered with transformers' ``AttentionInterface`` and both keeping every document of a padding-free or packed
-row apart (the per-document boundaries ``cu_seq_lens_q`` describe the whole row on every rank):
+the micro batch's one row (:class:`sft.data.batches.packing.SequenceParallelSplit`): embeddings, MLPs, norms, the LM
+head and the loss see only the slice, so their activations are 1/N of the row's. Attention must see the whole row; two
+ways, both registered with transformers' ``AttentionInterface`` and both keeping every document of a padding-free or
+packed row apart (the per-document boundaries ``cu_seq_lens_q`` describe the whole row on every rank):
 
 * ``ulysses`` (:data:`SP_ULYSSES`): DeepSpeed's ``UlyssesSPAttentionHF`` (``deepspeed.runtime.sequence_parallel.
   ulysses_sp``, DeepSpeed 0.19.8; arXiv 2309.14509): an all-to-all turns ``[slice, all heads]`` into ``[whole row,
@@ -99,7 +99,7 @@ def _row_bounds(kwargs: dict, sp: SequenceParallel, local_len: int) -> list[tupl
 
     parts = [torch.empty_like(pos) for _ in range(sp.size)]
     dist.all_gather(parts, pos.contiguous(), group=sp.group)
-    from sft.data.packing import document_bounds
+    from sft.data.batches.packing import document_bounds
 
     return document_bounds(torch.cat(parts, dim=1), 1)[0]
 

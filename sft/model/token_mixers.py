@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from sft.data.packing import cu_seqlens_bounds, document_bounds
+from sft.data.batches.packing import cu_seqlens_bounds, document_bounds
 
 logger = logging.getLogger(__name__)
 

@@ -118,7 +118,7 @@ def verify_entries(path: str, files: dict, rank: Optional[int] = None, saver: bo
 
 def read_marker(path: str, marker: str) -> tuple[Optional[dict], Optional[str]]:
     """``(marker contents, None)``, or ``(None, why it cannot be used)``: a checkpoint's marker must be a JSON object
-    with a ``files`` object (:mod:`sft.data.shards` reads its shard markers, of another format, with the same
+    with a ``files`` object (:mod:`sft.data.store.shards` reads its shard markers, of another format, with the same
     :func:`sft.fsio.read_json`)."""
     try:
         data = read_json(os.path.join(path, marker))

@@ -174,9 +174,9 @@ class TokenCounter:
     """Forward pre-hook that adds up the tokens of every training forward pass.
 
     ``real`` = non-pad tokens: ``attention_mask.sum()``; with no mask (packed rows,
-    :class:`sft.data.packing.PackedCollator`) every token but the pad document that ends a row (its last document when
-    it is all ``config.pad_token_id``); ``total`` = all positions computed, ``supervised`` = labels != -100.
-    Counts stay on the batch's device (no synchronisation per step) until :meth:`take` reads them.
+    :class:`sft.data.batches.packing.PackedCollator`) every token but the pad document that ends a row (its last
+    document when it is all ``config.pad_token_id``); ``total`` = all positions computed, ``supervised`` = labels !=
+    -100. Counts stay on the batch's device (no synchronisation per step) until :meth:`take` reads them.
     """
 
     def __init__(self):

@@ -5,9 +5,9 @@ size, micro batch (``per_device_train_batch_size``), gradient accumulation and t
 accumulation x world size (samples per optimizer step; rows with ``--packing``). A run that resumes it with the same
 micro batch at another world size ``W'`` trains with gradient accumulation ``global batch / (micro batch x W')`` so that
 every optimizer step again consumes one global batch, and the data continues at the exact sample where the checkpoint
-stopped: the data set is the same for any world size (:func:`sft.data.dataset.in_record_order`), the sampler's order is
-a function of the seed and the epoch only (accelerate's ``SeedableRandomSampler``, or for padding-free micro batches
-:class:`sft.train.trainer.TokenBudgetBatchSampler`), the micro batches of that order go to the ranks in turn
+stopped: the data set is the same for any world size (:func:`sft.data.store.dataset.in_record_order`), the sampler's
+order is a function of the seed and the epoch only (accelerate's ``SeedableRandomSampler``, or for padding-free micro
+batches :class:`sft.train.trainer.TokenBudgetBatchSampler`), the micro batches of that order go to the ranks in turn
 (accelerate's ``BatchSamplerShard``, or that sampler itself: micro batch ``i`` to rank ``i % W``), and transformers'
 Trainer skips ``(global step mod steps per epoch) x gradient accumulation`` micro batches per rank on resume, i.e.
 ``global step x global batch`` samples of the epoch's order, whatever the world size.

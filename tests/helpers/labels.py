@@ -1,5 +1,5 @@
 """Reading labels back in tests: the decoded runs of supervised tokens."""
-from sft.data.chat import IGNORE_INDEX
+from sft.data.template.chat import IGNORE_INDEX
 
 
 def supervised_spans(tok, ids, labels) -> list[str]:
@@ -17,12 +17,12 @@ def supervised_spans(tok, ids, labels) -> list[str]:
 
 
 def split_reused_and_fresh(tok, eot, messages, tools, max_len: int, monkeypatch) -> tuple[list, list, int, int]:
-    """:func:`sft.data.split_turns.split_turns` of one conversation twice: as preparation runs it (replies taken from
-    the whole conversation's plan and from earlier pieces with the same first unit) and with every piece planned from
-    scratch: ``(pieces, fresh pieces, renderings, fresh renderings)``."""
-    import sft.data.split_turns as split_mod
-    import sft.data.turns as turns_mod
-    from sft.data.turns import plan, stop_tokens, trained_turns
+    """:func:`sft.data.encode.split_turns.split_turns` of one conversation twice: as preparation runs it (replies taken
+    from the whole conversation's plan and from earlier pieces with the same first unit) and with every piece planned
+    from scratch: ``(pieces, fresh pieces, renderings, fresh renderings)``."""
+    import sft.data.encode.split_turns as split_mod
+    import sft.data.encode.turns as turns_mod
+    from sft.data.encode.turns import plan, stop_tokens, trained_turns
 
     stops = stop_tokens(tok, eot)
     closing = frozenset(tok.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot

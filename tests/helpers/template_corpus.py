@@ -111,7 +111,7 @@ def use(tok, template: str):
 
 
 # Reasoning blocks as the corpus's templates write them: (opening with its label, closing tag, the close as the model
-# writes it after reasoning). A fixed table, independent of sft.data.turns' rules for finding them.
+# writes it after reasoning). A fixed table, independent of sft.data.encode.turns' rules for finding them.
 BLOCKS = [("<think>", "</think>", None), ("<|START_THINKING|>", "<|END_THINKING|>", None),
           ("<|channel>thought", "<channel|>", "\n<channel|>"), ("<think:opensource>", "</think:opensource>", None)]
 
@@ -163,6 +163,12 @@ def _generated(tok, original, shown, k, tools):
         head = reasoning if rest.startswith(close) else reasoning + written
         return prompt, head + rest, len(head)
     if full.startswith(prompt):
+        source = tok.chat_template or ""
+        own = [(o, c, w) for o, c, w in BLOCKS if o != "<think>" and o in source]  # a channel of its own (gemma-4)
+        if reasoning and own and reasoning not in full[len(prompt):]:  # ... that it does not write: the model does
+            opening, close, written = own[0]
+            head = (opening + "\n" if opening + "\\n" in source else opening) + reasoning + (written or close)
+            return prompt, head + full[len(prompt):], len(head)
         return prompt, full[len(prompt):], 0
     common = len(os.path.commonprefix([prompt, full]))
     if reasoning and full[common:].lstrip().startswith(reasoning):  # reasoning opened in words (Apriel-1.6)
@@ -205,9 +211,9 @@ def reference(tok, messages, tools, stop_ids, original=None):
     """Per trained reply (every assistant turn): ``(ids, labels)`` of the reply's sample text (:func:`_generated`:
     ``render(turns[:k], add_generation_prompt=True)`` followed by what the model generates after it, by default
     ``render(turns[:k+1])``) up to and including the first of ``stop_ids`` (the tokens that close a reply,
-    :func:`sft.data.turns.stop_tokens`) after the context, labels on the tokens from the context's end (a token
-    overlapping it counts) through the closing token: the definition, through the public API. ``original``: the
-    messages before the template's form of reasoning (default ``messages``)."""
+    :func:`sft.data.encode.turns.stop_tokens`) after the context, labels on the tokens after the context through the
+    closing token: the definition, through the public API. The context is tokenized alone (its own tokens at inference),
+    what follows it apart. ``original``: the messages before the template's form of reasoning (default ``messages``)."""
     original = original or messages
     out = []
     for k, m in enumerate(messages):
@@ -217,9 +223,12 @@ def reference(tok, messages, tools, stop_ids, original=None):
         full = context + generated
         if not any(tok.convert_tokens_to_ids(t) in stop_ids for t in CONTROL.findall(generated[own:])):
             full += _closing(tok, messages, k, tools, stop_ids)  # a template that writes nothing after the reply
-        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offs = enc["input_ids"], enc["offset_mapping"]
-        first = next(i for i, (_s, e) in enumerate(offs) if e > len(context))
+        # the context tokenized alone, as inference does, then what follows it
+        ids = tok(context, add_special_tokens=False)["input_ids"]
+        first = len(ids)
+        enc = tok(full[len(context):], add_special_tokens=False, return_offsets_mapping=True)
+        ids = ids + enc["input_ids"]
+        offs = [(0, 0)] * first + [(s + len(context), e + len(context)) for s, e in enc["offset_mapping"]]
         end = next(i for i in range(first, len(ids)) if ids[i] in stop_ids and offs[i][0] >= len(context) + own)
         out.append((ids[:end + 1], [-100] * first + ids[first:end + 1]))
     return out
@@ -229,9 +238,9 @@ def outcome(tok, kind: str, model_end: tuple = ()) -> str:
     """``"trains"`` (every reply's labels equal :func:`reference`, each reply in exactly one sample; ``"trains (N
     samples)"`` when the template makes several) or ``"refused: <the one-line reason>"``. Raises AssertionError on
     labels that differ from the definition, and any other exception on a crash."""
-    from sft.data.end_tokens import end_of_turn_id
-    from sft.data.records import normalize_record
-    from sft.data.samples import encode_samples
+    from sft.data.encode.samples import encode_samples
+    from sft.data.records.records import normalize_record
+    from sft.data.template.end_tokens import end_of_turn_id
     from sft.errors import SFTError
 
     conv = normalize_record("corpus", 0, KINDS[kind])
@@ -250,10 +259,10 @@ def outcome(tok, kind: str, model_end: tuple = ()) -> str:
 
 
 def check_definition(tok, conv, samples, eot: int, trained=None) -> None:
-    """Assert that ``samples`` (:func:`sft.data.samples.encode_samples`'s list for ``conv``) train every reply of
+    """Assert that ``samples`` (:func:`sft.data.encode.samples.encode_samples`'s list for ``conv``) train every reply of
     ``trained`` (indices of ``conv.messages``; default: every assistant turn) exactly once, with labels equal to
     :func:`reference`, and nothing else."""
-    from sft.data.turns import stop_tokens, template_messages
+    from sft.data.encode.turns import stop_tokens, template_messages
 
     stops = set(tok.convert_tokens_to_ids(stop_tokens(tok, eot)))
     shown = template_messages(tok, conv.messages)
@@ -276,7 +285,7 @@ def check_definition(tok, conv, samples, eot: int, trained=None) -> None:
 
 def outcomes() -> dict[str, list[str]]:
     """``{template name: [outcome per kind of KINDS]}`` over the whole corpus."""
-    from sft.data.chat_template import with_template_kwargs
+    from sft.data.template.chat_template import with_template_kwargs
 
     found = templates()
     tok = shared_tokenizer(found)

@@ -185,7 +185,7 @@ def test_the_checks_catch_a_back_import_a_circle_and_a_private_name(tmp_path):
     import shutil
 
     shutil.copytree(pathlib.Path(ROOT, "sft"), tmp_path / "sft")
-    records = tmp_path / "sft" / "data" / "records.py"
+    records = tmp_path / "sft" / "data" / "records" / "records.py"
     records.write_text(records.read_text(encoding="utf-8")
                        + "\n\ndef _back():\n    from sft.ray.flags import RayArguments\n")
     (tmp_path / "sft" / "data" / "a.py").write_text("from sft.data import b\n")
@@ -193,7 +193,7 @@ def test_the_checks_catch_a_back_import_a_circle_and_a_private_name(tmp_path):
     (tmp_path / "sft" / "data" / "c.py").write_text(
         "from transformers.utils.chat_template_utils import _compile_jinja_template\n")
     back = back_imports(tmp_path)
-    assert len(back) == 1 and back[0].startswith("sft/data/records.py:") \
+    assert len(back) == 1 and back[0].startswith("sft/data/records/records.py:") \
         and "imports sft.ray.flags (launchers)" in back[0]
     assert cycles(tmp_path) == [["sft.data.a", "sft.data.b"]]
     assert foreign_private_names(tmp_path) == [

@@ -177,7 +177,7 @@ def test_output_and_resume_folders(tmp_path, tiny_model_dir, toy_data, capsys):
 
 
 def test_first_jsonl_line_bad_can_be_skipped(tmp_path):
-    from sft.data.records import load_conversations
+    from sft.data.records.records import load_conversations
 
     p = tmp_path / "d.jsonl"
     p.write_text('{"id": 1, oops}\n' + json.dumps(TOY[0]) + "\n")

@@ -1,7 +1,7 @@
 """Labels on a whole real corpus (over 5 s of tokenizing: out of the unit tier): every chitchat conversation with
 the SmolLM2 tokenizer supervises exactly its replies. The rule and its small cases are in
 tests/unit/data/test_chat.py."""
-from sft.data.records import normalize_record
+from sft.data.records.records import normalize_record
 from tests.unit.data.test_chat import check
 
 

@@ -3,11 +3,12 @@ gives exactly the ids and labels of the general path (two renders per conversati
 on real chitchat conversations with the real SmolLM2 tokenizer and the real Qwen vocabulary (ChatML fallback)."""
 import pytest
 
-from sft.data import chat, long_conversations
-from sft.data.chat import IGNORE_INDEX, render_with_spans
-from sft.data.records import normalize_record
-from sft.data.samples import encode_samples
+from sft.data.encode import long_conversations
+from sft.data.encode.samples import encode_samples
+from sft.data.records.records import normalize_record
 from sft.data.spec import PreparationSpec
+from sft.data.template import chat
+from sft.data.template.chat import IGNORE_INDEX, render_with_spans
 
 N_CONVERSATIONS, MAX_LEN = 200, 256  # at 256 tokens about half of them are split
 
@@ -104,7 +105,7 @@ def test_labels_by_reply_equal_labels_by_token():
 def test_tokenizer_threads_share_the_cores(cores, processes, env, monkeypatch):
     import os
 
-    from sft.data.samples import limit_tokenizer_threads
+    from sft.data.encode.samples import limit_tokenizer_threads
 
     # a private copy of the environment: what the function sets goes away with the test
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
@@ -118,7 +119,7 @@ def test_tokenizer_threads_share_the_cores(cores, processes, env, monkeypatch):
 def test_tokenizer_threads_leave_the_users_choice(monkeypatch):
     import os
 
-    from sft.data.samples import limit_tokenizer_threads
+    from sft.data.encode.samples import limit_tokenizer_threads
 
     monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items() if k != "RAYON_NUM_THREADS"},
                                         "TOKENIZERS_PARALLELISM": "true"})

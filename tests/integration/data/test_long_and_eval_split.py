@@ -7,8 +7,8 @@ import re
 import subprocess
 import sys
 
-from sft.data.eval_split import in_eval, record_key
-from sft.data.records import load_conversations
+from sft.data.records.eval_split import in_eval, record_key
+from sft.data.records.records import load_conversations
 from tests.helpers.data import TOY, write_jsonl
 
 

@@ -4,11 +4,11 @@ import re
 
 import pytest
 
-from sft.data.chat import IGNORE_INDEX, encode_conversation, with_system
-from sft.data.dataset import build_dataset
-from sft.data.long_conversations import split_conversation
-from sft.data.records import normalize_record
+from sft.data.encode.long_conversations import split_conversation
+from sft.data.records.records import normalize_record
 from sft.data.spec import PreparationSpec
+from sft.data.store.dataset import build_dataset
+from sft.data.template.chat import IGNORE_INDEX, encode_conversation, with_system
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.labels import supervised_spans
 
@@ -143,7 +143,7 @@ def test_a_plan_that_overflows_when_encoded_is_made_again(qwen_tok, monkeypatch)
     checked. Here the first plan gets costs 10 tokens too low per pair (as a template whose turns do not add up
     would): its samples overflow, the plan is made again with a smaller budget, and the result fits and covers every
     reply."""
-    import sft.data.long_conversations as lc
+    import sft.data.encode.long_conversations as lc
 
     tok, eot = qwen_tok
     budgets, plan = [], lc.plan_pieces
@@ -176,12 +176,12 @@ def test_show_sample_prints_every_sample_of_a_split_record(tmp_path, tiny_model_
 
 
 def test_bracket_holds_the_largest_keep_from_any_guess():
-    """sft.data.long_conversations._bracket: for a monotone ok (true up to some answer), from any guess, the bracket it
-    returns holds the answer and ok holds at its low end, so the binary search after it finds the same largest
-    keep as a search over the whole range; and it narrows the range (few probes) when the guess is close."""
+    """sft.data.encode.long_conversations._bracket: for a monotone ok (true up to some answer), from any guess, the
+    bracket it returns holds the answer and ok holds at its low end, so the binary search after it finds the same
+    largest keep as a search over the whole range; and it narrows the range (few probes) when the guess is close."""
     import random
 
-    from sft.data.long_conversations import _bracket
+    from sft.data.encode.long_conversations import _bracket
 
     rng = random.Random(3)
     for _ in range(3000):

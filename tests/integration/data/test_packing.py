@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from sft.app.train import trainer_for
-from sft.data.chat import IGNORE_INDEX, encode_conversations
-from sft.data.dataset import make_collator
-from sft.data.packing import PackedCollator, PaddingFreeCollator, pack_dataset, split_row
-from sft.data.records import load_conversations
+from sft.data.batches.packing import PackedCollator, PaddingFreeCollator, pack_dataset, split_row
+from sft.data.records.records import load_conversations
+from sft.data.store.dataset import make_collator
+from sft.data.template.chat import IGNORE_INDEX, encode_conversations
 from sft.model.attention import PACKED_ATTENTION, check_packing_support
 from tests.helpers.data import TOY, write_jsonl
 from tests.unit.data.test_packing import train_args

@@ -1,6 +1,7 @@
 """Preparation shared by the ranks of a job: shards, completion and failure markers, --data_timeout, bounded memory.
 
-Ranks are threads here (each with its own :class:`sft.data.shards.ShardPlan`, as :func:`sft.data.shards.agree` gives
+Ranks are threads here (each with its own :class:`sft.data.store.shards.ShardPlan`, as
+:func:`sft.data.store.shards.agree` gives
 them);
 tests/cluster/test_multinode.py runs the same with real torchrun processes on two namespace hosts.
 """
@@ -14,9 +15,9 @@ import time
 
 import pytest
 
-from sft.data.dataset import build_dataset
-from sft.data.shards import JobView, ShardPlan, shard_name
 from sft.data.spec import PreparationSpec
+from sft.data.store.dataset import build_dataset
+from sft.data.store.shards import JobView, ShardPlan, shard_name
 from sft.errors import DataError
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
@@ -102,7 +103,7 @@ def test_waiting_is_bounded_by_data_timeout_and_names_what_is_awaited(tmp_path, 
 
 _KILLABLE = """
 import sys
-from sft.data.dataset import build_dataset
+from sft.data.store.dataset import build_dataset
 from sft.data.spec import PreparationSpec
 from sft.model.loading import load_tokenizer
 tok, eot, _ = load_tokenizer(sys.argv[1])
@@ -139,11 +140,11 @@ _UNDER_LIMIT = """
 import json, resource, sys
 mode, path, limit_mb = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "prepare":
-    from sft.data.dataset import build_dataset
+    from sft.data.store.dataset import build_dataset
     from sft.data.spec import PreparationSpec
     from sft.model.loading import load_tokenizer
     tok, eot, _ = load_tokenizer(sys.argv[4])
-from sft.data.records import RecordCheck, iter_conversations
+from sft.data.records.records import RecordCheck, iter_conversations
 data_kb = int([l for l in open("/proc/self/status") if l.startswith("VmData")][0].split()[1])
 resource.setrlimit(resource.RLIMIT_DATA, ((data_kb // 1024 + limit_mb) << 20,) * 2)
 if mode == "old":  # what main did: the whole file, then every record as Python objects

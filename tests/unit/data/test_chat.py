@@ -2,9 +2,9 @@
 
 import pytest
 
-from sft.data.chat import IGNORE_INDEX, encode_conversation, visualize, with_system
-from sft.data.end_tokens import end_of_turn_id
-from sft.data.records import normalize_record
+from sft.data.records.records import normalize_record
+from sft.data.template.chat import IGNORE_INDEX, encode_conversation, visualize, with_system
+from sft.data.template.end_tokens import end_of_turn_id
 from sft.errors import TemplateError
 from tests.helpers.labels import supervised_spans
 
@@ -141,7 +141,7 @@ def test_template_rewriting_earlier_turns_is_refused(qwen_tok):
 
 
 def test_prefix_method_matches_fast_path(qwen_tok, monkeypatch):
-    import sft.data.chat as chat
+    import sft.data.template.chat as chat
 
     tok, eot = qwen_tok
     fast = encode_conversation(tok, CONVS["multi"], eot)
@@ -161,7 +161,7 @@ def test_a_tokenizer_without_template_or_chatml_tokens_gets_both():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from sft.data.chat import ensure_chat_template
+    from sft.data.template.chat import ensure_chat_template
 
     backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "there": 2}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -3,9 +3,9 @@ import os
 
 import torch
 
-from sft.data.chat import IGNORE_INDEX
-from sft.data.dataset import LazySupervisedDataset, build_dataset, make_collator
 from sft.data.spec import PreparationSpec
+from sft.data.store.dataset import LazySupervisedDataset, build_dataset, make_collator
+from sft.data.template.chat import IGNORE_INDEX
 from tests.helpers.data import TOY, write_jsonl
 
 
@@ -76,16 +76,18 @@ def test_the_cache_key_changes_with_the_preparation_code(tmp_path, qwen_tok, mon
     its key differs."""
     import shutil
 
-    from sft.data import cache_key as ck
+    from sft.data.store import cache_key as ck
 
     code = tmp_path / "data"
-    shutil.copytree(os.path.dirname(ck.__file__), code, ignore=shutil.ignore_patterns("__pycache__"))
+    wing = os.path.dirname(os.path.dirname(ck.__file__))  # sft/data, its stages in sub-folders
+    shutil.copytree(wing, code, ignore=shutil.ignore_patterns("__pycache__"))
     before = ck.preparation_code_fingerprint(str(code))
-    (code / "samples.py").write_text((code / "samples.py").read_text() + "\n# another commit\n")
+    assert ck.preparation_code_fingerprint() == ck.preparation_code_fingerprint.__wrapped__(wing)  # the whole wing
+    (code / "encode" / "samples.py").write_text((code / "encode" / "samples.py").read_text() + "\n# another commit\n")
     changed = ck.preparation_code_fingerprint.__wrapped__(str(code))
     assert changed != before
     (code / "stage").mkdir()
-    (code / "stage" / "step.py").write_text("# a module of a sub-folder\n")
+    (code / "stage" / "step.py").write_text("# a module of a new sub-folder\n")
     assert ck.preparation_code_fingerprint.__wrapped__(str(code)) != changed
     data = write_jsonl(tmp_path / "d.jsonl", TOY)
     keys = set()

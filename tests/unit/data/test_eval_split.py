@@ -7,8 +7,8 @@ import pytest
 
 from sft.app.train import log_eval_change
 from sft.cli import check_main, train_main
-from sft.data.eval_split import empty_side_error, in_eval, record_key
-from sft.data.records import Conversation, load_conversations
+from sft.data.records.eval_split import empty_side_error, in_eval, record_key
+from sft.data.records.records import Conversation, load_conversations
 from sft.errors import DataError
 from tests.helpers.data import TOY, write_jsonl
 

@@ -1,10 +1,11 @@
-"""Records as reasoning models and agents write them (sft.data.messages through sft.data.records.normalize_record):
+"""Records as reasoning models and agents write them (sft.data.records.messages through
+sft.data.records.records.normalize_record):
 every accepted form, and every new problem named with its file, record, id, turn and fix."""
 import json
 
 import pytest
 
-from sft.data.records import Conversation, normalize_record
+from sft.data.records.records import Conversation, normalize_record
 from tests.helpers.data import AGENT, WEATHER_TOOL
 
 
@@ -130,7 +131,7 @@ def test_tool_results_are_put_in_the_order_of_the_calls_they_answer():
 
 
 def test_json_nested_too_deeply_is_a_record_problem_and_control_tokens_in_ids_are_refused(tmp_path):
-    from sft.data.records import load_conversations
+    from sft.data.records.records import load_conversations
     from sft.errors import DataError
     from tests.helpers.data import write_jsonl
 

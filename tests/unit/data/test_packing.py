@@ -7,8 +7,8 @@ import torch
 
 from sft.app.validation import validate
 from sft.config.arguments import parse_args
-from sft.data.chat import IGNORE_INDEX
-from sft.data.packing import PackedCollator, PaddingFreeCollator, best_fit_decreasing, pack_dataset, split_row
+from sft.data.batches.packing import PackedCollator, PaddingFreeCollator, best_fit_decreasing, pack_dataset, split_row
+from sft.data.template.chat import IGNORE_INDEX
 from sft.errors import ConfigError
 
 
@@ -75,9 +75,9 @@ def test_packed_rows_count_the_same_supervised_tokens_as_padded_batches(qwen_tok
     """The Trainer divides the summed loss by ``num_items_in_batch`` = labels[..., 1:] != -100 over the micro batches
     of one optimizer step (and across ranks with average_tokens_across_devices): packed rows must count exactly the
     padded batches' supervised tokens, so the loss is normalised as in the unpacked run."""
-    from sft.data.chat import encode_conversations
-    from sft.data.dataset import make_collator
-    from sft.data.records import load_conversations
+    from sft.data.records.records import load_conversations
+    from sft.data.store.dataset import make_collator
+    from sft.data.template.chat import encode_conversations
 
     tok, eot = qwen_tok
     convs = [c.messages for c in load_conversations(toy_data, "error")]

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from sft.data.records import load_conversations
+from sft.data.records.records import load_conversations
 from sft.errors import DataError
 from tests.helpers.data import TOY, write_jsonl
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sft.data.packing import PackedCollator, PaddingFreeCollator, split_for_sequence_parallel
+from sft.data.batches.packing import PackedCollator, PaddingFreeCollator, split_for_sequence_parallel
 from sft.distributed.sequence_parallel import crossing_line, layout
 from sft.errors import ConfigError
 from sft.model.sequence_parallel import choose_mode, ulysses_problem

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from sft.data import sources
-from sft.data.dataset import build_dataset
-from sft.data.records import RecordCheck, iter_conversations, load_conversations
+from sft.data.records import sources
+from sft.data.records.records import RecordCheck, iter_conversations, load_conversations
 from sft.data.spec import PreparationSpec
+from sft.data.store.dataset import build_dataset
 from sft.errors import DataError
 from tests.helpers.data import TOY, write_jsonl
 

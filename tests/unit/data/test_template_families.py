@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from sft.data.chat_template import parse_template_kwargs, with_template_kwargs
-from sft.data.end_tokens import end_of_turn_id, model_end_ids
-from sft.data.records import normalize_record
-from sft.data.samples import encode_samples
+from sft.data.encode.samples import encode_samples
+from sft.data.records.records import normalize_record
 from sft.data.spec import PreparationSpec
+from sft.data.template.chat_template import parse_template_kwargs, with_template_kwargs
+from sft.data.template.end_tokens import end_of_turn_id, model_end_ids
 from sft.errors import TemplateError
 from tests.helpers.labels import split_reused_and_fresh, supervised_spans
 from tests.helpers.template_corpus import check_definition
@@ -103,10 +103,10 @@ def trained(tok, template, record=RECORD, model_end=()):
 
 def test_r1_distill_trains_reasoning_close_and_answer_after_the_prompts_think(family_tok):
     (ctx1, first), (ctx2, second) = trained(family_tok, R1_DISTILL)
-    assert ctx1.endswith("prime?<｜Assistant｜><think>\n") and ctx2.endswith("97?<｜Assistant｜><think")
+    assert ctx1.endswith("prime?<｜Assistant｜><think>\n") and ctx2.endswith("97?<｜Assistant｜><think>\n")
     assert first == ["91 = 7 x 13.\n</think>\n\nNo.<｜end▁of▁sentence｜>"]
-    # no reasoning: an empty block (">\n\n" is one token, overlapping the prompt's end)
-    assert second == [">\n\n</think>\n\nYes.<｜end▁of▁sentence｜>"]
+    # no reasoning: an empty block (">\n\n" would be one token across the prompt's end: the prompt's own tokens)
+    assert second == ["\n</think>\n\nYes.<｜end▁of▁sentence｜>"]
 
 
 def test_gemma4_channel_and_command_r_thinking_switched_off(family_tok):
@@ -124,14 +124,14 @@ def test_gemma4_channel_and_command_r_thinking_switched_off(family_tok):
 
 def test_no_reply_trains_a_second_opening_of_the_block_its_prompt_opened(family_tok):
     (ctx1, first), (ctx2, second) = trained(family_tok, THINKS_TWICE)
-    assert ctx1.endswith("assistant\n<think>\n") and ctx2.endswith("assistant\n<think")  # ">\n\n" is one token
+    assert ctx1.endswith("assistant\n<think>\n") and ctx2.endswith("assistant\n<think>\n")  # the prompt's tokens
     assert first == ["91 = 7 x 13.\n</think>\n\nNo.<|im_end|>"]
-    assert second == [">\n\n</think>\n\nYes.<|im_end|>"]
+    assert second == ["\n</think>\n\nYes.<|im_end|>"]
 
 
 def test_whitespace_only_at_the_prompts_end_is_tolerated_and_anything_else_is_refused(family_tok):
     ((ctx, spans),) = trained(family_tok, INDENTED, {"messages": RECORD["messages"][:2]})
-    assert ctx.endswith("assistant\n ") and spans == [" <think>\n91 = 7 x 13.\n</think>\n\nNo.<|im_end|>"]
+    assert ctx.endswith("assistant\n  ") and spans == ["<think>\n91 = 7 x 13.\n</think>\n\nNo.<|im_end|>"]
     with pytest.raises(TemplateError, match="generation prompt for this reply ends with 'x'"):
         trained(family_tok, INDENTED.replace("'  '", "'x'"), {"messages": RECORD["messages"][:2]})
 
@@ -179,7 +179,7 @@ def test_chat_template_kwargs_reach_every_rendering_and_bad_ones_are_refused_up_
 def test_refusals_name_file_record_id_and_turn_and_no_length_warning_leaks(family_tok, caplog):
     import logging
 
-    from sft.data.dataset import LazySupervisedDataset
+    from sft.data.store.dataset import LazySupervisedDataset
     from sft.errors import DataError
 
     family_tok.chat_template = INDENTED.replace("'  '", "'x'")  # a prompt the reply's rendering does not continue
@@ -203,7 +203,7 @@ def test_refusals_name_file_record_id_and_turn_and_no_length_warning_leaks(famil
 
 
 def test_shared_prefixes_are_tokenized_once_with_the_tokens_of_the_whole_text(qwen_tok):
-    from sft.data.shared_prefix import common_prefix_length, tokenize_shared
+    from sft.data.encode.shared_prefix import common_prefix_length, tokenize_shared
 
     tok = qwen_tok[0]
     turn = "<|im_start|>{}\n{}<|im_end|>\n"
@@ -244,9 +244,11 @@ def test_a_prompt_that_switches_reasoning_off_refuses_reasoning_naming_the_switc
     with pytest.raises(TemplateError, match="ends with '</think>' alone: reasoning switched off.*"
                                            "enable_thinking.*: true"):
         trained(family_tok, LAGUNA)
-    ((ctx, spans),) = trained(family_tok, with_template_kwargs(LAGUNA, {"enable_thinking": True}))
-    assert ctx.endswith("assistant\n<think"), ctx  # ">\\n" one token; one sample: the history keeps the reasoning
-    assert spans[0].endswith("91 = 7 x 13.\n</think>\nNo.<|im_end|>") and spans[1].endswith("</think>\nYes.<|im_end|>")
+    # ">\\n" would be one token across the first prompt's end: that reply is a sample of its own, each context its
+    # prompt's own tokens (the history keeps the reasoning)
+    (ctx1, first), (ctx2, second) = trained(family_tok, with_template_kwargs(LAGUNA, {"enable_thinking": True}))
+    assert ctx1.endswith("assistant\n<think>") and ctx2.endswith("assistant\n<think>"), (ctx1, ctx2)
+    assert first[0].endswith("91 = 7 x 13.\n</think>\nNo.<|im_end|>") and second[0].endswith("</think>\nYes.<|im_end|>")
 
 
 def test_a_tool_call_ends_where_the_template_writes_the_tool_results_opening(family_tok):

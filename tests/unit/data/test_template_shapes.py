@@ -11,10 +11,10 @@ import dataclasses
 
 import pytest
 
-from sft.data.chat import render
-from sft.data.chat_template import with_template_kwargs
-from sft.data.end_tokens import end_of_turn_id
-from sft.data.profile import template_profile
+from sft.data.template.chat import render
+from sft.data.template.chat_template import with_template_kwargs
+from sft.data.template.end_tokens import end_of_turn_id
+from sft.data.template.profile import template_profile
 from sft.errors import TemplateError
 from tests.unit.data.test_template_families import APRIEL, RECORD, TOKENS, trained
 
@@ -150,9 +150,10 @@ def test_a_prompt_that_the_rendering_does_not_continue_with_the_reply_stays_refu
 def test_a_reply_without_reasoning_after_a_prompt_that_opens_it_in_words_trains_the_close(shape_tok):
     end = shape_tok.convert_tokens_to_ids(["<|end|>"])
     (ctx1, first), (ctx2, second) = trained(shape_tok, APRIEL, RECORD, end)
-    assert ctx2.endswith("<|begin_assistant|>\nHere are my reasoning steps") and first[0].endswith("No.<|end|>")
-    # empty reasoning, then the close the template writes after reasoning (":\n\n" one token, overlapping the prompt)
-    assert second == [":\n\n[BEGIN FINAL RESPONSE]\nYes.<|end|>"]
+    assert ctx2.endswith("<|begin_assistant|>\nHere are my reasoning steps:\n") and first[0].endswith("No.<|end|>")
+    # empty reasoning, then the close the template writes after reasoning (":\n\n" would be one token across the
+    # prompt's end: the context is the prompt's own tokens)
+    assert second == ["\n[BEGIN FINAL RESPONSE]\nYes.<|end|>"]
 
 
 @pytest.mark.parametrize("template, why", [

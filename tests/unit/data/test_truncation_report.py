@@ -2,8 +2,9 @@
 and that turn's size in tokens, on the fast path (ChatML) and on the per-turn path (Qwen3), split or truncate."""
 import pytest
 
-from sft.data.report import TruncationReport
-from sft.data.samples import encode_samples
+from sft.data.encode.conversation_samples import ConversationSamples
+from sft.data.encode.report import TruncationReport
+from sft.data.encode.samples import encode_samples
 from sft.data.spec import PreparationSpec
 from tests.helpers import assets
 
@@ -18,7 +19,7 @@ def qwen3():
 
 def _report(tok, eot, messages, mode, record=7, rec_id="big"):
     out = encode_samples(tok, [messages], eot, PreparationSpec(max_len=64, long_conversations=mode))[0]
-    assert isinstance(out, list), out
+    assert isinstance(out, ConversationSamples), out
     report = TruncationReport(mode=mode)
     report.count_conversation(out, rec_id, record)
     return out, "\n".join(report.lines("train", 64))
@@ -73,7 +74,7 @@ def test_refuse_names_the_turn_split_would_cut_and_splits_the_rest_as_split_does
     """--long_conversations refuse: a conversation with a turn too long to fit with its context is refused (a record
     problem: file, record, id, turn, its size in tokens, the fix); one that split cuts at turn boundaries only is
     split exactly as split does."""
-    from sft.data.records import normalize_record, template_problem
+    from sft.data.records.records import normalize_record, template_problem
     from sft.errors import TemplateError
 
     reply, question = "word " * 300, "Summarize this: " + "lorem ipsum " * 400

@@ -1,14 +1,15 @@
-"""Labels by the definition (sft.data.turns through sft.data.samples.encode_samples) on Qwen3's published chat template:
-reasoning, tool calls, per-reply flags, several samples where the template rewrites history; templates that drop part
-of a conversation are refused by name, or trained with what they drop counted. The whole corpus of real templates:
-tests/integration/data/test_template_corpus.py."""
+"""Labels by the definition (sft.data.encode.turns through sft.data.encode.samples.encode_samples) on Qwen3's published
+chat template: reasoning, tool calls, per-reply flags, several samples where the template rewrites history; templates
+that drop part of a conversation are refused by name, or trained with what they drop counted. The whole corpus of real
+templates: tests/integration/data/test_template_corpus.py."""
 import pytest
 
-from sft.data.chat import IGNORE_INDEX
-from sft.data.records import normalize_record
-from sft.data.report import TruncationReport
-from sft.data.samples import encode_samples
+from sft.data.encode.conversation_samples import ConversationSamples
+from sft.data.encode.report import TruncationReport
+from sft.data.encode.samples import encode_samples
+from sft.data.records.records import normalize_record
 from sft.data.spec import PreparationSpec
+from sft.data.template.chat import IGNORE_INDEX
 from sft.errors import TemplateError
 from tests.helpers import assets
 from tests.helpers.data import AGENT
@@ -34,7 +35,7 @@ def encode(tok, eot, rec, **kw):
 def test_every_agent_form_trains_exactly_the_definition_on_qwen3(qwen3, rec):
     tok, eot = qwen3
     conv, samples = encode(tok, eot, rec)
-    assert isinstance(samples, list), samples
+    assert isinstance(samples, ConversationSamples), samples
     trained = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant" and m.get("train") is not False]
     check_definition(tok, conv, samples, eot, trained)
 
@@ -42,7 +43,7 @@ def test_every_agent_form_trains_exactly_the_definition_on_qwen3(qwen3, rec):
 def test_multi_turn_reasoning_is_one_sample_per_user_query_with_earlier_reasoning_dropped_from_context(qwen3):
     tok, eot = qwen3
     _conv, samples = encode(tok, eot, AGENT[0])
-    assert len(samples) == 2 and samples[0]["extra_samples"] == 1
+    assert len(samples) == 2 and samples.extra_samples == 1
     first, second = ([supervised_spans(tok, s["input_ids"], s["labels"]) for s in samples])
     assert first == ["<think>\nTen threes are 30, two more are 6.\n</think>\n\n36.<|im_end|>"]
     assert second == ["<think>\n36 / 2 = 18.\n</think>\n\n18.<|im_end|>"]
@@ -95,7 +96,7 @@ def test_a_template_that_drops_reasoning_or_tools_refuses_by_name_or_trains_coun
     out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096, allow_dropped_content=True),
                          [None])[0]
     assert supervised_spans(tok, out[0]["input_ids"], out[0]["labels"]) == ["No, 91 = 7 x 13.<|im_end|>"]
-    assert out[0]["dropped"] == 12
+    assert out.dropped == 12
     report = TruncationReport()
     report.count_conversation(out, "reasoning-field")
     assert "train: the chat template dropped 12 characters of 1 conversations (--allow_dropped_content True)" in \
@@ -110,7 +111,7 @@ def test_a_template_that_drops_reasoning_or_tools_refuses_by_name_or_trains_coun
     allowed = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096, allow_dropped_content=True),
                              [conv.tools])[0]
     assert [supervised_spans(tok, ex["input_ids"], ex["labels"]) for ex in allowed] == [
-        ["Yes, it is raining in Paris (11 degrees).<|im_end|>"]] and allowed[0]["dropped"] > 0
+        ["Yes, it is raining in Paris (11 degrees).<|im_end|>"]] and allowed.dropped > 0
     conv = normalize_record("agent.jsonl", 5, {"tools": [AGENT[2]["tools"][0]], **AGENT[3]})
     out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [conv.tools])[0]
     assert isinstance(out, TemplateError) and "drops tool definition get_weather" in str(out)
@@ -174,7 +175,7 @@ def test_split_of_a_long_agent_conversation_trains_every_reply_once_in_pieces_th
     whole = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=100_000), [conv.tools])[0]
     assert max(len(ex["input_ids"]) for ex in whole) > 600
     pieces = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=300), [conv.tools])[0]
-    assert isinstance(pieces, list) and len(pieces) >= len(whole)
+    assert isinstance(pieces, ConversationSamples) and len(pieces) >= len(whole)
     assert all(len(ex["input_ids"]) <= 300 and not ex["truncated"] for ex in pieces)
     assert runs(tok, pieces) == runs(tok, whole)  # every reply once, with the same trained tokens
     for ex in pieces:
@@ -303,7 +304,7 @@ def test_a_conversation_known_split_by_its_longest_sample_gives_the_same_samples
     none of its whole plan's other samples (nobody reads them); split_turns' estimates take that sample's tokens and
     the plan's rendering of the whole conversation. The same samples, ids, labels and counts as tokenizing every
     sample (a batch with conversations that fit, one split, one with a unit too long by itself)."""
-    import sft.data.samples as samples_mod
+    import sft.data.encode.samples as samples_mod
 
     tok, eot = qwen3
     long = long_agent_record()

@@ -44,7 +44,7 @@ def _rank_main(rank: int, tmp: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         from sft.config.precision import agree_across_ranks, agreed_bf16
-        from sft.data.shards import JobView, agree
+        from sft.data.store.shards import JobView, agree
         from sft.train.preemption import PreemptionHandler
 
         seen = {"query": [c.initialized(), c.rank(), c.world_size(), c.backend()],

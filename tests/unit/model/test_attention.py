@@ -1,5 +1,5 @@
 """Per-conversation attention for packed rows (sft/model/attention.py) with the per-row packed collator
-(sft/data/packing.py): each conversation's logits and gradients inside a packed micro batch equal those of the
+(sft/data/batches/packing.py): each conversation's logits and gradients inside a packed micro batch equal those of the
 conversation alone, for every attention implementation --packing offers, on two architectures (tiny Qwen2 with GQA,
 tiny Llama as SmolLM2), in train and eval mode; padded batches keep their mask; the controls show the checks can fail.
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from sft.data.chat import IGNORE_INDEX
-from sft.data.packing import PackedCollator
+from sft.data.batches.packing import PackedCollator
+from sft.data.template.chat import IGNORE_INDEX
 from sft.model.attention import (
     PACKED_ATTENTION,
     check_packing_support,
@@ -264,7 +264,7 @@ def test_the_collators_give_the_boundaries_and_the_attention_reads_them():
     """cu_seq_lens from PaddingFreeCollator and PackedCollator cut exactly where the position ids restart (pad
     documents included); the attention given them and no position ids equals the block-diagonal reference, and
     offsets that cross a row are refused."""
-    from sft.data.packing import PaddingFreeCollator
+    from sft.data.batches.packing import PaddingFreeCollator
     from sft.model.attention import packed_attention_forward
 
     convs = docs()

@@ -3,8 +3,8 @@
 Tiny random fp32 models (vocabulary 128) of every family of :data:`tests.helpers.families.HYBRID`; documents of 70,
 1, 9 and 4 tokens: different lengths, a one-token document, and one longer than the convolution window (4) and the
 recurrences' chunks (64 for the gated delta rule and KDA's PyTorch paths, 8 for the tiny Mamba2 configs). Both
-layouts: the padding-free row (:class:`sft.data.packing.PaddingFreeCollator`, one row) and ``--packing`` rows
-(:class:`sft.data.packing.PackedCollator`, two rows, the second padded). Granite-4.0 hybrid and Zamba too, whose
+layouts: the padding-free row (:class:`sft.data.batches.packing.PaddingFreeCollator`, one row) and ``--packing`` rows
+(:class:`sft.data.batches.packing.PackedCollator`, two rows, the second padded). Granite-4.0 hybrid and Zamba too, whose
 decoder layers hand their attention no position ids (the attention reads the decoder's boundaries).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sft.data.packing import PackedCollator, PaddingFreeCollator
+from sft.data.batches.packing import PackedCollator, PaddingFreeCollator
 from sft.model.attention import check_packing_support, use_packed_attention
 from sft.model.token_mixers import PAD_WASTE, find_token_mixers, keep_documents_apart, mixer_kinds, plan_groups
 from tests.helpers.families import HYBRID, HYBRID_MORE, tiny_model

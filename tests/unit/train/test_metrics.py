@@ -108,7 +108,7 @@ def test_the_peak_comes_from_the_flag_then_the_environment(monkeypatch, tiny_mod
 
 
 def test_packed_rows_count_their_pad_document_as_padding():
-    from sft.data.packing import PackedCollator
+    from sft.data.batches.packing import PackedCollator
     from sft.train.metrics import packed_padding
 
     rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9], "position_ids": [0, 1, 2, 0, 1]},

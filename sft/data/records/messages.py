@@ -1,5 +1,5 @@
 """One record's turns as chat templates take them: roles, content parts, reasoning, tool calls and tool results,
-per-reply training flags, and the record's tool list. Used by :func:`sft.data.records.normalize_record`.
+per-reply training flags, and the record's tool list. Used by :func:`sft.data.records.records.normalize_record`.
 
 What a turn becomes (a message dict, the keys Hugging Face chat templates read):
 
@@ -11,7 +11,7 @@ What a turn becomes (a message dict, the keys Hugging Face chat templates read):
   ``"\\n"`` (as vLLM flattens text parts); any other part (an image, audio) is refused by name: training is text-only.
 * Assistant reasoning: ``reasoning_content`` (also ``reasoning`` / ``thinking``), or ``<think>...</think>`` at the start
   of the content; kept as ``reasoning_content`` (stripped of surrounding newlines) with the rest of the content after
-  it (leading newlines removed), as Qwen3's template splits it. :mod:`sft.data.turns` hands it to the template in
+  it (leading newlines removed), as Qwen3's template splits it. :mod:`sft.data.encode.turns` hands it to the template in
   the form the template reads.
 * Assistant ``tool_calls``: ``[{"id"?, "type": "function", "function": {"name": str, "arguments": str|object}}]`` (a
   flat ``{"name", "arguments"}`` too); kept as ``{"type": "function", "function": {"name", "arguments": dict}}`` plus
@@ -36,7 +36,8 @@ ROLES_HELP = "use user, assistant, system or tool (aliases: human, gpt, function
 
 
 class TurnProblem(Exception):
-    """A problem of one turn: ``what`` it is, the ``fix``, and its ``kind`` (as :class:`sft.data.sources.Problem`)."""
+    """A problem of one turn: ``what`` it is, the ``fix``, and its ``kind`` (as :class:`sft.data.records.sources.
+    Problem`)."""
 
     def __init__(self, what: str, fix: str, kind: str):
         super().__init__(what)

@@ -4,7 +4,8 @@ For an assistant turn ``k`` of ``turns`` the trained text is
 
     render(turns[:k+1])  minus  render(turns[:k], add_generation_prompt=True)
 
-up to and including the end-of-turn token that closes it (the template's, :func:`sft.data.end_tokens.end_of_turn_id`):
+up to and including the end-of-turn token that closes it (the template's,
+:func:`sft.data.template.end_tokens.end_of_turn_id`):
 reasoning, text and tool calls alike, exactly the tokens the model samples after the generation prompt. Nothing else
 is trained (tool results, tool definitions, system and user text, whatever follows the end-of-turn token).
 ``render`` is ``tokenizer.apply_chat_template`` with the record's ``tools``.
@@ -22,9 +23,12 @@ tool call (its function name) missing from its trained text; a system, user or t
 the record's tools missing from a sample.
 
 How reasoning is handed over: as ``reasoning_content`` (Qwen3, GLM, DeepSeek-V3.1, ... read it; transformers also
-copies it to ``thinking``, gpt-oss's name) when the template writes that field, else inside the content as
+copies it to ``thinking``, gpt-oss's name) when the template writes that field, else as ``reasoning_content`` where the
+template has a reasoning channel of its own that is not ``<think>`` (gemma-4's ``<|channel>thought``: the model
+generates the reasoning in it, :mod:`sft.data.encode.thinking`), else inside the content as
 ``<think>\\n...\\n</think>\\n\\n`` when the template writes that, else as ``reasoning_content`` (and then counted as
-dropped). Decided once per template by rendering a probe (:attr:`sft.data.profile.TemplateProfile.reasoning_form`).
+dropped). Decided once per template by rendering a probe
+(:attr:`sft.data.template.profile.TemplateProfile.reasoning_form`).
 """
 from __future__ import annotations
 
@@ -34,8 +38,11 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
-from sft.data.dropped import dropped as _dropped
-from sft.data.forms import (
+from sft.data.encode.dropped import dropped as _dropped
+from sft.data.encode.thinking import Need, Parted, ReplyTexts, continuation
+from sft.data.records.messages import message_text
+from sft.data.refusal import Refusal
+from sft.data.template.forms import (
     PROBE_CONTENT,
     PROBE_REASONING,
     PROBE_TOOL,
@@ -44,10 +51,7 @@ from sft.data.forms import (
     template_cache,
     with_reasoning,
 )
-from sft.data.messages import message_text
-from sft.data.profile import template_messages, template_profile
-from sft.data.refusal import Refusal
-from sft.data.thinking import Need, Parted, ReplyTexts, continuation
+from sft.data.template.profile import template_messages, template_profile
 from sft.errors import TemplateError
 
 
@@ -78,17 +82,17 @@ def plan(tokenizer, messages: Sequence[dict], tools: Optional[list], stops: Sequ
     """The samples of one conversation by the definition (module docstring).
 
     Args:
-        messages: validated message dicts (:mod:`sft.data.messages`), the default system prompt applied.
+        messages: validated message dicts (:mod:`sft.data.records.messages`), the default system prompt applied.
         tools: the record's tool schemas, or None.
         stops: the texts of the tokens that close a reply (:func:`stop_tokens`); a reply ends at the first of them.
         known: per reply index, its result from another plan whose messages up to that reply (and the next
             message, for a template whose replies end at the next role's token) are these (:attr:`TurnPlan.replies`:
-            :mod:`sft.data.split_turns` reuses the whole conversation's plan for a piece that starts with it);
+            :mod:`sft.data.encode.split_turns` reuses the whole conversation's plan for a piece that starts with it);
             those replies are not rendered again.
         count_dropped: False: leave :attr:`TurnPlan.dropped` empty (a caller that does not read it).
 
     Seven parameters, one over the house's six: the last three are options with defaults, passed by keyword by the
-    one caller that sets them (:mod:`sft.data.split_turns`); a value type for them would serve that caller alone.
+    one caller that sets them (:mod:`sft.data.encode.split_turns`); a value type for them would serve that caller alone.
 
     Raises:
         TemplateError: the template cannot render the conversation (its own message), renders a reply's context
@@ -131,7 +135,9 @@ def _reply(tokenizer, messages: Sequence[dict], shown: list[dict], k: int, tools
     try:
         prompt = render_with_tools(tokenizer, shown[:k], tools, generation_prompt=True)
         full = render_with_tools(tokenizer, shown[:k + 1], tools)
-        texts, given = ReplyTexts(prompt, full, reasoning, message_text(shown[k - 1]).strip() if k else ""), {}
+        texts = ReplyTexts(prompt, full, reasoning, message_text(shown[k - 1]).strip() if k else "",
+                           template_profile(tokenizer).reasoning_channel)
+        given = {}
         while isinstance(got := continuation(source, texts, given), Need):  # each rendering made where a rule reads it
             given[got.what] = _rendering(tokenizer, _At(shown, k, tools, messages[k]), texts, got.what)
     except TemplateError as e:
@@ -175,10 +181,10 @@ class _At(NamedTuple):
 
 
 def _rendering(tokenizer, at: _At, texts: ReplyTexts, what: str):
-    """The rendering :func:`sft.data.thinking.continuation` asks for (:class:`sft.data.thinking.Need`): ``"bare"``,
-    the conversation up to the reply without its reasoning; ``"reasoned"``, ``(text, probe)``: with a probe
-    reasoning in the template's form; ``"unopened"``, the character where the reply's rendering (a probe content
-    first) starts right after the prompt's special tail, or None."""
+    """The rendering :func:`sft.data.encode.thinking.continuation` asks for (:class:`sft.data.encode.thinking.Need`):
+    ``"bare"``, the conversation up to the reply without its reasoning; ``"reasoned"``, ``(text, probe)``: with a probe
+    reasoning in the template's form; ``"unopened"``, the character where the reply's rendering (a probe content first)
+    starts right after the prompt's special tail, or None."""
     shown, k, tools = at.shown, at.k, at.tools
     if what == "bare":
         return render_with_tools(tokenizer, shown[:k] + [_without_reasoning(at.message)], tools)
@@ -197,7 +203,7 @@ def _rendering(tokenizer, at: _At, texts: ReplyTexts, what: str):
 
 def _parted(k: int, source: str, texts: ReplyTexts, c: int) -> Refusal:
     """The refusal of reply ``k`` whose rendering parts from its generation prompt at character ``c``
-    (:class:`sft.data.thinking.Parted`)."""
+    (:class:`sft.data.encode.thinking.Parted`)."""
     prompt, full = texts.prompt, texts.full
     off = re.search(r"</[^<>\s]*(?:think|thought|reason)[^<>\s]*>\s*\Z", prompt, re.IGNORECASE)
     if texts.reasoning and off:  # Laguna-XS: <assistant>\n</think> by default, <think> with enable_thinking
@@ -217,7 +223,7 @@ def _special_tail(tokenizer, text: str, window: int = 400) -> int:
     """Where the run of special (or added) tokens that ``text`` ends with begins, whitespace before and between them
     included; ``len(text)`` where it ends with none. Only the last ``window`` characters are tokenized (a special
     token cut there is text, so the run ends after it)."""
-    from sft.data.end_tokens import token_spans
+    from sft.data.template.end_tokens import token_spans
 
     at = max(0, len(text) - window)
     start, seen = len(text), False
@@ -262,7 +268,8 @@ def describe_dropped(dropped: Sequence[tuple]) -> str:
 
 def one_sample_of_contents(tokenizer, roles: tuple, stops: Sequence[str]) -> bool:
     """Whether, for conversations with these roles and plain contents, the definition's trained text of every reply is
-    exactly its content, all in one sample: then the content spans of :class:`sft.data.chat.Renderer` (one rendering
+    exactly its content, all in one sample: then the content spans of :class:`sft.data.template.chat.Renderer` (one
+    rendering
     per conversation, or none for an opaque template) are the definition's labels. Decided once per sequence of roles
     on a rendering with sentinel contents (for an opaque template that is a proof, since it writes any content as it
     writes the sentinel; for any other the conversation's own rendering is also compared with its filled skeleton)."""
@@ -285,12 +292,13 @@ def one_sample_of_contents(tokenizer, roles: tuple, stops: Sequence[str]) -> boo
 
 
 def stop_tokens(tokenizer, eot_id: int) -> list[str]:
-    """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.end_tokens.
+    """The texts of the tokens that close a reply: the end-of-turn token (:func:`sft.data.template.end_tokens.
     end_of_turn_id`), and the token that closes a reply holding a tool call when the template closes those with
     another one (gpt-oss's ``<|call|>``, Llama 3.1's ``<|eom_id|>``, gemma-4's ``<|tool_response>``): the last special
     token of such a reply rendered alone (only whitespace after it; the reply: the rendering after the text it shares
     with the generation prompt), or, where a reply ends at the next role's token
-    (:attr:`sft.data.profile.TemplateProfile.ends_at_next_role`), the first special token after it when a tool result
+    (:attr:`sft.data.template.profile.TemplateProfile.ends_at_next_role`), the first special token after it when a tool
+    result
     follows. Probed once per template and cached."""
     cache = template_cache(tokenizer)
     key = ("stops", eot_id)
@@ -311,7 +319,7 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
             except TemplateError:
                 after = ""
             if after.startswith(full):
-                from sft.data.end_tokens import special_run
+                from sft.data.template.end_tokens import special_run
 
                 run = special_run(tokenizer, after, len(full))
                 token = tokenizer.convert_ids_to_tokens(run[0]) if run else None
@@ -320,7 +328,7 @@ def stop_tokens(tokenizer, eot_id: int) -> list[str]:
         elif "probe_tool" in full[len(os.path.commonprefix([prompt, full])):]:
             # after the text the prompt and the reply share: a prompt that ends with an empty thought channel
             # (gemma-4's <|channel>thought\n<channel|>) is not what a reply holding a call renders
-            from sft.data.end_tokens import token_spans
+            from sft.data.template.end_tokens import token_spans
 
             reply = full[len(os.path.commonprefix([prompt, full])):]
             for tid, a, b, special in reversed(token_spans(tokenizer, reply)):

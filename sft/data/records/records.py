@@ -2,7 +2,7 @@
 
 Accepted files: a JSON file holding a list of records, or JSONL (one record per line). Files are
 always read as UTF-8; a leading BOM is accepted. The formats (JSON, JSONL, compressed, Parquet, datasets
-folders) are read by :mod:`sft.data.sources`.
+folders) are read by :mod:`sft.data.records.sources`.
 
 Record forms (both may be mixed in one file):
 
@@ -15,7 +15,7 @@ Record forms (both may be mixed in one file):
 
 What a turn may hold (content parts, reasoning, tool calls and results, ``train`` / ``weight``) and the order of
 turns (an optional leading system turn, then user, assistant, ...; tool results right after the assistant turn
-whose calls they answer; the last turn from the assistant): :mod:`sft.data.messages`.
+whose calls they answer; the last turn from the assistant): :mod:`sft.data.records.messages`.
 
 The output of this module is a stream of :class:`Conversation` with roles normalised to
 ``system``/``user``/``assistant``/``tool`` (:func:`iter_conversations`, memory bounded by the capped list of
@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
-from sft.data.messages import (
+from sft.data.records.messages import (
     ROLE_ALIASES,
     ROLES_HELP,
     TurnProblem,
@@ -39,8 +39,8 @@ from sft.data.messages import (
     results_in_call_order,
     structure_problem,
 )
+from sft.data.records.sources import Problem, iter_raw  # noqa: F401  (Problem re-exported: a record's problem)
 from sft.data.refusal import refusal_of
-from sft.data.sources import Problem, iter_raw  # noqa: F401  (Problem re-exported: a record's problem)
 from sft.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ MAX_PROBLEMS_SHOWN = 20
 class Conversation:
     """One validated record. ``messages`` is a list of message dicts (``{"role", "content"}`` plus, where the record
     has them, ``reasoning_content``, ``tool_calls``, ``tool_call_id``, ``name`` and ``"train": False``; roles
-    normalised: :mod:`sft.data.messages`); ``tools`` the record's tool schemas in OpenAI's form, or None."""
+    normalised: :mod:`sft.data.records.messages`); ``tools`` the record's tool schemas in OpenAI's form, or None."""
 
     id: str
     index: int
@@ -120,7 +120,8 @@ def _form_problem(rec: dict, forms: list) -> Optional[tuple[str, str, str]]:
 
 
 def _turn_message(form: str, turn: Any) -> dict | tuple[str, str, str]:
-    """One turn of a record's ``form`` (a key of :data:`FORMS`) as a message (:func:`sft.data.messages.normalize_turn`),
+    """One turn of a record's ``form`` (a key of :data:`FORMS`) as a message
+    (:func:`sft.data.records.messages.normalize_turn`),
     or ``(what, fix, kind)``: why it cannot be one."""
     role_key, text_key = FORMS[form]
     if not isinstance(turn, dict):
@@ -206,7 +207,8 @@ def _control_problem(path: str, conv: Conversation, control_tokens: Sequence[str
 
 
 def template_problem(path: str, conv: Conversation, err: Exception) -> Problem:
-    """The chat template's refusal of one conversation (:func:`sft.data.samples.encode_samples`) as its problem."""
+    """The chat template's refusal of one conversation (:func:`sft.data.encode.samples.encode_samples`) as its
+    problem."""
     r = refusal_of(err)
     return Problem(path, conv.index, conv.id, r.what, r.fix, r.turn, kind=r.kind)
 
@@ -295,7 +297,7 @@ def iter_conversations(path: str, check: RecordCheck, control_tokens: Sequence[s
     ``stop_at_problem``: stop after the first bad record's problems (a check that will fail anyway).
 
     Raises:
-        DataError: file-level problems (see :func:`sft.data.sources.iter_raw`).
+        DataError: file-level problems (see :func:`sft.data.records.sources.iter_raw`).
     """
     for item in iter_raw(path, shard, n_shards):
         check.records += 1

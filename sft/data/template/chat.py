@@ -20,9 +20,9 @@ import weakref
 from typing import Optional, Sequence
 
 from sft.compat.jinja import compile_template
-from sft.data.chat_template import CHATML_TEMPLATE, content_is_opaque  # noqa: F401 (re-exported)
-from sft.data.messages import message_text
+from sft.data.records.messages import message_text
 from sft.data.refusal import Refusal
+from sft.data.template.chat_template import CHATML_TEMPLATE, content_is_opaque  # noqa: F401 (re-exported)
 from sft.data.vocab import has_token
 from sft.errors import TemplateError
 
@@ -66,7 +66,7 @@ def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = Fa
         return tokenizer.apply_chat_template(list(messages), tools=[], tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:
-        from sft.data.chat_template import render_failure
+        from sft.data.template.chat_template import render_failure
 
         raise TemplateError(f"the chat template cannot render this conversation: {render_failure(e)}") from None
 
@@ -226,7 +226,7 @@ def encode_conversations(tokenizer, conversations: Sequence[Sequence[dict]], eot
         eot_id: the end-of-turn token id (:func:`end_of_turn_id`).
         context_replies: per conversation, how many of its leading assistant replies are context only
             (rendered, not supervised; used for the later pieces of a split long conversation,
-            :mod:`sft.data.long_conversations`). Default: every reply is supervised.
+            :mod:`sft.data.encode.long_conversations`). Default: every reply is supervised.
 
     Returns:
         One ``(input_ids, labels)`` per conversation (an :class:`Encoded`): lists of int of equal length, not
@@ -284,7 +284,8 @@ class Renderer:
         self.opaque = content_is_opaque(self.template, self.compiled.environment)
         self.variables = plain_template_data(dict(tokenizer.special_tokens_map))
         self.skeletons: dict = {}
-        self.memo: dict = {}  # small per-tokenizer results (e.g. sft.data.long_conversations' head lengths), capped
+        self.memo: dict = {}  # small per-tokenizer results (e.g.
+        # sft.data.encode.long_conversations' head lengths), capped
 
     @classmethod
     def of(cls, tokenizer) -> "Renderer":
@@ -383,7 +384,8 @@ def encode_conversation(tokenizer, messages: Sequence[dict], eot_id: int) -> tup
 
 def _close_turn(ids, labels, last, eot_id, j):
     """Label the end-of-turn token right after reply ``j``'s last token ``last``; ``eot_id``: an id, or a frozenset of
-    the ids that may close a reply (e.g. ``<|im_end|>`` and a tool call's ``<|call|>``, :mod:`sft.data.turns`)."""
+    the ids that may close a reply (e.g. ``<|im_end|>`` and a tool call's ``<|call|>``,
+    :mod:`sft.data.encode.turns`)."""
     nxt = last + 1
     if last < 0 or nxt >= len(ids) or not (ids[nxt] in eot_id if isinstance(eot_id, frozenset) else ids[nxt] == eot_id):
         raise TemplateError(f"assistant reply {j} is not followed by the end-of-turn token id {eot_id}")

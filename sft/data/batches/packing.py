@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sft.data.chat import IGNORE_INDEX
+from sft.data.template.chat import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import torch

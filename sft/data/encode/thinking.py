@@ -1,7 +1,7 @@
 """What the model generates after a generation prompt that does not simply continue into the reply's rendering:
 a prompt that ends inside a reasoning block (``<think>\n``, gemma-4's ``<|channel>thought\n``, Command-R's thinking
 switched off), and a prompt that differs from the rendering only in whitespace (:func:`continuation`; the definition
-and its use: :mod:`sft.data.turns`)."""
+and its use: :mod:`sft.data.encode.turns`)."""
 from __future__ import annotations
 
 import os
@@ -97,11 +97,13 @@ def _past_whitespace(prompt: str, full: str) -> Optional[int]:
 class ReplyTexts(NamedTuple):
     """One reply's texts for :func:`continuation`: ``prompt`` = ``render(turns[:k], add_generation_prompt=True)``,
     ``full`` = ``render(turns[:k+1])``, ``reasoning`` the reply's reasoning ("" for none), ``last_turn`` the content
-    of the message before the reply ("" for none)."""
+    of the message before the reply ("" for none), ``channel`` the template's own reasoning channel ``(opening,
+    close)`` (:attr:`sft.data.template.profile.TemplateProfile.reasoning_channel`; ``()`` for none)."""
     prompt: str
     full: str
     reasoning: str
     last_turn: str = ""
+    channel: tuple = ()
 
 
 class Need(NamedTuple):
@@ -141,7 +143,10 @@ def continuation(template: str, texts: ReplyTexts, given: Mapping) -> Union[Cont
       ``<|channel>thought\n<channel|>``): a reply without reasoning is generated after the prompt (a close that its
       rendering repeats is not trained twice); a reply with reasoning is generated from the block's inside on: the
       reasoning, the close (:func:`close_text`), the reply as rendered;
-    - ``full`` continues ``prompt``: the definition, ``full`` minus ``prompt``;
+    - ``full`` continues ``prompt``: the definition, ``full`` minus ``prompt``; where the template has a reasoning
+      channel of its own (``texts.channel``) and does not write the reply's reasoning (gemma-4 under
+      ``enable_thinking`` writes it only beside tool calls), the model generates it in that channel first: the
+      opening, the reasoning, the close, then ``full`` minus ``prompt``;
     - the prompt opens reasoning in words the reply's rendering does not have (its own text names thinking, a
       thought or reasoning: Apriel-1.6's "Here are my reasoning steps:\n") and the rendering writes the reply's
       reasoning right after the text the two share: the prompt as it is, then the rendering from the reasoning on
@@ -163,7 +168,7 @@ def continuation(template: str, texts: ReplyTexts, given: Mapping) -> Union[Cont
       opens a turn the rendering writes the reply into without opening: Apertus continues a reply after tool results
       inside the same assistant turn): the prompt as it is, then the reply as rendered.
 
-    Longer than 60 lines with its docstring, which lists the rules in their order; the code is 25 lines (the rules
+    Longer than 60 lines with its docstring, which lists the rules in their order; the code is 30 lines (the rules
     after a reasoning block in :func:`_after_block`).
 
     Returns:
@@ -175,7 +180,11 @@ def continuation(template: str, texts: ReplyTexts, given: Mapping) -> Union[Cont
     if block is not None:
         return _after_block(template, texts, block, given)
     if full.startswith(prompt):
-        return Continuation(prompt, full[len(prompt):], 0)
+        reply = full[len(prompt):]
+        if texts.channel and reasoning.strip() and reasoning not in reply:  # the model opens its own channel
+            shut = texts.channel[0] + reasoning + texts.channel[1]
+            return Continuation(prompt, shut + reply, len(shut))
+        return Continuation(prompt, reply, 0)
     c = len(os.path.commonprefix([prompt, full]))
     words = _THINKING.search(prompt[c:]) is not None  # the prompt's own text names reasoning
     if reasoning.strip() and words and full[c:].lstrip().startswith(reasoning.strip()):

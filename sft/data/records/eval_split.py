@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from sft.data.records import Conversation
+from sft.data.records.records import Conversation
 from sft.errors import DataError
 
 

@@ -1,13 +1,13 @@
 """The renderer of the per-turn path (:func:`render_with_tools`) and the forms a message can take for a chat template:
 reasoning in the ``reasoning_content`` field or inline ``<think>`` (:func:`with_reasoning`), tool call arguments as
-their JSON string (:func:`with_string_arguments`), and the probe messages that :mod:`sft.data.profile` renders to
-decide which form a template takes."""
+their JSON string (:func:`with_string_arguments`), and the probe messages that :mod:`sft.data.template.profile` renders
+to decide which form a template takes."""
 from __future__ import annotations
 
 import json
 from typing import Sequence
 
-from sft.data.messages import message_text
+from sft.data.records.messages import message_text
 from sft.errors import TemplateError
 
 PROBE_REASONING = "\ue010probe reasoning\ue011"
@@ -15,12 +15,13 @@ PROBE_REASONING = "\ue010probe reasoning\ue011"
 
 def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_prompt: bool = False) -> str:
     """``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)``
-    for validated messages (:mod:`sft.data.messages`), through the compiled template directly (what it calls after
+    for validated messages (:mod:`sft.data.records.messages`), through the compiled template directly (what it calls
+    after
     converting its inputs: the identity on plain dicts, plus its copy of ``reasoning_content`` to ``thinking``, done
     here too); the template's own refusals (jinja2's ``raise_exception``, a template bug) as :class:`TemplateError`.
     """
-    from sft.data.chat import Renderer
-    from sft.data.chat_template import render_failure
+    from sft.data.template.chat import Renderer
+    from sft.data.template.chat_template import render_failure
 
     shown = [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
     try:
@@ -30,10 +31,12 @@ def render_with_tools(tokenizer, messages: Sequence[dict], tools, generation_pro
 
 
 def template_cache(tokenizer) -> dict:
-    """The per-template dict where :mod:`sft.data.turns` keeps its answers that depend on more than the template (stop
-    tokens per end-of-turn id, the fast path per sequence of roles), in the tokenizer's :class:`sft.data.chat.Renderer`
+    """The per-template dict where :mod:`sft.data.encode.turns` keeps its answers that depend on more than the template
+    (stop
+    tokens per end-of-turn id, the fast path per sequence of roles), in the tokenizer's
+    :class:`sft.data.template.chat.Renderer`
     memo: a new chat template gets a new one."""
-    from sft.data.chat import Renderer
+    from sft.data.template.chat import Renderer
 
     memo = Renderer.of(tokenizer).memo
     return memo.setdefault("turns", {})
@@ -41,8 +44,8 @@ def template_cache(tokenizer) -> dict:
 
 def with_reasoning(msg: dict, reasoning: str, form: str) -> dict:
     """``msg`` (a message dict) with ``reasoning`` in the template's ``form`` (``TemplateProfile.reasoning_form``,
-    :mod:`sft.data.profile`): inside the content as ``<think>\\n...\\n</think>\\n\\n`` (``"inline"``), else as
-    ``reasoning_content``; a new dict."""
+    :mod:`sft.data.template.profile`): inside the content as ``<think>\\n...\\n</think>\\n\\n`` (``"inline"``), else as
+    ``reasoning_content`` (``"field"``, ``"channel"``, ``"none"``); a new dict."""
     if form == "inline":
         return {**msg, "content": f"<think>\n{reasoning}\n</think>\n\n{message_text(msg)}"}
     return {**msg, "reasoning_content": reasoning}
@@ -60,7 +63,7 @@ def probe_call(arguments) -> dict:
 
 def with_string_arguments(msg: dict) -> dict:
     """``msg`` (an assistant message with ``tool_calls``) with each call's ``arguments`` as its JSON string (the
-    form :attr:`sft.data.profile.TemplateProfile.arguments_form` ``"string"``); a new dict."""
+    form :attr:`sft.data.template.profile.TemplateProfile.arguments_form` ``"string"``); a new dict."""
     calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"],
                                                                          ensure_ascii=False)}}
              for c in msg["tool_calls"]]

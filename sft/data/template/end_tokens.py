@@ -1,13 +1,13 @@
 """Where a reply ends: the special token that closes an assistant turn in a chat template and stops generation,
 found by rendering probes, with the model's own end tokens (``generation_config.json``'s ``eos_token_id``, the
-tokenizer's eos) as evidence the template alone does not give (:mod:`sft.data.turns` trains up to it)."""
+tokenizer's eos) as evidence the template alone does not give (:mod:`sft.data.encode.turns` trains up to it)."""
 from __future__ import annotations
 
 import json
 import os
 from typing import Sequence
 
-from sft.data.chat import PROBE, render_with_spans
+from sft.data.template.chat import PROBE, render_with_spans
 from sft.errors import TemplateError
 
 
@@ -29,12 +29,12 @@ def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
     ``<|im_end|>``).
 
     Found by rendering a probe conversation: the first special token after the reply (whitespace before it, as in
-    ``reply\n<|end|>``, is allowed: it is trained as part of the reply, :mod:`sft.data.turns`), or, where the template
-    writes several in a row, the first of them that is one of the model's end tokens (``model_end``, the ids of
-    :func:`model_end_ids`, and the tokenizer's eos): Command-R's ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`` stops at
-    the latter. A template that writes nothing after the last reply (GLM-4.6 stops at the next role's token) closes a
-    reply with the first special token it writes after a reply that a user turn follows, when that is one of the
-    model's end tokens.
+    ``reply\n<|end|>``, is allowed: it is trained as part of the reply, :mod:`sft.data.encode.turns`), or, where the
+    template writes several in a row, the first of them that is one of the model's end tokens (``model_end``, the ids of
+    :func:`model_end_ids`, and the tokenizer's eos): Command-R's ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`` stops at the
+    latter. A template that writes nothing after the last reply (GLM-4.6 stops at the next role's token) closes a reply
+    with the first special token it writes after a reply that a user turn follows, when that is one of the model's end
+    tokens.
 
     Raises:
         TemplateError: the template writes something other than a special token after the last reply, or nothing
@@ -78,7 +78,7 @@ def end_of_turn_id(tokenizer, model_end: Sequence[int] = ()) -> int:
 def _opening_tokens(tokenizer, text: str, start: int) -> set:
     """The special tokens the template writes inside the probe's reply before its content (after the generation
     prompt): none of them stops generation, or the model would stop before its reply."""
-    from sft.data.chat import render
+    from sft.data.template.chat import render
 
     try:
         prompt = render(tokenizer, PROBE[:1], add_generation_prompt=True)

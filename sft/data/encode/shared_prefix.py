@@ -1,18 +1,18 @@
 """Tokenize many texts that share long prefixes (the samples of one conversation under a history-rewriting chat
 template: each holds the history before its reply) with each shared prefix tokenized once.
 
-A text is cut where a special token of :func:`sft.data.long_conversations.cut_tokens` starts, inside the prefix it
-shares with the text before it in its group: the tokenizer finds such a token in the raw text before any other
-work, so the tokens before the cut are the earlier text's tokens there and the tokens from the cut on are those of
-the rest tokenized alone (offsets moved by the cut). Every other text is tokenized whole. The result is the same ids
-and offsets as tokenizing every text whole (checked in tests/unit/data/test_template_families.py).
+A text is cut where a special token of :func:`sft.data.encode.long_conversations.cut_tokens` starts, inside the prefix
+it shares with the text before it in its group: the tokenizer finds such a token in the raw text before any other work,
+so the tokens before the cut are the earlier text's tokens there and the tokens from the cut on are those of the rest
+tokenized alone (offsets moved by the cut). Every other text is tokenized whole. The result is the same ids and offsets
+as tokenizing every text whole (checked in tests/unit/data/test_template_families.py).
 """
 from __future__ import annotations
 
 from bisect import bisect_left
 from typing import Optional, Sequence
 
-from sft.data import long_conversations
+from sft.data.encode import long_conversations
 
 
 def tokenize_shared(tokenizer, texts: Sequence[str], groups: Sequence,

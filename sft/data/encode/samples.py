@@ -1,6 +1,8 @@
 """One conversation -> its training samples (ids and labels, split or truncated to ``model_max_length``), with what
-that cost in the first sample (:class:`sft.data.report.TruncationReport` counts it). Pure: no files, no ranks
-(:mod:`sft.data.dataset` writes the samples into shards)."""
+that cost (:class:`sft.data.encode.conversation_samples.ConversationSamples`;
+:class:`sft.data.encode.report.TruncationReport`
+counts it). Pure: no files, no ranks
+(:mod:`sft.data.store.dataset` writes the samples into shards)."""
 from __future__ import annotations
 
 import logging
@@ -8,13 +10,15 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence
 
-from sft.data.chat import IGNORE_INDEX, with_system
-from sft.data.cut_turns import cut_turn, longest_pair, name_cuts, too_long
-from sft.data.long_conversations import split_conversation
-from sft.data.messages import message_text
+from sft.data.encode.conversation_samples import ConversationSamples
+from sft.data.encode.cut_turns import cut_turn, longest_pair, name_cuts, too_long
+from sft.data.encode.long_conversations import split_conversation
+from sft.data.encode.prompt_cut import samples_at_prompts
+from sft.data.encode.shared_prefix import tokenize_shared
+from sft.data.records.messages import message_text
 from sft.data.refusal import Refusal
-from sft.data.shared_prefix import tokenize_shared
 from sft.data.spec import PreparationSpec
+from sft.data.template.chat import IGNORE_INDEX, with_system
 from sft.errors import TemplateError
 
 logger = logging.getLogger(__name__)
@@ -39,13 +43,13 @@ def truncate(ids: list[int], labels: list[int], max_len: int) -> dict:
 
 
 def dropped_fix(tokenizer, dropped) -> str:
-    """The fix of a refusal for content the template drops (:attr:`sft.data.turns.TurnPlan.dropped`): the general one,
-    after the template's own switch where it drops reasoning and reads ``enable_thinking`` not set on by
-    ``--chat_template_kwargs`` (Reka-Edge writes reasoning only with it true), or a word on tool calls where it
-    drops them and writes no call at all (LFM2, Granite 3.3: their models write calls inside the reply's content, in
-    their own syntax; :attr:`sft.data.profile.TemplateProfile.writes_tool_calls`)."""
-    from sft.data.chat_template import with_template_kwargs
-    from sft.data.profile import template_profile
+    """The fix of a refusal for content the template drops (:attr:`sft.data.encode.turns.TurnPlan.dropped`): the general
+    one, after the template's own switch where it drops reasoning and reads ``enable_thinking`` not set on by
+    ``--chat_template_kwargs`` (Reka-Edge writes reasoning only with it true), or a word on tool calls where it drops
+    them and writes no call at all (LFM2, Granite 3.3: their models write calls inside the reply's content, in their own
+    syntax; :attr:`sft.data.template.profile.TemplateProfile.writes_tool_calls`)."""
+    from sft.data.template.chat_template import with_template_kwargs
+    from sft.data.template.profile import template_profile
 
     template = tokenizer.chat_template or ""
     fix = ("use a template that renders it (--chat_template FILE), remove it, or pass --allow_dropped_content True to "
@@ -62,7 +66,7 @@ def dropped_fix(tokenizer, dropped) -> str:
 
 
 class _Text(NamedTuple):
-    """Who a text to tokenize belongs to (first field: what :func:`sft.data.shared_prefix.tokenize_shared` groups
+    """Who a text to tokenize belongs to (first field: what :func:`sft.data.encode.shared_prefix.tokenize_shared` groups
     by)."""
     conv: int  # the conversation's index
     spans: list  # the character spans of its trained replies
@@ -76,9 +80,11 @@ class _Conversation:
     messages: list  # with spec.system_message; the template's form where the fast path renders it whole
     tools: Optional[list]
     given: int  # its number of turns in the record
-    general: bool = False  # planned reply by reply (split for length by sft.data.split_turns)
+    general: bool = False  # planned reply by reply (split for length by sft.data.encode.split_turns)
     plan: object = None  # its whole plan, in split mode: split_turns takes the replies of its first piece from it
     out: object = None  # None, its samples (list of dicts) or the TemplateError that refuses it
+    dropped: int = 0  # characters the template dropped
+    extra: tuple = (0, 0)  # samples and tokens beyond its last sample (a history-rewriting template's cost)
     lengths: list = field(default_factory=list)  # the token count of each of its texts
     longest: str = ""  # planned reply by reply: its longest text over max_len (where split_turns' piece was cut)
     probed: Optional[tuple] = None  # known too long by its longest sample alone: that sample's (text, ids, offsets)
@@ -111,37 +117,40 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     turn), one batched tokenizer call, as ``spec`` (:class:`sft.data.spec.PreparationSpec`) says: ``max_len``,
     ``long_conversations``, ``last_reply_only`` (``--mask_history``) and ``allow_dropped_content``.
 
-    Labels follow the definition of :mod:`sft.data.turns` (what the model generates at inference after each reply's
+    Labels follow the definition of :mod:`sft.data.encode.turns` (what the model generates at inference after each
+    reply's
     generation prompt, up to its end-of-turn token). Plain conversations (``{"role", "content"}`` turns, no tools)
-    under a template whose replies' trained text is exactly their content (:func:`sft.data.turns.
-    one_sample_of_contents`, e.g. ChatML, SmolLM2, Qwen2.5) take the fast path (:func:`sft.data.chat.
-    encode_conversations`); every other conversation is planned reply by reply (:func:`sft.data.turns.plan`),
+    under a template whose replies' trained text is exactly their content (:func:`sft.data.encode.turns.
+    one_sample_of_contents`, e.g. ChatML, SmolLM2, Qwen2.5) take the fast path (:func:`sft.data.template.chat.
+    encode_conversations`); every other conversation is planned reply by reply (:func:`sft.data.encode.turns.plan`),
     possibly into several samples.
 
     Args:
         tokenizer: a fast tokenizer with its chat template.
-        conversations: per conversation, its validated messages (:mod:`sft.data.messages`).
-        eot_id: the end-of-turn token id (:func:`sft.data.end_tokens.end_of_turn_id`).
+        conversations: per conversation, its validated messages (:mod:`sft.data.records.messages`).
+        eot_id: the end-of-turn token id (:func:`sft.data.template.end_tokens.end_of_turn_id`).
         spec: of its fields, ``max_len``, ``system_message``, ``last_reply_only`` (train only each conversation's last
             reply), ``allow_dropped_content`` (train a conversation even when the template drops some of its text,
-            counted in the ``dropped`` of its first sample; default: refuse it) and ``long_conversations``
+            counted in its ``dropped``; default: refuse it) and ``long_conversations``
             (``"split"`` cuts a conversation longer than ``max_len`` at turn boundaries: plain conversations on the
-            fast path by :func:`sft.data.long_conversations.split_conversation`, only a reply too long by itself is
-            then truncated; every other by :func:`sft.data.split_turns.split_turns`, only a reply with its tool
+            fast path by :func:`sft.data.encode.long_conversations.split_conversation`, only a reply too long by itself
+            is
+            then truncated; every other by :func:`sft.data.encode.split_turns.split_turns`, only a reply with its tool
             results too long by themselves is truncated; ``"truncate"`` keeps the first ``max_len`` tokens of each
             sample; ``"refuse"`` splits, and refuses a conversation with a turn splitting would cut).
         tools: per conversation, the record's tool schemas or None (default: none).
 
     Returns:
-        Per conversation, in order: its list of samples (:func:`truncate` dicts; the first also has ``user_cut``, the
-        user turns cut from the start, ``extra_samples`` and ``extra_tokens``, what several samples cost, and
-        ``dropped``, the characters the template dropped), or the :class:`~sft.errors.TemplateError` that refuses it
+        Per conversation, in order: its :class:`sft.data.encode.conversation_samples.ConversationSamples` (its samples,
+        :func:`truncate` dicts with ``user_cut``, the user turns cut from their start; ``extra_samples`` and
+        ``extra_tokens``, what several samples cost; ``dropped``, the characters the template dropped), or the
+        :class:`~sft.errors.TemplateError` that refuses it
         (a :class:`sft.data.refusal.Refusal` names the turn as the record numbers it: its ``turn`` is renumbered
         where ``system_message`` added a turn; its message keeps the number it was made with). This is the one place
         where a conversation becomes samples.
     """
-    from sft.data.chat import Renderer
-    from sft.data.turns import stop_tokens
+    from sft.data.encode.turns import stop_tokens
+    from sft.data.template.chat import Renderer
 
     stops = stop_tokens(tokenizer, eot_id)
     closing = frozenset(tokenizer.convert_tokens_to_ids(stops)) if len(stops) > 1 else eot_id
@@ -159,26 +168,29 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
             c.out.renumber(c.added)
     for c in (c for c in convs if c.lengths and isinstance(c.out, list)):
         # what the template's rewriting cost: samples and tokens beyond the last one
-        c.out[0]["extra_samples"], c.out[0]["extra_tokens"] = len(c.lengths) - 1, sum(c.lengths) - c.lengths[-1]
+        c.extra = len(c.lengths) - 1, sum(c.lengths) - c.lengths[-1]
         if c.general and setup.splitting and max(c.lengths) > spec.max_len:
             _split_turns(setup, c)
-    return [_refuse_cut(c.out, spec) for c in convs]
+    return [_refuse_cut(c, spec) for c in convs]
 
 
-def _refuse_cut(out, spec: PreparationSpec):
-    """``out`` (a conversation's samples or refusal), or under ``--long_conversations refuse`` the refusal naming the
-    turn that split had to cut."""
-    cut = next((ex for ex in out if ex["truncated"]), None) if isinstance(out, list) else None
+def _refuse_cut(c: _Conversation, spec: PreparationSpec):
+    """``c``'s :class:`ConversationSamples` or refusal, or under ``--long_conversations refuse`` the refusal naming
+    the turn that split had to cut."""
+    if not isinstance(c.out, list):
+        return c.out
+    cut = next((ex for ex in c.out if ex["truncated"]), None)
     if spec.long_conversations == "refuse" and cut is not None:
         return too_long(cut.get("cut_turn"), cut.get("turn_tokens"), spec.max_len, "a turn")
-    return out
+    return ConversationSamples(c.out, c.dropped, *c.extra)
 
 
 def _texts(setup: _Setup, c: _Conversation, i: int) -> list[tuple[str, _Text]]:
     """The texts to tokenize of conversation ``i`` (``c``), with their owner: its whole rendering on the fast path
-    (its template's fill of the contents), else its plan's samples (:func:`sft.data.turns.plan`); none where it is
+    (its template's fill of the contents), else its plan's samples (:func:`sft.data.encode.turns.plan`); none where it
+    is
     refused (``c.out`` then says why)."""
-    from sft.data.turns import describe_dropped, one_sample_of_contents, plan, template_messages, trained_turns
+    from sft.data.encode.turns import describe_dropped, one_sample_of_contents, plan, template_messages, trained_turns
 
     tokenizer, spec = setup.tokenizer, setup.spec
     # plain once the template's form of reasoning is in place (inside the content, for ChatML, SmolLM2, ...)
@@ -229,7 +241,8 @@ def _probe_longest(setup: _Setup, convs: list, texts: list) -> dict:
     """Tokenize first the longest sample of each conversation split_turns may make pieces of (``c.plan`` set): one
     longer than ``max_len`` marks its conversation ``probed`` and its texts leave ``texts`` (in place), its whole
     plan's other samples being read by nobody. Only where every token that closes a reply is one the tokenizer finds
-    in the raw text before anything else (:func:`sft.data.long_conversations.cut_tokens`): then a reply's label check
+    in the raw text before anything else (:func:`sft.data.encode.long_conversations.cut_tokens`): then a reply's label
+    check
     (``labels_from_spans``: the token after the reply closes it) holds in any sample that renders it.
 
     Returns:
@@ -248,7 +261,8 @@ def _probe_longest(setup: _Setup, convs: list, texts: list) -> dict:
                                                           [o for _t, o in longest])):
         if len(ids) > setup.spec.max_len:
             c = convs[owner.conv]
-            c.probed, c.out, c.lengths, c.longest = (text, ids, offs), [{"dropped": owner.dropped}], [len(ids)], text
+            c.probed, c.out, c.lengths, c.longest = (text, ids, offs), [], [len(ids)], text
+            c.dropped = owner.dropped
             probed.add(owner.conv)
         else:
             made[n] = (ids, offs)
@@ -259,44 +273,55 @@ def _probe_longest(setup: _Setup, convs: list, texts: list) -> dict:
 
 def _encode(setup: _Setup, convs: list, texts: list, made: dict) -> None:
     """Tokenize ``texts`` and make their samples (each truncated to ``max_len``; a whole conversation first split by
-    :func:`sft.data.long_conversations.split_conversation` in split mode), appended to their conversation's
+    :func:`sft.data.encode.long_conversations.split_conversation` in split mode), appended to their conversation's
     ``out``; a conversation refused on the way gets its error there instead."""
-    from sft.data.chat import Encoded, labels_from_spans
-
-    tokenizer, spec = setup.tokenizer, setup.spec
+    tokenizer = setup.tokenizer
     for text, ids, offs, owner in _tokenized(tokenizer, [t for t, _o in texts], [o for _t, o in texts], made):
         c = convs[owner.conv]
-        if isinstance(c.out, Exception):
-            continue
-        try:
-            full = Encoded(ids, labels_from_spans(ids, offs, owner.spans, setup.closing), text, offs, owner.spans)
-            pieces, cut = (([full], 0) if not owner.whole or not setup.splitting or len(ids) <= spec.max_len
-                           else split_conversation(tokenizer, c.messages, setup.eot_id, spec.max_len, full))
-        except TemplateError as e:
-            c.out = e
-            continue
-        if cut and spec.long_conversations == "refuse":  # a user turn too long to fit with its reply
-            turn, n = longest_pair(text, offs, c.messages)
-            c.out = too_long(turn - c.added if turn is not None else None, n, spec.max_len, "a user turn")
-            continue
-        first = c.out is None
-        new = [dict(truncate(a, b, spec.max_len), user_cut=cut if first and k == 0 else 0)
-               for k, (a, b) in enumerate(pieces)]
-        if not (c.general and setup.splitting):  # a truncated sample names the turn it was cut in, never silently
-            name_cuts(new, c.added, lambda cut_at: cut_turn(text, ids, offs, c.messages, cut_at))
-        elif len(ids) > spec.max_len and len(text) > len(c.longest):  # its samples are replaced when too long
-            c.longest = text
-        c.out = (c.out or []) + new
-        c.lengths.append(len(ids))
-        if first:
-            c.out[0]["dropped"] = owner.dropped
+        pieces = samples_at_prompts(tokenizer, text, ids, offs, owner.spans)  # each prompt's own tokens
+        for piece_text, p_ids, p_offs, spans in pieces:
+            if isinstance(c.out, Exception):
+                break
+            whole = owner.whole and len(pieces) == 1
+            _encode_one(setup, c, (piece_text, p_ids, p_offs), owner._replace(spans=spans, whole=whole))
+
+
+def _encode_one(setup: _Setup, c: _Conversation, piece: tuple, owner: _Text) -> None:
+    """One sample text of conversation ``c`` (``piece``: its text, ids and offsets; ``owner.spans`` its trained
+    replies) labelled and appended to ``c.out`` (see :func:`_encode`), or ``c.out`` its refusal."""
+    from sft.data.template.chat import Encoded, labels_from_spans
+
+    tokenizer, spec = setup.tokenizer, setup.spec
+    text, ids, offs = piece
+    try:
+        full = Encoded(ids, labels_from_spans(ids, offs, owner.spans, setup.closing), text, offs, owner.spans)
+        pieces, cut = (([full], 0) if not owner.whole or not setup.splitting or len(ids) <= spec.max_len
+                       else split_conversation(tokenizer, c.messages, setup.eot_id, spec.max_len, full))
+    except TemplateError as e:
+        c.out = e
+        return
+    if cut and spec.long_conversations == "refuse":  # a user turn too long to fit with its reply
+        turn, n = longest_pair(text, offs, c.messages)
+        c.out = too_long(turn - c.added if turn is not None else None, n, spec.max_len, "a user turn")
+        return
+    first = c.out is None
+    new = [dict(truncate(a, b, spec.max_len), user_cut=cut if first and k == 0 else 0)
+           for k, (a, b) in enumerate(pieces)]
+    if not (c.general and setup.splitting):  # a truncated sample names the turn it was cut in, never silently
+        name_cuts(new, c.added, lambda cut_at: cut_turn(text, ids, offs, c.messages, cut_at))
+    elif len(ids) > spec.max_len and len(text) > len(c.longest):  # its samples are replaced when too long
+        c.longest = text
+    c.out = (c.out or []) + new
+    c.lengths.append(len(ids))
+    if first:
+        c.dropped = owner.dropped
 
 
 def _split_turns(setup: _Setup, c: _Conversation) -> None:
     """Replace the samples of a conversation planned reply by reply, one too long, with the pieces
-    :func:`sft.data.split_turns.split_turns` cuts it into (or its refusal)."""
-    from sft.data.split_turns import Known, SplitOptions, split_turns
-    from sft.data.turns import trained_turns
+    :func:`sft.data.encode.split_turns.split_turns` cuts it into (or its refusal)."""
+    from sft.data.encode.split_turns import Known, SplitOptions, split_turns
+    from sft.data.encode.turns import trained_turns
 
     tokenizer, max_len = setup.tokenizer, setup.spec.max_len
     try:
@@ -306,9 +331,8 @@ def _split_turns(setup: _Setup, c: _Conversation) -> None:
     except TemplateError as e:
         c.out = e
         return
-    dropped = c.out[0]["dropped"]
     c.out = [dict(truncate(a, b, max_len), user_cut=0) for a, b in pieces]
-    c.out[0]["dropped"] = dropped
+    c.extra = (0, 0)  # its pieces replace the samples whose cost was counted
     if any("cut_at" in ex for ex in c.out):  # rare: a unit too long by itself; its rendering tokenized again
         enc = ({"input_ids": c.probed[1], "offset_mapping": c.probed[2]} if c.probed else
                tokenizer(c.longest, add_special_tokens=False, return_offsets_mapping=True, verbose=False))
@@ -318,15 +342,16 @@ def _split_turns(setup: _Setup, c: _Conversation) -> None:
 
 def _closes_at_cut_tokens(tokenizer, closing) -> bool:
     """Whether every token that closes a reply (``closing``: an id or a frozenset of ids) is one of
-    :func:`sft.data.long_conversations.cut_tokens`."""
-    from sft.data.long_conversations import cut_tokens
+    :func:`sft.data.encode.long_conversations.cut_tokens`."""
+    from sft.data.encode.long_conversations import cut_tokens
 
     return (closing if isinstance(closing, frozenset) else {closing}) <= cut_tokens(tokenizer)
 
 
 def lazy_refusal(n_samples: int) -> Refusal:
     """Why ``--lazy_preprocess True`` cannot take a conversation that the chat template makes ``n_samples`` samples
-    of (it keeps one sample per record): said by ``sft-check`` and by :class:`sft.data.dataset.LazySupervisedDataset`
+    of (it keeps one sample per record): said by ``sft-check`` and by
+    :class:`sft.data.store.dataset.LazySupervisedDataset`
     when it reads the record."""
     return Refusal(None, f"the chat template renders earlier turns differently once later turns exist, so it is "
                    f"{n_samples} samples; --lazy_preprocess keeps one sample per record", "drop --lazy_preprocess")
@@ -338,7 +363,7 @@ TOKENIZE_CHARS = 4_000_000  # characters per tokenizer call: its offsets cost ab
 def _tokenized(tokenizer, texts: list, owners: list, made: Optional[dict] = None):
     """``(text, ids, offsets, owner)`` of every text, tokenized in calls of at most :data:`TOKENIZE_CHARS` characters
     (one text at least), a conversation's samples with their shared prefixes tokenized once
-    (:func:`sft.data.shared_prefix.tokenize_shared`): a batch of conversations that a history-rewriting template
+    (:func:`sft.data.encode.shared_prefix.tokenize_shared`): a batch of conversations that a history-rewriting template
     makes many long samples of keeps only one call's offsets in memory at a time. ``made``: per index of ``texts``,
     its ``(ids, offsets)`` already made (not tokenized again)."""
     start, made = 0, made or {}
@@ -353,7 +378,7 @@ def _tokenized(tokenizer, texts: list, owners: list, made: Optional[dict] = None
 
 
 def encode_truncated(tokenizer, conv_messages, eot_id: int, spec: PreparationSpec,
-                     tools: Optional[list] = None) -> list[dict]:
+                     tools: Optional[list] = None) -> ConversationSamples:
     """The samples of one conversation, each truncated to ``spec.max_len`` whatever ``spec.long_conversations`` says
     (see :func:`encode_samples`; ``spec``'s ``system_message``, ``last_reply_only`` and ``allow_dropped_content``
     apply).

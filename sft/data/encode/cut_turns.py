@@ -1,16 +1,16 @@
 """Where a truncated sample was cut (the turn, as the record numbers it, and that turn's size in tokens), for the
 preparation log and ``sft-show-sample``; and ``--long_conversations refuse``'s refusal of a turn that splitting would
-cut (:func:`sft.data.samples.encode_samples` uses both)."""
+cut (:func:`sft.data.encode.samples.encode_samples` uses both)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from sft.data.messages import message_text
+from sft.data.records.messages import message_text
 from sft.data.refusal import Refusal
 
 
 def where_cut(ex: dict, sample_id: str, record=None) -> str:
-    """Where a truncated sample (:func:`sft.data.samples.encode_samples`' dict) was cut, for the log:
+    """Where a truncated sample (:func:`sft.data.encode.samples.encode_samples`' dict) was cut, for the log:
     ``record 12, id='a', turn 3 (9000 tokens)``: the record's turn (0-based, as the record numbers them) the cut falls
     in and that turn's own text in tokens as the template renders it."""
     at = f"record {record}, " if record is not None else ""
@@ -80,8 +80,8 @@ def turn_sizes(text: str, offsets: list, messages: Sequence[dict], found: Option
 
 
 def name_cuts(samples: list, shift: int, locate) -> None:
-    """Replace each truncated sample's ``cut_at`` (:func:`sft.data.samples.truncate`) with ``cut_turn`` (the record's
-    numbering: the conversation's index less ``shift``, the default system prompt's place) and ``turn_tokens``;
+    """Replace each truncated sample's ``cut_at`` (:func:`sft.data.encode.samples.truncate`) with ``cut_turn`` (the
+    record's numbering: the conversation's index less ``shift``, the default system prompt's place) and ``turn_tokens``;
     ``locate(cut_at)`` is :func:`cut_turn` on the conversation's rendering."""
     for ex in samples:
         cut_at = ex.pop("cut_at", None)
@@ -104,7 +104,7 @@ def too_long(turn: Optional[int], tokens: Optional[int], max_len: int, what: str
 
 def longest_pair(text: str, offsets: list, messages: Sequence[dict]) -> tuple[Optional[int], Optional[int]]:
     """``(turn, tokens)``: the user turn whose exchange (it and the reply after it) is the longest in ``text``, the
-    conversation's rendering (tokens at character ``offsets``): where :func:`sft.data.long_conversations.
+    conversation's rendering (tokens at character ``offsets``): where :func:`sft.data.encode.long_conversations.
     split_conversation` cut a user turn, the one that did not fit with its reply."""
     sizes = turn_sizes(text, offsets, messages)
     users = [k for k, m in enumerate(messages) if m["role"] == "user" and k in sizes]

@@ -1,7 +1,7 @@
 """Data preparation spread over every process of the job, outside any collective timeout.
 
 Layout of one source's cache folder ``<cache>/<key>/`` (the key hashes the source's bytes, the tokenizer and
-the settings, :func:`sft.data.cache_key.cache_key`), for a job of ``W`` shards (``W`` = world size):
+the settings, :func:`sft.data.store.cache_key.cache_key`), for a job of ``W`` shards (``W`` = world size):
 
 * ``shard-00003-of-00008.<run>/part-00.arrow ...``: the samples of records ``index % W == 3`` (Arrow IPC stream
   files, memory-mapped by ``datasets.Dataset.from_file``), one part per ``--preprocessing_num_workers`` process;
@@ -12,8 +12,8 @@ the settings, :func:`sft.data.cache_key.cache_key`), for a job of ``W`` shards (
   rank of the same run (``<run>``, agreed at the start) stops with it.
 
 The rows of the dataset do not depend on ``W``: each sample carries its record's index and the shards' rows are
-read back in record order (:func:`sft.data.dataset.in_record_order`), so a complete set written at one world size also
-serves a run at another (:func:`sft.data.dataset.shard_count`).
+read back in record order (:func:`sft.data.store.dataset.in_record_order`), so a complete set written at one world size
+also serves a run at another (:func:`sft.data.store.dataset.shard_count`).
 
 Who prepares what: with a cache folder that every node sees (checked at the start with one probe file per
 node), shard ``k`` is prepared by global rank ``k``: once per job. With a node-local folder, the ranks of each

@@ -1,4 +1,5 @@
-"""The name of a source's prepared-data cache folder (:mod:`sft.data.dataset`): what decides its samples, hashed."""
+"""The name of a source's prepared-data cache folder (:mod:`sft.data.store.dataset`): what decides its samples,
+hashed."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,7 @@ from sft.compat import jinja
 from sft.fsio import file_sha256
 
 CACHE_FORMAT = 5  # bump when the cached columns or their meaning change (4: the ``record`` column; 5: labels by the
-# definition of sft.data.turns, the lazy records as JSON)
+# definition of sft.data.encode.turns, the lazy records as JSON)
 RENDERING_ADAPTERS = (jinja,)  # modules outside sft/data that decide the rendered text (the compiled chat template)
 
 
@@ -27,7 +28,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def preparation_code_fingerprint(folder: str = os.path.dirname(os.path.abspath(__file__))) -> str:
+def preparation_code_fingerprint(folder: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) -> str:
     """sha256 of the source of every module of ``sft.data`` (``folder`` and its sub-folders, by path relative to it)
     and of the adapters it renders through (:data:`RENDERING_ADAPTERS`): what turns records into samples and the
     report. A cache written by other preparation code is never read, whether or not someone bumped

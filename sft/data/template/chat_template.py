@@ -1,6 +1,6 @@
 """Chat templates: ChatML (the fallback for a tokenizer without one), whether a template writes message contents
-verbatim and reads nothing else of them (:func:`content_is_opaque`), so that :class:`sft.data.chat.Renderer` may fill a
-per-roles skeleton instead of rendering every conversation (the template compiled for fast rendering is
+verbatim and reads nothing else of them (:func:`content_is_opaque`), so that :class:`sft.data.template.chat.Renderer`
+may fill a per-roles skeleton instead of rendering every conversation (the template compiled for fast rendering is
 :func:`sft.compat.jinja.compile_template`: private names of transformers and jinja2)."""
 from __future__ import annotations
 

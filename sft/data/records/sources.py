@@ -10,8 +10,8 @@ A source is one of (the format is decided by the content or the folder, a compre
 * a ``datasets.Dataset.save_to_disk`` folder (memory-mapped by ``datasets``).
 
 :func:`iter_raw` yields ``(index, record)`` for the records of one shard (``index % n_shards == shard``) and a
-:class:`~sft.data.records.Problem` for a JSONL line that cannot be read (so ``--on_bad_record skip`` can drop it).
-Records are only parsed for the own shard where the format allows it (JSONL: other lines are only split off).
+:class:`~sft.data.records.records.Problem` for a JSONL line that cannot be read (so ``--on_bad_record skip`` can drop
+it). Records are only parsed for the own shard where the format allows it (JSONL: other lines are only split off).
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """The truncation report: what preparing a source cost, counted sample by sample and conversation by conversation
-(:func:`sft.data.samples.encode_samples`' samples), merged over shards, and said in lines for the run's log."""
+(:func:`sft.data.encode.samples.encode_samples`' samples), merged over shards, and said in lines for the run's log."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sft.data.cut_turns import where_cut
+from sft.data.encode.conversation_samples import ConversationSamples
+from sft.data.encode.cut_turns import where_cut
 
 
 @dataclass
@@ -22,7 +23,7 @@ class TruncationReport:
     split: int = 0
     user_turns_cut: int = 0
     mode: str = "truncate"
-    rewritten: int = 0  # conversations the chat template made several samples of (sft.data.turns)
+    rewritten: int = 0  # conversations the chat template made several samples of (sft.data.encode.turns)
     extra_samples: int = 0
     extra_tokens: int = 0
     dropped_chars: int = 0  # characters the template dropped (--allow_dropped_content True)
@@ -47,19 +48,20 @@ class TruncationReport:
             if len(self.dropped_ids) < 50:
                 self.dropped_ids.append(sample_id)
 
-    def count_conversation(self, samples: Sequence[dict], sample_id: str, record=None) -> None:
-        """Add the samples of one conversation (:func:`encode_samples`; record number ``record``) to the counts."""
+    def count_conversation(self, samples: ConversationSamples, sample_id: str, record=None) -> None:
+        """Add the samples of one conversation (:func:`sft.data.encode.samples.encode_samples`; record number
+        ``record``) to the counts."""
         self.conversations += 1
-        extra = samples[0].get("extra_samples", 0)
+        extra = samples.extra_samples
         self.split += int(len(samples) - extra > 1)
         self.user_turns_cut += samples[0].get("user_cut", 0)
         if samples[0].get("user_cut", 0) and len(self.cut_ids) < 10:
             self.cut_ids.append(sample_id)
         self.rewritten += int(extra > 0)
         self.extra_samples += extra
-        self.extra_tokens += samples[0].get("extra_tokens", 0)
-        self.dropped_chars += samples[0].get("dropped", 0)
-        self.dropped_conversations += int(samples[0].get("dropped", 0) > 0)
+        self.extra_tokens += samples.extra_tokens
+        self.dropped_chars += samples.dropped
+        self.dropped_conversations += int(samples.dropped > 0)
         for ex in samples:
             self.count(ex, sample_id, record)
 

@@ -1,14 +1,14 @@
 """Tokenized datasets (memory-mapped Arrow, prepared by every rank, cached) and the padding collator.
 
-Eager mode (default): the records of each source are streamed and validated (:mod:`sft.data.records`), encoded per
-conversation (:func:`encode_samples`: ids and labels built together; one longer than ``model_max_length`` is
-split at turn boundaries into several samples, ``--long_conversations split``, :mod:`sft.data.long_conversations`, or
+Eager mode (default): the records of each source are streamed and validated (:mod:`sft.data.records.records`), encoded
+per conversation (:func:`encode_samples`: ids and labels built together; one longer than ``model_max_length`` is split
+at turn boundaries into several samples, ``--long_conversations split``, :mod:`sft.data.encode.long_conversations`, or
 truncated, ``truncate``), samples left with no supervised token are dropped, and the samples are written as Arrow shards
 under ``<cache>/<key>`` where the key hashes the source's bytes, the tokenizer (vocabulary, special tokens, chat
-template), the settings, this package's version and its preparation code (:mod:`sft.data.cache_key`). Every
-global rank prepares its shard and then memory-maps all of them (:mod:`sft.data.shards`: completion markers,
-``--data_timeout``); no rank holds the records as Python objects. The rows come out in record order whatever the
-world size (:func:`in_record_order`), and a complete set of shards written at another world size is used as it is
+template), the settings, this package's version and its preparation code (:mod:`sft.data.store.cache_key`). Every global
+rank prepares its shard and then memory-maps all of them (:mod:`sft.data.store.shards`: completion markers,
+``--data_timeout``); no rank holds the records as Python objects. The rows come out in record order whatever the world
+size (:func:`in_record_order`), and a complete set of shards written at another world size is used as it is
 (:func:`shard_count`). Several sources are concatenated, or mixed by weight (:func:`mix`).
 
 Lazy mode (``--lazy_preprocess``, truncation only): the shards hold the validated records (``id``, ``messages``)
@@ -28,21 +28,21 @@ from typing import Optional, Sequence
 import torch
 from transformers import DataCollatorForSeq2Seq
 
-from sft.data.cache_key import cache_key
-from sft.data.chat import IGNORE_INDEX
-from sft.data.eval_split import empty_side_error, in_eval, record_key
-from sft.data.records import RecordCheck, iter_conversations, log_duplicate_ids, template_problem
-from sft.data.refusal import refusal_of
-from sft.data.report import TruncationReport
-from sft.data.samples import (  # noqa: F401
+from sft.data.encode.report import TruncationReport
+from sft.data.encode.samples import (  # noqa: F401
     encode_samples,
     encode_truncated,
     lazy_refusal,
     limit_tokenizer_threads,
     truncate,
 )
-from sft.data.shards import JobView, ShardPlan, agree, prepare_shard, read_marker, wait_for_shards
+from sft.data.records.eval_split import empty_side_error, in_eval, record_key
+from sft.data.records.records import RecordCheck, iter_conversations, log_duplicate_ids, template_problem
+from sft.data.refusal import refusal_of
 from sft.data.spec import PreparationSpec
+from sft.data.store.cache_key import cache_key
+from sft.data.store.shards import JobView, ShardPlan, agree, prepare_shard, read_marker, wait_for_shards
+from sft.data.template.chat import IGNORE_INDEX
 from sft.errors import DataError, TemplateError
 
 logger = logging.getLogger(__name__)
@@ -287,7 +287,8 @@ def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, spec: Preparatio
     eager, long conversations, cache folder, processes, mixing weights and seed, wait bound).
 
     ``control_tokens``: the chat template's control tokens, refused in every text of the records (a record problem).
-    ``held_out`` (with ``spec.eval_split_ratio``): keep only the records that :func:`sft.data.eval_split.in_eval`
+    ``held_out`` (with ``spec.eval_split_ratio``): keep only the records that
+    :func:`sft.data.records.eval_split.in_eval`
     holds out (True, the evaluation side) or only the others (False); None (default): every record.
 
     Eight parameters (the issue's limit is six): ``spec`` is the one value of the flags; the four keyword-only ones are
@@ -296,7 +297,8 @@ def build_dataset(paths: Sequence[str], tokenizer, eot_id: int, spec: Preparatio
 
     Every rank of the job (``view``, default: from the environment) calls this at the same point: each prepares
     its shards (``spec.num_proc`` processes each), then waits for the others' on the file system for up to
-    ``spec.data_timeout`` seconds (:mod:`sft.data.shards`); ``plan`` reuses an earlier :func:`sft.data.shards.agree`.
+    ``spec.data_timeout`` seconds (:mod:`sft.data.store.shards`); ``plan`` reuses an earlier
+    :func:`sft.data.store.shards.agree`.
 
     The rows are in record order (:func:`in_record_order`), the same for any world size, and several sources are
     concatenated or mixed by ``spec.weights`` (:func:`mix`). The dataset has columns
@@ -335,7 +337,7 @@ class LazySupervisedDataset(torch.utils.data.Dataset):
     ``records`` is a sequence of ``{"id": str, "messages": [{"role", "content"}, ...]}`` (the memory-mapped
     records dataset of :func:`build_dataset`, or validated conversations as dicts), encoded as ``spec`` says (its
     ``max_len``, ``system_message``, ``last_reply_only`` and ``allow_dropped_content``; always truncated:
-    :func:`sft.data.samples.encode_truncated`); ``data_path`` names the source in errors. ``__getitem__`` returns
+    :func:`sft.data.encode.samples.encode_truncated`); ``data_path`` names the source in errors. ``__getitem__`` returns
     ``{"input_ids", "labels"}`` (lists of int). A sample left with no supervised token after truncation is
     logged by id and replaced by the next index (mod len), so the loss of a batch never divides by zero.
     """

@@ -1,13 +1,13 @@
-"""The dropped-content check of :func:`sft.data.turns.plan`: what a chat template left out of a conversation's samples
-(a reply's content, reasoning or tool call missing from its trained text; a system, user or tool text missing from a
-sample; the record's tools missing from a sample), each text claiming its own occurrence."""
+"""The dropped-content check of :func:`sft.data.encode.turns.plan`: what a chat template left out of a conversation's
+samples (a reply's content, reasoning or tool call missing from its trained text; a system, user or tool text missing
+from a sample; the record's tools missing from a sample), each text claiming its own occurrence."""
 from __future__ import annotations
 
 import json
 from bisect import bisect_left, insort
 from functools import lru_cache
 
-from sft.data.messages import message_text
+from sft.data.records.messages import message_text
 
 
 def _found(text: str, part: str) -> bool:
@@ -60,7 +60,7 @@ def _argument_values(args: dict) -> list[str]:
 
 
 def dropped(messages, tools, info, samples) -> list:
-    """What the template left out (:mod:`sft.data.turns`' docstring): ``[(turn, what, characters), ...]``. A text
+    """What the template left out (:mod:`sft.data.encode.turns`' docstring): ``[(turn, what, characters), ...]``. A text
     counts as present only where no longer text of the same sample claimed it first (a system prompt "Hello" is not
     found inside a user's "Hello there")."""
     out = []

@@ -1,4 +1,4 @@
-"""``--long_conversations split`` for conversations planned reply by reply (:mod:`sft.data.turns`: tool calls and
+"""``--long_conversations split`` for conversations planned reply by reply (:mod:`sft.data.encode.turns`: tool calls and
 results, reasoning, per-reply flags, templates that rewrite history): a conversation whose samples are longer than
 ``--model_max_length`` is cut at turn boundaries into pieces that each fit, every trained reply trained in exactly one.
 
@@ -12,12 +12,12 @@ where the head is the system turn; when the piece's first unit starts with tool 
 (the last user turn before it) and the assistant turn whose calls they answer come first, as context: a reply is
 never trained without the query it works on, nor a tool result shown without its call (templates such as Qwen3's
 also need a user turn). Target units are taken greedily, context units added nearest first, with the cut rules of
-:mod:`sft.data.long_conversations` (``plan_pieces``: the first piece's targets may fill it, a later piece's targets
-take at most half of the room after the head). Each piece is then encoded by the definition with only its target units'
-replies trained (:func:`sft.data.turns.plan`; a piece may itself be several samples where the template rewrites
-history), so its labels are those of inference for that context. Unit lengths for the plan are read off the whole
-conversation's rendering; a piece encoded longer than planned is planned again with a smaller budget, and a piece of
-one target unit that does not fit even alone is returned whole for the caller to truncate and report.
+:mod:`sft.data.encode.long_conversations` (``plan_pieces``: the first piece's targets may fill it, a later piece's
+targets take at most half of the room after the head). Each piece is then encoded by the definition with only its target
+units' replies trained (:func:`sft.data.encode.turns.plan`; a piece may itself be several samples where the template
+rewrites history), so its labels are those of inference for that context. Unit lengths for the plan are read off the
+whole conversation's rendering; a piece encoded longer than planned is planned again with a smaller budget, and a piece
+of one target unit that does not fit even alone is returned whole for the caller to truncate and report.
 """
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from sft.data.messages import message_text
-from sft.data.profile import template_profile
-from sft.data.shared_prefix import tokenize_shared
-from sft.data.turns import TurnPlan, plan, render_with_tools
+from sft.data.encode.prompt_cut import samples_at_prompts
+from sft.data.encode.shared_prefix import tokenize_shared
+from sft.data.encode.turns import TurnPlan, plan, render_with_tools
+from sft.data.records.messages import message_text
+from sft.data.template.profile import template_profile
 
 
 def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
@@ -44,7 +45,7 @@ def units_of(messages: Sequence[dict]) -> tuple[int, list[tuple[int, int]]]:
 @dataclass(frozen=True)
 class SplitOptions:
     """How :func:`split_turns` cuts: ``max_len`` (tokens per piece) and the tokens that close a reply, as texts
-    (``stops``) and as ids (``closing``: an id or a frozenset of ids) (:func:`sft.data.turns.stop_tokens`)."""
+    (``stops``) and as ids (``closing``: an id or a frozenset of ids) (:func:`sft.data.encode.turns.stop_tokens`)."""
     max_len: int
     stops: Sequence[str]
     closing: object
@@ -53,7 +54,8 @@ class SplitOptions:
 @dataclass(frozen=True)
 class Known:
     """What the caller already made for the conversation, both optional: ``whole``, its plan
-    (:func:`sft.data.turns.plan` of the messages): a piece that starts with the conversation takes its replies from it
+    (:func:`sft.data.encode.turns.plan` of the messages): a piece that starts with the conversation takes its replies
+    from it
     instead of rendering them again (as a piece does from an earlier piece with the same first unit, after an
     overflow), and its rendering of the whole conversation serves the estimates; ``tokenized``, ``(text, offsets)`` of
     a text already tokenized (the caller's longest sample): where it is the whole conversation's rendering, the
@@ -65,19 +67,20 @@ class Known:
 def split_turns(tokenizer, messages: Sequence[dict], tools: Optional[list], trained: Sequence[int],
                 options: SplitOptions, known: Known = Known()) -> list[tuple[list[int], list[int]]]:
     """The pieces of one conversation as ``[(input_ids, labels), ...]`` (see the module docstring): the plan
-    (:func:`sft.data.long_conversations.plan_pieces`) made again with a smaller budget while a piece of several units
+    (:func:`sft.data.encode.long_conversations.plan_pieces`) made again with a smaller budget while a piece of several
+    units
     is encoded longer than ``max_len``; a unit longer than estimated even alone becomes a piece of its own.
 
     Args:
         messages: validated messages (the default system prompt applied); ``tools``: the record's tools or None.
-        trained: indices of the assistant turns to train (:func:`sft.data.turns.trained_turns`).
+        trained: indices of the assistant turns to train (:func:`sft.data.encode.turns.trained_turns`).
         options: ``max_len`` and the tokens that close a reply (:class:`SplitOptions`).
         known: what the caller already made (:class:`Known`).
 
     Raises:
-        TemplateError: as :func:`sft.data.turns.plan`, for a piece.
+        TemplateError: as :func:`sft.data.encode.turns.plan`, for a piece.
     """
-    from sft.data.long_conversations import plan_pieces
+    from sft.data.encode.long_conversations import plan_pieces
 
     conv = _Pieces(tokenizer, list(messages), tools, set(trained), options, known.whole)
     costs, head_len, user_len = conv.estimate(known.whole.rendering if known.whole is not None else None,
@@ -121,7 +124,7 @@ class _Pieces:
         # the piece has the message after it) -> plan's result. Pieces with the same first unit hold the same messages
         # up to each reply (the trained flags aside, which the template does not see), so a reply renders alike in
         # all of them; where its end is read off the next message (TemplateProfile.ends_at_next_role,
-        # sft.data.profile) only if that message is there too
+        # sft.data.template.profile) only if that message is there too
         self.next_role = template_profile(tokenizer).ends_at_next_role
         self.replies: dict = {}
         if whole is not None and messages[self.units[0][0]]["role"] != "tool":  # a piece from unit 0: the start
@@ -143,7 +146,8 @@ class _Pieces:
         return messages[:self.head] + lead + body
 
     def plan_piece(self, c: int, i: int, j: int) -> list:
-        """The samples of cut ``(c, i, j)`` (:func:`sft.data.turns.plan`), the replies known reused and recorded."""
+        """The samples of cut ``(c, i, j)`` (:func:`sft.data.encode.turns.plan`), the replies known reused and
+        recorded."""
         msgs = self.piece(c, i, j)
         key = [(c, k, self.next_role and k + 1 < len(msgs)) for k in range(len(msgs))]
         p = plan(self.tokenizer, msgs, self.tools, self.options.stops, known={
@@ -154,7 +158,7 @@ class _Pieces:
     def tokenize(self, planned) -> None:
         """Tokenize the texts of ``planned`` (``[(first context unit, samples), ...]``) not tokenized before, each
         after the text of the same first unit that ends one message earlier (the longest shared prefix), known or
-        new (:func:`sft.data.shared_prefix.tokenize_shared`: the same tokens as tokenizing each text whole)."""
+        new (:func:`sft.data.encode.shared_prefix.tokenize_shared`: the same tokens as tokenizing each text whole)."""
         tokens, texts_of = self.tokens, self.texts_of
         for c, samples in planned:
             texts_of.setdefault(c, {}).update((last, t) for t, _s, last in samples)
@@ -182,14 +186,16 @@ class _Pieces:
 
     def encode_all(self, cuts) -> list[list[tuple[list[int], list[int]]]]:
         """Per cut, its samples as ``[(input_ids, labels), ...]``; each cut planned and tokenized once."""
-        from sft.data.chat import labels_from_spans
+        from sft.data.template.chat import labels_from_spans
 
         todo = [cut for cut in dict.fromkeys(cuts) if cut not in self.memo]
         planned = [self.plan_piece(*cut) for cut in todo]
         self.tokenize([(c, samples) for (c, _i, _j), samples in zip(todo, planned)])
         for cut, samples in zip(todo, planned):
-            self.memo[cut] = [(self.tokens[t][0], labels_from_spans(*self.tokens[t], spans, self.options.closing))
-                              for t, spans, _l in samples]
+            parts = [p for t, spans, _l in samples for p in samples_at_prompts(self.tokenizer, t, *self.tokens[t],
+                                                                                 spans)]  # each prompt's own tokens
+            self.memo[cut] = [(ids, labels_from_spans(ids, offs, spans, self.options.closing))
+                              for _t, ids, offs, spans in parts]
         return [self.memo[cut] for cut in cuts]
 
     def estimate(self, rendering: Optional[str] = None,
@@ -199,7 +205,7 @@ class _Pieces:
         rendering, one tokenization; ``rendering``: that rendering, already made; ``tokenized``: ``(text, offsets)``
         of a text already tokenized, used where it is the rendering), a unit starting where the text of its first
         message is found, in order (only the plan uses them: :func:`split_turns` checks every piece it encodes)."""
-        from sft.data.turns import template_messages
+        from sft.data.encode.turns import template_messages
 
         tokenizer, messages, head, units = self.tokenizer, self.messages, self.head, self.units
         shown = template_messages(tokenizer, messages)

@@ -17,10 +17,10 @@ A pair whose reply cannot fit even alone (head + its user turn + reply + end-of-
 becomes a sample of its own with its user turn cut from the start (its last words kept, as many as fit):
 the reply is then trained whole. Only when the reply itself is too long (it does not fit even after a
 user turn of one character) the user turn keeps at most half of the sample, and the sample is returned
-longer than ``max_len`` for the caller to truncate and report (:func:`sft.data.dataset.truncate`): the reply's
+longer than ``max_len`` for the caller to truncate and report (:func:`sft.data.store.dataset.truncate`): the reply's
 first tokens are trained.
 
-Every sample is encoded by :func:`sft.data.chat.encode_conversations` (ids and labels built together, exactly
+Every sample is encoded by :func:`sft.data.template.chat.encode_conversations` (ids and labels built together, exactly
 ``apply_chat_template`` of the sample's messages); token counts read off the conversation's own encoding
 only plan the cuts, and a plan whose encoded sample is longer than planned (a template whose turns do not add
 up token for token) is planned again with a smaller budget, so no sample that holds more than one reply
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-from sft.data.chat import IGNORE_INDEX, PROBE, Encoded, Renderer, encode_conversations, labels_from_spans
-from sft.data.messages import message_text
+from sft.data.records.messages import message_text
+from sft.data.template.chat import IGNORE_INDEX, PROBE, Encoded, Renderer, encode_conversations, labels_from_spans
 from sft.errors import TemplateError
 
 Sample = tuple[list[int], list[int]]
@@ -51,8 +51,8 @@ def split_conversation(tokenizer, messages: Sequence[dict], eot_id: int, max_len
     Args:
         tokenizer: a fast tokenizer with a chat template.
         messages: ``[system,] user, assistant, ...`` dicts ``{"role", "content"}``, validated, the default
-            system prompt already applied (:func:`sft.data.chat.with_system`).
-        eot_id: the end-of-turn token id (:func:`sft.data.chat.end_of_turn_id`).
+            system prompt already applied (:func:`sft.data.template.chat.with_system`).
+        eot_id: the end-of-turn token id (:func:`sft.data.template.chat.end_of_turn_id`).
         max_len: ``--model_max_length`` in tokens.
         full: the conversation's own ``(input_ids, labels)`` if already encoded (saves one encoding).
 
@@ -64,7 +64,7 @@ def split_conversation(tokenizer, messages: Sequence[dict], eot_id: int, max_len
         ``user_turns_cut``: user turns shortened from the start to fit with their reply.
 
     Raises:
-        TemplateError: as :func:`sft.data.chat.encode_conversations`.
+        TemplateError: as :func:`sft.data.template.chat.encode_conversations`.
     """
     messages = list(messages)
     if full is None:
@@ -139,8 +139,8 @@ def _encode_pieces(tokenizer, head: list[dict], pairs: list[list[dict]], plan: l
     the conversation's text up to pair 0 followed by its text from pair ``c`` to pair ``j``, and every cut is at
     one special token (:func:`cut_tokens`), where the tokenizer splits the text before the rest of its work, so
     the tokens on both sides of a cut are those of the whole conversation. Labels are then built from the sample's
-    own reply spans (:func:`sft.data.chat.labels_from_spans`), or, when those spans are the conversation's own spans
-    moved with the text, taken from the conversation's labels (the same labels: each token is labelled by the
+    own reply spans (:func:`sft.data.template.chat.labels_from_spans`), or, when those spans are the conversation's own
+    spans moved with the text, taken from the conversation's labels (the same labels: each token is labelled by the
     reply its characters overlap). Any other sample is encoded. Seven parameters: each is a value
     :func:`split_conversation` (its one caller) already holds (the conversation's parts ``head`` and ``pairs``, its
     encoding, the planning estimate ``head_len``, the end-of-turn id); a value bundling them would serve one call."""

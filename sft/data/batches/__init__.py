@@ -1,0 +1,1 @@
+"""Samples -> batches: packing and its collator, the sequence-parallel split."""

@@ -1,0 +1,1 @@
+"""Records: a source file -> raw records -> validated conversations (records.Conversation); no tokenizer."""

@@ -1,0 +1,1 @@
+"""Prepared samples kept: Arrow shards over every rank, the cache key, the lazy dataset."""
