@@ -118,11 +118,11 @@ def encode_samples(tokenizer, conversations: Sequence[list[dict]], eot_id: int, 
     ``long_conversations``, ``last_reply_only`` (``--mask_history``) and ``allow_dropped_content``.
 
     Labels follow the definition of :mod:`sft.data.encode.turns` (what the model generates at inference after each
-    reply's generation prompt, up to its end-of-turn token). Plain conversations (``{"role", "content"}`` turns, no tools)
-    under a template whose replies' trained text is exactly their content (:func:`sft.data.encode.turns.
-    one_sample_of_contents`, e.g. ChatML, SmolLM2, Qwen2.5) take the fast path (:func:`sft.data.template.chat.
-    encode_conversations`); every other conversation is planned reply by reply (:func:`sft.data.encode.turns.plan`),
-    possibly into several samples.
+    reply's generation prompt, up to its end-of-turn token). Plain conversations (``{"role", "content"}`` turns, no
+    tools) under a template whose replies' trained text is exactly their content
+    (:func:`sft.data.encode.turns.one_sample_of_contents`, e.g. ChatML, SmolLM2, Qwen2.5) take the fast path
+    (:func:`sft.data.template.chat.encode_conversations`); every other conversation is planned reply by reply
+    (:func:`sft.data.encode.turns.plan`), possibly into several samples.
 
     Args:
         tokenizer: a fast tokenizer with its chat template.
