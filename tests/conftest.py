@@ -20,7 +20,7 @@ import transformers  # noqa: F401
 
 import sft.app.train  # noqa: F401,E402
 import sft.cli  # noqa: F401,E402
-from tests.helpers import assets, schedule
+from tests.helpers import assets
 from tests.helpers.data import TOY, write_jsonl
 from tests.helpers.paths import ROOT
 
@@ -56,12 +56,6 @@ def pytest_collection_modifyitems(config, items):
         if tier == "cluster":
             item.add_marker("multinode")
     items.sort(key=lambda item: rank[item.nodeid])
-
-
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without xdist (-p no:xdist)
-def pytest_xdist_make_scheduler(config, log):
-    """The cluster tier on a worker of its own beside the others (tests/helpers/schedule.py)."""
-    return schedule.make_scheduler(config, log)
 
 
 @pytest.fixture(autouse=True, scope="session")
