@@ -57,9 +57,13 @@ t0 = time.perf_counter()
 api = sys.argv[8]
 if api == "after":  # this layout: sft/ in folders by job, the preparation settings in one PreparationSpec
     from sft.model.loading import load_tokenizer
-    from sft.data.store.dataset import build_dataset
-    from sft.data.store.shards import JobView, ShardPlan
     from sft.data.spec import PreparationSpec
+    try:  # the data wing in folders by stage
+        from sft.data.store.dataset import build_dataset
+        from sft.data.store.shards import JobView, ShardPlan
+    except ImportError:  # before them: the wing's files side by side (sft/data/dataset.py, sft/data/shards.py)
+        from sft.data.dataset import build_dataset
+        from sft.data.shards import JobView, ShardPlan
     tok, eot, _ = load_tokenizer(model)
     view = JobView(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
     plan = ShardPlan(view, run, True, [0] * world)
