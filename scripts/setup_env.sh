@@ -36,8 +36,11 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 echo "setup: installing requirements into $VENV (first time: a few minutes)" >&2
 pip_install() {
-  # drop pip's warnings about extra index folders that this machine's global pip config names but lacks
-  "$VENV/bin/python" -m pip install --quiet "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  # drop pip's warnings about extra index folders that this machine's global pip config names but lacks;
+  # --no-compile: Python writes the bytecode of what is imported at its first import instead of pip compiling all
+  # ~17,700 modules up front (45 s of CPU, most of them never imported: docs/testing.md)
+  "$VENV/bin/python" -m pip install --quiet --no-compile "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 pip_install --upgrade pip
 pip_install -r "$ROOT/requirements.txt"

@@ -48,6 +48,25 @@ def _atomic_build(path: str, build) -> str:
     return path
 
 
+def save_tokenizer(tok, out: str) -> None:
+    """``tok.save_pretrained(out)``, then its added tokens written into ``tokenizer_config.json`` as
+    ``added_tokens_decoder``, as hub checkpoints carry them (Qwen2.5's, for one). transformers 5's ``save_pretrained``
+    leaves them out for a ``tokenizers``-backed tokenizer; ``from_pretrained`` then parses the whole tokenizer.json in
+    Python once more to find them (0.7 s of CPU for the 151,646-token vocabulary, in every process that loads a test
+    model). The loaded tokenizer is the same either way (same class, added tokens and ids)."""
+    import json
+
+    tok.save_pretrained(out)
+    with open(os.path.join(out, "tokenizer.json"), encoding="utf-8") as f:
+        added = json.load(f)["added_tokens"]
+    config_file = os.path.join(out, "tokenizer_config.json")
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    with open(config_file, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+
+
 def qwen_tokenizer_dir() -> str:
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
@@ -63,9 +82,9 @@ def qwen_tokenizer_dir() -> str:
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN_SPECIALS])
         tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", model_max_length=32768)
         assert tok.convert_tokens_to_ids(QWEN_SPECIALS) == [151643, 151644, 151645]
-        tok.save_pretrained(out)
+        save_tokenizer(tok, out)
 
-    return _atomic_build(os.path.join(CACHE, f"qwen-tokenizer-{key}"), build)
+    return _atomic_build(os.path.join(CACHE, f"qwen-tokenizer-{key}-hub"), build)
 
 
 def tiny_qwen2_dir(zero_chat_rows: bool = False, seed: int = 0) -> str:
@@ -91,7 +110,7 @@ def tiny_qwen2_dir(zero_chat_rows: bool = False, seed: int = 0) -> str:
             with torch.no_grad():
                 model.get_input_embeddings().weight[151644:151646] = 0
         model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
+        save_tokenizer(AutoTokenizer.from_pretrained(tok_dir), out)
 
     name = f"tiny-qwen2-h64-s{seed}{'-zero-chat' if zero_chat_rows else ''}-{os.path.basename(tok_dir)}"
     return _atomic_build(os.path.join(CACHE, name), build)
@@ -117,7 +136,7 @@ def tiny_gptq_dir() -> str:
                                                      dtype=torch.float32)
         model.config.quantization_config.dataset = None  # calibration text need not travel with the model
         model.save_pretrained(out)
-        tok.save_pretrained(out)
+        save_tokenizer(tok, out)
 
     return _atomic_build(os.path.join(CACHE, f"{os.path.basename(src)}-gptq4-g32"), build)
 
@@ -136,7 +155,7 @@ def tiny_bnb4_dir() -> str:
         model = AutoModelForCausalLM.from_pretrained(src, quantization_config=q, device_map={"": "cpu"},
                                                      dtype=torch.float32)
         model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(src).save_pretrained(out)
+        save_tokenizer(AutoTokenizer.from_pretrained(src), out)
 
     return _atomic_build(os.path.join(CACHE, f"{os.path.basename(src)}-bnb4"), build)
 
@@ -222,7 +241,7 @@ def tiny_qwen3_chat_dir() -> str:
                           max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None,
                           eos_token_id=151645, pad_token_id=None)
         Qwen2ForCausalLM(cfg).save_pretrained(out)
-        tok.save_pretrained(out)
+        save_tokenizer(tok, out)
 
     key = hashlib.sha256(template.encode()).hexdigest()[:8]
     return _atomic_build(os.path.join(CACHE, f"tiny-qwen3-chat-{key}-{os.path.basename(tok_dir)}"), build)

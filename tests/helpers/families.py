@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 
-from tests.helpers.assets import CACHE, _atomic_build, qwen_tokenizer_dir
+from tests.helpers.assets import CACHE, _atomic_build, qwen_tokenizer_dir, save_tokenizer
 
 QWEN_VOCAB = 151646
 
@@ -133,6 +133,6 @@ def tiny_family_dir(model_type: str, seed: int = 0, **overrides) -> str:
 
     def build(out):
         tiny_model(model_type, seed=seed, **overrides).save_pretrained(out)
-        AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
+        save_tokenizer(AutoTokenizer.from_pretrained(tok_dir), out)
 
     return _atomic_build(os.path.join(CACHE, f"tiny-{model_type}-s{seed}-{key}-{os.path.basename(tok_dir)}"), build)
