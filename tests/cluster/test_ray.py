@@ -116,7 +116,9 @@ def test_sigterm_under_strict_spread_then_resume_under_strict_pack(cluster, tmp_
     STRICT_PACK (both workers on one node) resumes from that checkpoint and finishes."""
     from sft.train.checkpoint import MARKER
 
-    out, steps = tmp_path / "out", 80  # 24 ended before the stop reached the workers on a fast CI machine
+    # the stop reaches the workers some steps after the SIGTERM (sent at step 2): at step 11 on a 2-core machine, after
+    # 24 steps on a fast CI machine; every step not trained before the stop is trained by the resumed run
+    out, steps = tmp_path / "out", 40
     flags = ["--ray_address", cluster.address, "--num_workers", "2", "--logging_steps", "1"]
     p, log = launch(cluster, tmp_path, tiny_model_dir, data, out, *flags, "--placement_strategy", "STRICT_SPREAD",
                     steps=steps, name="first")
