@@ -57,12 +57,11 @@ def save_tokenizer(tok, out: str) -> None:
     import json
 
     tok.save_pretrained(out)
-    with open(os.path.join(out, "tokenizer.json"), encoding="utf-8") as f:
-        added = json.load(f)["added_tokens"]
     config_file = os.path.join(out, "tokenizer_config.json")
     with open(config_file, encoding="utf-8") as f:
         config = json.load(f)
-    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    # what save_pretrained itself writes for other tokenizers (transformers 5.24 tokenization_utils_base.py)
+    config["added_tokens_decoder"] = {str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()}
     with open(config_file, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
 
