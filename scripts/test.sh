@@ -16,6 +16,9 @@ cd "$ROOT"
 if (( EUID == 0 )) && { (( $# == 0 )) || [[ "$*" == *cluster* ]]; }; then
   bash "$ROOT/scripts/install_cluster_tools.sh" || echo "test.sh: the cluster tier will be skipped (see above)" >&2
 fi
+# the bytecode of this checkout's own modules (the installed packages' is written by setup_env.sh): where
+# PYTHONDONTWRITEBYTECODE is set, each test's processes would otherwise compile them again (~0.1 s when up to date)
+"$ROOT/.venv/bin/python" -m compileall -q -j 0 sft tests scripts bench finetune.py >/dev/null || true
 WORKERS=(-n "${SFT_TEST_WORKERS:-2}" --dist loadfile)
 for arg in "$@"; do  # the caller chose: -n N, --numprocesses N, --dist ..., -p no:xdist
   case "$arg" in -n|-n[0-9]*|--numprocesses*|--dist*|no:xdist) WORKERS=() ;; esac
