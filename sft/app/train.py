@@ -4,8 +4,7 @@
 :func:`sft.distributed.process_group.start_runtime`); :func:`run` decides the resume (:func:`sft.train.resume.
 plan_resume`) and the run's settings (:func:`sft.app.settings.derive`), builds the Trainer in steps
 (:func:`build_trainer`: :func:`sft.app.data.prepare_data` -> :func:`prepare_model` -> :func:`plan_memory` ->
-:func:`make_trainer`),
-trains and saves. Tests and benchmarks build the same Trainer through :func:`trainer_for`.
+:func:`make_trainer`), trains and saves. Tests and benchmarks build the same Trainer through :func:`trainer_for`.
 """
 from __future__ import annotations
 
@@ -379,10 +378,10 @@ def background_saves(training_args):
 
 
 def save(trainer, tok, eot_id: int, output_dir: str) -> None:
-    """Rank 0 writes weights (adapter or full, safetensors), tokenizer with chat template, generation config. Under
-    FSDP2 with ``SHARDED_STATE_DICT`` (sharded checkpoints) the final weights are gathered once, here, as
-    ``FULL_STATE_DICT`` (accelerate's ``set_state_dict_type``; transformers 5.24's ``save_model`` writes no weights
-    for sharded state dicts)."""
+    """Rank 0 writes weights (adapter or full, safetensors), tokenizer with chat template, generation config, and after
+    the last collective ``loss_curve.png`` (no rank waits on matplotlib past ``--ddp_timeout``). Under FSDP2 with
+    ``SHARDED_STATE_DICT`` the final weights are gathered once, here, as ``FULL_STATE_DICT`` (accelerate's
+    ``set_state_dict_type``; transformers 5.24's ``save_model`` writes no weights for sharded state dicts)."""
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.generation_config = generation_config_for(base, tok, eot_id)
@@ -393,6 +392,8 @@ def save(trainer, tok, eot_id: int, output_dir: str) -> None:
         base.generation_config.save_pretrained(output_dir)
         trainer.save_state()
     trainer.accelerator.wait_for_everyone()
+    if trainer.is_world_process_zero() and (path := metrics.plot_loss_curve(trainer.state.log_history, output_dir)):
+        logger.info("loss curve: %s", path)
 
 
 def log_eval_change(log_history: list[dict], final: dict, step: int) -> Optional[str]:

@@ -311,10 +311,8 @@ class ThroughputCallback(TrainerCallback):
             kind, mem = peak_memory_bytes(self.device)
             logger.info("memory: %s %.2f GiB loading, %.2f GiB %s", kind, self.load_peak / GIB, mem / GIB,
                         "training" if self.step_peak_separate else "in all")
-        if state.is_world_process_zero:
-            path = plot_loss_curve(state.log_history, args.output_dir)
-            if path:
-                logger.info("loss curve: %s", path)
+        # the loss curve is drawn after the final save (sft.app.train.save): drawing it here, on rank 0 alone, would
+        # keep the other ranks waiting in the save's collectives for as long as matplotlib takes
 
 
 def plot_loss_curve(log_history: list[dict], output_dir: str, name: str = "loss_curve.png") -> Optional[str]:

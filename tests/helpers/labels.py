@@ -41,3 +41,16 @@ def split_reused_and_fresh(tok, eot, messages, tools, max_len: int, monkeypatch)
         tok_, m, tl, st))
     fresh = split_mod.split_turns(tok, messages, tools, trained_turns(messages), options, known)
     return reused, fresh, renders, count[0]
+
+
+def template_copy(tok, template: str):
+    """A copy of ``tok`` (a session fixture's tokenizer) with another chat template: the Rust vocabulary is shared,
+    the Python-side containers (special tokens, init kwargs, added tokens) are copied, so that setting a template or
+    a special token on the copy never reaches ``tok``. ~0.1 ms instead of ~1.4-2.7 s for ``copy.deepcopy`` of the
+    151,646-token Qwen vocabulary; adding tokens to the copy would reach the shared vocabulary (deepcopy for that)."""
+    import copy
+
+    out = copy.copy(tok)
+    out.__dict__.update({k: copy.copy(v) for k, v in tok.__dict__.items() if isinstance(v, (dict, list, set))})
+    out.chat_template = template
+    return out

@@ -61,3 +61,30 @@ def test_a_budget_mark_needs_seconds_a_reason_and_a_slower_tier(item, why):
     with pytest.raises(pytest.UsageError, match=why):
         budget.check_budget_marks([item])
     budget.check_budget_marks([Item(INTEGRATION, Mark(300, reason="three runs")), Item(UNIT)])
+
+
+def _report(nodeid, when, duration, props=()):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(nodeid=nodeid, when=when, duration=duration, start=1.0, stop=1.0 + duration,
+                           user_properties=list(props), outcome="passed", passed=True, skipped=False, failed=False)
+
+
+def test_the_unit_tier_budget_leaves_out_building_shared_fixtures(monkeypatch):
+    """A unit test whose setup built a session fixture (a test asset) pays that once for every tier: the tier line
+    names it, and the unit budget counts the tests' own time without it."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("SFT_UNIT_TIER_BUDGET_S", "100")
+    rep = budget.TierReport(config=None)
+    for r in (_report("tests/unit/a.py::t", "setup", 77.4, [("sft_shared_setup", 77.3)]),
+              _report("tests/unit/a.py::t", "call", 40.0), _report("tests/unit/b.py::u", "call", 50.0)):
+        rep.pytest_runtest_logreport(r)
+    session = SimpleNamespace(exitstatus=pytest.ExitCode.OK)
+    rep.pytest_sessionfinish(session, 0)
+    assert session.exitstatus == pytest.ExitCode.OK and not rep.over  # 167.4 - 77.3 = 90.1 s of its own
+    assert "167 s of test time, of which 77 s building session and module fixtures" in rep.clock.lines()[0]
+    rep.pytest_runtest_logreport(_report("tests/unit/c.py::v", "call", 10.0))
+    rep.pytest_sessionfinish(session, 0)
+    assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
+    assert "took 100 s together (besides building session and module fixtures), over 100 s" in rep.over

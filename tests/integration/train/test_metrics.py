@@ -5,7 +5,7 @@ import glob
 
 import pytest
 
-from sft.app.train import trainer_for
+from sft.app.train import save, trainer_for
 from sft.config.arguments import parse_args
 from sft.train.metrics import ThroughputCallback, head_flops_per_token, model_flops_per_token
 
@@ -19,7 +19,7 @@ def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data,
                        "--lora_r", "4", "--max_steps", "4", "--per_device_train_batch_size", "3",
                        "--peak_tflops", "0.002",
                        "--padding_free", "False"])  # padded batches: the padding count is checked against the mask
-    trainer, tok, _ = trainer_for(*args)
+    trainer, tok, eot = trainer_for(*args)
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))
     batches = []
     collate = trainer.data_collator
@@ -32,6 +32,7 @@ def test_callback_figures_agree_with_independent_count(tiny_model_dir, toy_data,
 
     trainer.data_collator = counting
     trainer.train()
+    save(trainer, tok, eot, str(out))  # writes the loss curve, after the last collective
     wins = cb.windows
     assert len(wins) == 2 and [w["steps"] for w in wins] == [2, 2]
     used = batches[:4]  # 4 steps of one micro batch; the data loader may have prefetched one more

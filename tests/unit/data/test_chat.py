@@ -6,7 +6,7 @@ from sft.data.records.records import normalize_record
 from sft.data.template.chat import IGNORE_INDEX, encode_conversation, visualize, with_system
 from sft.data.template.end_tokens import end_of_turn_id
 from sft.errors import TemplateError
-from tests.helpers.labels import supervised_spans
+from tests.helpers.labels import supervised_spans, template_copy
 
 CONVS = {
     "single": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 is 4."}],
@@ -89,11 +89,8 @@ def test_visualize_marks_supervised_spans(qwen_tok):
 
 
 def test_template_without_special_end_token_is_refused(qwen_tok):
-    import copy
-
-    tok = copy.deepcopy(qwen_tok[0])
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}" \
-                        "{% if add_generation_prompt %}assistant: {% endif %}"
+    tok = template_copy(qwen_tok[0], "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
     with pytest.raises(TemplateError, match="writes nothing after the last reply .* not a special end-of-turn token"):
         end_of_turn_id(tok)
     tok.chat_template = tok.chat_template.replace("{% endfor %}", "\n\n{% endfor %}")  # RWKV World's plain-text end
@@ -110,10 +107,7 @@ def test_template_without_special_end_token_is_refused(qwen_tok):
 
 
 def _with_template(qwen_tok, template):
-    import copy
-
-    tok = copy.deepcopy(qwen_tok[0])
-    tok.chat_template = template
+    tok = template_copy(qwen_tok[0], template)
     return tok
 
 

@@ -13,7 +13,7 @@ from sft.data.template.chat import IGNORE_INDEX
 from sft.errors import TemplateError
 from tests.helpers import assets
 from tests.helpers.data import AGENT
-from tests.helpers.labels import split_reused_and_fresh, supervised_spans
+from tests.helpers.labels import split_reused_and_fresh, supervised_spans, template_copy
 from tests.helpers.template_corpus import check_definition
 
 
@@ -82,11 +82,8 @@ STRIPS_REASONING = ("{% for m in messages %}{% set c = m.content.split('</think>
 
 
 def test_a_template_that_drops_reasoning_or_tools_refuses_by_name_or_trains_counting_it(qwen_tok):
-    import copy
-
     tok, eot = qwen_tok
-    tok = copy.deepcopy(tok)
-    tok.chat_template = STRIPS_REASONING
+    tok = template_copy(tok, STRIPS_REASONING)
     conv = normalize_record("agent.jsonl", 3, AGENT[1])
     out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [None])[0]
     assert isinstance(out, TemplateError)
@@ -125,13 +122,10 @@ def test_a_template_that_cannot_render_a_conversation_is_one_line_naming_the_tur
     tok, eot = qwen3
     conv = normalize_record("agent.jsonl", 0, {"messages": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
-    import copy
-
-    tok = copy.deepcopy(tok)
-    tok.chat_template = ("{% for m in messages %}{% if m.role == 'assistant' and loop.index0 > 0 %}"
+    tok = template_copy(tok, ("{% for m in messages %}{% if m.role == 'assistant' and loop.index0 > 0 %}"
                          "{{ raise_exception('Assistant turns are not supported by this model') }}{% endif %}"
                          "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
     out = encode_samples(tok, [conv.messages], eot, PreparationSpec(max_len=4096), [None])[0]
     assert isinstance(out, TemplateError) and out.turn == 1 and "\n" not in str(out)
     assert "the chat template cannot render this conversation: Assistant turns are not supported" in str(out)
@@ -221,10 +215,7 @@ NO_SYSTEM = ("{%- for message in messages %}{%- if message['role'] != 'system' %
 
 
 def with_template(qwen_tok, template):
-    import copy
-
-    tok = copy.deepcopy(qwen_tok[0])
-    tok.chat_template = template
+    tok = template_copy(qwen_tok[0], template)
     return tok, qwen_tok[1]
 
 
