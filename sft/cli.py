@@ -91,6 +91,9 @@ def merge_main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
 
     def body():
+        from sft.model.folders import check_merge_inputs
+
+        check_merge_inputs(a.adapter_dir, a.out_dir, a.base, a.overwrite)  # before torch, transformers and peft load
         from sft.model.export import merge_adapter
 
         print(f"merged model written to {merge_adapter(a.adapter_dir, a.out_dir, a.base, a.overwrite)}")

@@ -31,7 +31,8 @@ from typing import Optional
 from sft.compat.peft import without_gptqmodel, without_v4_moe_conversion
 from sft.errors import SFTError, explain_load_errors
 from sft.model.architecture import auto_class, auto_class_of
-from sft.model.export import MODEL_FILES, check_out_dir, merge_adapter, write_folder
+from sft.model.export import merge_adapter
+from sft.model.folders import MODEL_FILES, check_out_dir, write_folder
 from sft.model.vllm_adapter import SERVERS, write_vllm_adapter
 from sft.train.checkpoint import checkpoint_dirs, latest_complete, verify, zero_world_size
 from sft.train.integrity import HASH, MARKER, file_digest
@@ -137,7 +138,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, merge: bool = False, base: 
         merge: a LoRA checkpoint: merge the adapter into its base (``base``, default the one recorded in
             adapter_config.json); without it the adapter folder is copied.
         overwrite: allow a non-empty ``out_dir`` that holds only model-folder files
-            (:data:`sft.model.export.MODEL_FILES`).
+            (:data:`sft.model.folders.MODEL_FILES`).
         server: ``vllm``: a LoRA adapter is written with its routed experts in vLLM's 3-D expert layout
             (:mod:`sft.model.vllm_adapter`; ``base`` then names the base model whose config gives their shapes);
             None: copied as it is.
@@ -149,7 +150,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, merge: bool = False, base: 
             that holds no adapter, ``server`` given for anything but a LoRA adapter copied, a server other than
             those of :data:`sft.model.vllm_adapter.SERVERS` or an adapter that server would misread
             (:func:`sft.model.vllm_adapter.vllm_expert_keys`), ``out_dir`` refused
-            (:func:`sft.model.export.check_out_dir`), weights that do not fit the checkpoint's config;
+            (:func:`sft.model.folders.check_out_dir`), weights that do not fit the checkpoint's config;
             :class:`ExportMismatch` when the reloaded folder's logits differ.
     """
     if dtype not in DTYPES:

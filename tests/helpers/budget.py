@@ -253,7 +253,7 @@ class TierClock:
             summed = sum(self.test_s[tier].values())
             cpu = f" ({self.cpu_s[tier]:.0f} s of CPU in the tests' own time)" if tier in self.cpu_s else ""
             shared = (f", of which {self.shared_s[tier]:.0f} s building session and module fixtures"
-                      if self.shared_s.get(tier) else "")
+                      if self.shared_s.get(tier, 0.0) >= 0.5 else "")
             out.append(f"tier {tier}: {n} tests ({detail}) in {_fmt(wall)} of wall time; {summed:.0f} s of test "
                        f"time{shared}{cpu}")
         wall = time.time() - self.start
