@@ -26,8 +26,9 @@ if [[ "${SFT_ALLOCATOR:-auto}" != glibc ]] && ! have_tcmalloc; then
          "libtcmalloc-minimal4; RHEL: dnf install gperftools-libs); SFT_ALLOCATOR=glibc silences this" >&2
   fi
 fi
+# this script itself counts too: a .venv set up by an earlier version (e.g. without the bytecode step) is redone
 want="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-assets.txt" "$ROOT/requirements-gptq.txt" "$ROOT/pyproject.toml" \
-  | sha256sum | cut -d' ' -f1)"
+  "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
@@ -37,7 +38,7 @@ fi
 echo "setup: installing requirements into $VENV (first time: a few minutes)" >&2
 pip_install() {
   # drop pip's warnings about extra index folders that this machine's global pip config names but lacks;
-  # --no-compile: pip would compile each package as it installs it, on one core; the compileall step below does it on all cores
+  # --no-compile: pip would compile each package as it installs it, on one core; compileall below uses all cores
   "$VENV/bin/python" -m pip install --quiet --no-compile "$@" \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }

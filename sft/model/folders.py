@@ -1,7 +1,7 @@
 """The folders a model is written to and read from, checked before anything heavy is imported: the output folder
 that must not lose the user's files, its atomic replacement, and a merge's inputs. Standard library only, so that
-``sft-merge`` and ``sft-export`` refuse a bad folder in a fraction of a second instead of after importing torch,
-transformers and peft (~10 s of CPU in a process)."""
+``sft-merge`` refuses a bad folder in a fraction of a second instead of after importing torch, transformers and peft
+(~10 s of CPU in a process); ``sft-export`` still checks its folders after those imports."""
 from __future__ import annotations
 
 import json
