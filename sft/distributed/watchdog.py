@@ -21,7 +21,9 @@ Judgment (:func:`judge`), with ``T`` = ``--hang_timeout``:
   process or node, in any phase;
 * **stuck**: alive, progress still for ``T`` in a phase of the training step (:data:`STEP_PHASES`) and not
   waiting in a collective -- a data loader that never returns, a deadlock; of several such ranks the ones behind
-  (lowest step, then earliest phase) are named. Phases that may legitimately run long without a beat (loading,
+  (lowest step, then earliest phase) are named. Not while another rank's ticks have stopped: a rank waiting inside
+  DDP's backward for a frozen peer stalls a moment before that peer's last progress is ``T`` old, and the frozen
+  peer is named ("not responding") once it is. Phases that may legitimately run long without a beat (loading,
   data preparation, saving) are judged only by "not responding": a live rank there is bounded by
   ``--ddp_timeout`` / ``--data_timeout`` as before;
 * **store lost**: the store has not answered for ``T`` -- the host of ``MASTER_ADDR`` froze or lost its network.
@@ -160,19 +162,23 @@ def judge(seen: dict, now: float, timeout_s: float, store_ok_at: float) -> Optio
     ``store_ok_at``: when the store last answered."""
     if now - store_ok_at >= timeout_s:
         return Verdict("store lost", [], now - store_ok_at)
-    silent, stuck = [], []
+    silent, stuck, falling_silent = [], [], False
+    quiet_s = max(timeout_s / 2, 3 * interval_for(timeout_s), SILENT_MIN_S)
     for r, s in sorted(seen.items()):
         stalled = now - s.progress_at
-        if stalled < (timeout_s if s.beat is not None else max(timeout_s, NEVER_HEARD_S)) or (
-                s.beat is not None and s.beat["phase"] == FINISHED):
+        if s.beat is not None and s.beat["phase"] == FINISHED:
             continue
-        if now - s.tick_at >= max(timeout_s / 2, 3 * interval_for(timeout_s), SILENT_MIN_S):
+        if stalled < (timeout_s if s.beat is not None else max(timeout_s, NEVER_HEARD_S)):
+            # ticks stopped, progress not yet still for the timeout (its last step ended after the others' did)
+            falling_silent |= s.beat is not None and now - s.tick_at >= quiet_s
+            continue
+        if now - s.tick_at >= quiet_s:
             silent.append(r)
         elif s.beat is not None and s.beat["phase"] in STEP_PHASES and not s.beat.get("waiting"):
             stuck.append(r)
     if silent:
         return Verdict("not responding", silent, max(now - seen[r].progress_at for r in silent))
-    if stuck:
+    if stuck and not falling_silent:  # a rank that stopped answering is the likelier cause: wait for its verdict
         def position(r):
             b = seen[r].beat
             return (b["step"], _ORDER.get(b["phase"], len(_ORDER)))

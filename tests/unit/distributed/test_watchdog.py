@@ -79,6 +79,20 @@ def test_a_live_rank_stuck_behind_the_others_is_named_not_the_ones_waiting():
     assert "every rank made no progress for 20 s" in verdict_paragraph(v, s, T, "x")
 
 
+
+def test_a_rank_waiting_for_a_peer_that_just_froze_is_not_named_stuck():
+    # found on a slow machine (tests/cluster/test_hangs.py): rank 0 entered DDP's backward of step 40 at t=0 and
+    # waits there (alive); rank 1 was frozen a moment later, its last progress seen at t=2.0, its last tick at t=3.0;
+    # at t=10 rank 0 has stood still for the timeout, rank 1 not yet: no verdict until rank 1's is due
+    s = {0: seen(beat(0, 40, FORWARD_BACKWARD, 9, 30), 0.0, 10.0),
+         1: seen(beat(1, 40, FORWARD_BACKWARD, 9, 12, host="node1"), 2.0, 3.0)}
+    assert judge(s, now=10.0, timeout_s=T, store_ok_at=10.0) is None
+    v = judge(s, now=12.0, timeout_s=T, store_ok_at=12.0)
+    assert (v.kind, v.ranks) == ("not responding", [1])
+    # a peer that still ticks (alive, only slower) does not hold back the verdict on the stuck rank
+    s[1] = seen(beat(1, 40, FORWARD_BACKWARD, 9, 12, waiting="collective all_reduce (MAX)"), 2.0, 10.0)
+    assert judge(s, now=10.0, timeout_s=T, store_ok_at=10.0).ranks == [0]
+
 def test_a_silent_store_and_a_rank_never_heard_from():
     s = {0: seen(beat(0, 3, FORWARD_BACKWARD, 1, 1), 0.0, 0.0)}
     v = judge(s, now=12.0, timeout_s=T, store_ok_at=1.0)
