@@ -22,14 +22,20 @@ from sft.policy import debug_enabled, rank_prefix, report, run_cli  # noqa: F401
 
 def train(argv: Optional[Sequence[str]] = None, extra: tuple = (), step_checks: Sequence[Callable] = ()) -> str:
     """:func:`sft.app.train.train` (parse -> validate -> runtime setup -> run). Returns the output folder."""
-    from sft.app.train import train as run_training
+    from sft.compat.python import collector_paused
+
+    with collector_paused():  # torch, transformers, peft: ~4% less CPU for these imports
+        from sft.app.train import train as run_training
 
     return run_training(argv, extra, step_checks)
 
 
 def check(argv: Optional[Sequence[str]] = None, extra: tuple = ()) -> list[str]:
     """:func:`sft.app.check.check`. Returns the summary lines."""
-    from sft.app.check import check as check_argv
+    from sft.compat.python import collector_paused
+
+    with collector_paused():
+        from sft.app.check import check as check_argv
 
     return check_argv(argv, extra)
 

@@ -1,4 +1,5 @@
-"""The one place that uses the interpreter's private exit steps (checked against CPython 3.11.7).
+"""The interpreter's knobs a command's process uses: its private exit steps (checked against CPython 3.11.7) and
+the cyclic garbage collector paused while a command imports its libraries.
 
 :func:`exit_skipping_teardown` ends a process the way ``sys.exit`` does up to the interpreter's teardown, then leaves
 with ``os._exit``: ``threading._shutdown`` (the threading module's own exit callbacks, e.g. ``concurrent.futures``
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import sys
 import threading
@@ -32,3 +34,25 @@ def exit_skipping_teardown(code: int):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off for the block, on again after it (if it was on before).
+
+    For the block of a command that imports its libraries (torch, transformers, peft, DeepSpeed): those imports
+    allocate hundreds of thousands of objects that live as long as the process, and the collector, run every 700 net
+    allocations (CPython's default threshold, ``gc.get_threshold()``), scans them again and again while they are
+    being made; with it off, ``import sft.app.train`` took ~4% less CPU (9.07 s against 9.43 s, the means of six
+    alternated pairs on a 2-core AMD EPYC; docs/testing.md). Nothing is lost: reference counting frees what is not in a
+    cycle at once, and the first collection after the block finds the cycles made inside it. Raises nothing of its
+    own; an exception of the block passes through, with the collector on again.
+    """
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
