@@ -121,8 +121,9 @@ CALIBRATION = [f"Sample {i}: the user asks about the weather, the assistant answ
 
 def tiny_gptq_dir() -> str:
     """:func:`tiny_qwen2_dir` quantized with GPTQ (4-bit, group size 32, symmetric, no act-order) on CPU through
-    ``transformers.GPTQConfig`` (optimum + gptqmodel), saved with the tokenizer. The first build JIT-compiles
-    gptqmodel's CPU packing op (about 30 s, cached in ~/.cache/gptqmodel)."""
+    ``transformers.GPTQConfig`` (optimum + gptqmodel), saved with the tokenizer. The weights are packed by gptqmodel's
+    Python path (``GPTQMODEL_DISABLE_PACK_EXT=1``, its documented fallback, the same layout) instead of its C++
+    packing op, which it would JIT-compile first (30-60 s of CPU on a 2-core machine, for 64-wide layers)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPTQConfig
 
@@ -131,8 +132,16 @@ def tiny_gptq_dir() -> str:
     def build(out):
         tok = AutoTokenizer.from_pretrained(src)
         q = GPTQConfig(bits=4, group_size=32, sym=True, desc_act=False, dataset=CALIBRATION, tokenizer=tok)
-        model = AutoModelForCausalLM.from_pretrained(src, quantization_config=q, device_map={"": "cpu"},
-                                                     dtype=torch.float32)
+        before = os.environ.get("GPTQMODEL_DISABLE_PACK_EXT")
+        os.environ["GPTQMODEL_DISABLE_PACK_EXT"] = "1"
+        try:
+            model = AutoModelForCausalLM.from_pretrained(src, quantization_config=q, device_map={"": "cpu"},
+                                                         dtype=torch.float32)
+        finally:
+            if before is None:
+                os.environ.pop("GPTQMODEL_DISABLE_PACK_EXT")
+            else:
+                os.environ["GPTQMODEL_DISABLE_PACK_EXT"] = before
         model.config.quantization_config.dataset = None  # calibration text need not travel with the model
         model.save_pretrained(out)
         save_tokenizer(tok, out)
